@@ -1,0 +1,72 @@
+// Typed launchers: grid shapes, the G dispatch and the dynamic shared-memory opt-in.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "merge_states.cuh"
+#include "pkv_launch.h"
+#include "split_decode.cuh"
+
+namespace pkv {
+
+// Raises the kernel's dynamic shared-memory limit once (48 KB is the default cap).
+template <typename Kernel>
+cudaError_t allow_decode_smem(Kernel kernel) {
+  static cudaError_t status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeSmemBytes);
+  return status;
+}
+
+template <typename F>
+cudaError_t dispatch_group_size(int group_size, F&& launch) {
+  switch (group_size) {
+    case 1: return launch(std::integral_constant<int, 1>{});
+    case 2: return launch(std::integral_constant<int, 2>{});
+    case 4: return launch(std::integral_constant<int, 4>{});
+    case 8: return launch(std::integral_constant<int, 8>{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t bucket_decode_typed(const DecodeArgs& args, const int32_t* row_indices, int num_rows,
+                                int num_splits, cudaStream_t stream) {
+  return dispatch_group_size(args.group_size, [&](auto g) {
+    constexpr int G = decltype(g)::value;
+    auto kernel = bucket_decode_kernel<T, G>;
+    if (cudaError_t e = allow_decode_smem(kernel); e != cudaSuccess) return e;
+    const dim3 grid(num_rows, args.num_kv_heads, num_splits);
+    kernel<<<grid, kThreads, kDecodeSmemBytes, stream>>>(args, row_indices, num_splits);
+    return cudaGetLastError();
+  });
+}
+
+template <typename T>
+cudaError_t workqueue_decode_typed(const DecodeArgs& args, const int32_t* tasks, int num_tasks,
+                                   const int32_t* split_offsets, int32_t* pair_counters, cudaStream_t stream) {
+  return dispatch_group_size(args.group_size, [&](auto g) {
+    constexpr int G = decltype(g)::value;
+    auto kernel = workqueue_decode_kernel<T, G>;
+    if (cudaError_t e = allow_decode_smem(kernel); e != cudaSuccess) return e;
+    kernel<<<num_tasks, kThreads, kDecodeSmemBytes, stream>>>(args, tasks, split_offsets, pair_counters);
+    return cudaGetLastError();
+  });
+}
+
+template <typename T>
+cudaError_t merge_states_typed(const DecodeArgs& args, const int32_t* row_indices, const int32_t* split_offsets,
+                               int num_pairs, int num_splits, cudaStream_t stream) {
+  return dispatch_group_size(args.group_size, [&](auto g) {
+    constexpr int G = decltype(g)::value;
+    merge_states_kernel<T, G><<<num_pairs, kHeadDim, 0, stream>>>(args, row_indices, split_offsets, num_splits);
+    return cudaGetLastError();
+  });
+}
+
+#define PKV_INSTANTIATE_LAUNCHERS(T)                                                                  \
+  template cudaError_t bucket_decode_typed<T>(const DecodeArgs&, const int32_t*, int, int, cudaStream_t); \
+  template cudaError_t workqueue_decode_typed<T>(const DecodeArgs&, const int32_t*, int, const int32_t*,  \
+                                                 int32_t*, cudaStream_t);                              \
+  template cudaError_t merge_states_typed<T>(const DecodeArgs&, const int32_t*, const int32_t*, int, int, \
+                                             cudaStream_t);
+
+}  // namespace pkv

@@ -1,0 +1,25 @@
+// The merge launch that follows a multi-split decode launch: one CTA per (row, KV head) pair.
+#pragma once
+#include <cstdint>
+
+#include "pkv_launch.h"
+#include "softmax_state.cuh"
+
+namespace pkv {
+
+template <typename T, int G>
+__global__ void __launch_bounds__(kHeadDim) merge_states_kernel(DecodeArgs a, const int32_t* row_indices,
+                                                                const int32_t* split_offsets, int num_splits) {
+  const int pair = blockIdx.x;
+  const int kvh = pair % a.num_kv_heads;
+  if (split_offsets == nullptr) {  // uniform bucket layout
+    merge_pair<T, G>(a, pair * num_splits, num_splits, row_indices[pair / a.num_kv_heads], kvh);
+    return;
+  }
+  const int slot_begin = split_offsets[pair];
+  const int num_slots = split_offsets[pair + 1] - slot_begin;
+  if (num_slots <= 1) return;  // the decode kernel already wrote this pair's output
+  merge_pair<T, G>(a, slot_begin, num_slots, pair / a.num_kv_heads, kvh);
+}
+
+}  // namespace pkv

@@ -1,0 +1,58 @@
+// Host entry points of the PersistentKV kernels. Framework-free: plain pointers, strides in
+// elements and a CUDA stream, so the torch binding stays a thin layer over these calls.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace pkv {
+
+enum class KvDtype : int { kFloat16 = 0, kBFloat16 = 1 };
+
+constexpr int kHeadDim = 128;
+constexpr int kTileTokens = 32;
+
+// What every decode launch reads and writes. Layouts follow docs/architecture.md.
+struct DecodeArgs {
+  const void* q;            // [B, Hq, d]
+  const void* k_pages;      // [num_pages, Hkv, P, d]
+  const void* v_pages;      // [num_pages, Hkv, P, d]
+  const int32_t* block_table;  // [B, block_table_stride]
+  const int32_t* seq_lens;     // [B]
+  void* out;                // [B, Hq, d]
+  float* part_m;            // [num_slots, G]
+  float* part_l;            // [num_slots, G]
+  float* part_acc;          // [num_slots, G, d]
+  int num_kv_heads;
+  int group_size;
+  int page_shift;  // page size is 1 << page_shift tokens
+  int block_table_stride;
+  int64_t q_stride_row, q_stride_head;
+  int64_t out_stride_row, out_stride_head;
+  int64_t kv_stride_page, kv_stride_head;  // token stride is d (pages are contiguous per head)
+  float sm_scale;
+  KvDtype dtype;
+};
+
+// Length-bucket route: grid (num_rows, Hkv, num_splits) over batch rows row_indices[0..num_rows).
+// Split bounds are row-local (seq_lens); splits with no tiles write the neutral state and return.
+// With num_splits == 1 the kernel writes `out` directly.
+cudaError_t launch_bucket_decode(const DecodeArgs& args, const int32_t* row_indices, int num_rows,
+                                 int num_splits, cudaStream_t stream);
+
+// Compact workqueue route: one CTA per task (row, kvh, split, tile_begin, tile_end).
+// split_offsets has B * Hkv + 1 entries. A pair with one split is written to `out` directly.
+// When `pair_counters` is non-null the last task of each pair merges it (fused variant); the
+// counters must be zero on entry and are zero again on exit.
+cudaError_t launch_workqueue_decode(const DecodeArgs& args, const int32_t* tasks, int num_tasks,
+                                    const int32_t* split_offsets, int32_t* pair_counters,
+                                    cudaStream_t stream);
+
+// Exact merge of split states into `out`, one CTA per (row, kvh) pair.
+// Uniform mode (split_offsets == nullptr): pair p owns slots [p * num_splits, (p + 1) * num_splits)
+// and its batch row is row_indices[p / Hkv]. Segmented mode: pair p = row * Hkv + kvh owns
+// slots [split_offsets[p], split_offsets[p + 1]); pairs with one slot are skipped.
+cudaError_t launch_merge_states(const DecodeArgs& args, const int32_t* row_indices,
+                                const int32_t* split_offsets, int num_pairs, int num_splits,
+                                cudaStream_t stream);
+
+}  // namespace pkv

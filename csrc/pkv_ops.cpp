@@ -1,0 +1,206 @@
+// Thin torch binding over pkv_launch.h: validates tensors, then launches on the current stream.
+// Registered as TORCH_LIBRARY(pkv) ops with mutation annotations; fake kernels live in pkv/ops.py.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+
+#include "pkv_launch.h"
+
+namespace {
+
+using at::Tensor;
+
+void check_cuda_tensor(const Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda(), "pkv: ", name, " must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "pkv: ", name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+void check_aligned(const Tensor& t, const char* name) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "pkv: ", name,
+              " must be 16-byte aligned for vector loads");
+}
+
+pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
+                          const Tensor& seq_lens, double sm_scale, const Tensor& out, const Tensor& part_m,
+                          const Tensor& part_l, const Tensor& part_acc) {
+  TORCH_CHECK(q.dim() == 3, "pkv: q must be [B, Hq, d], got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "pkv: q must be float16 or bfloat16, got ", q.scalar_type());
+  const auto dtype = q.scalar_type();
+  check_cuda_tensor(q, "q", dtype);
+  TORCH_CHECK(q.size(2) == pkv::kHeadDim, "pkv: head_dim must be ", pkv::kHeadDim, ", got ", q.size(2));
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) % 8 == 0 && q.stride(0) % 8 == 0,
+              "pkv: q rows must be contiguous with strides divisible by 8, got strides ", q.strides());
+  check_aligned(q, "q");
+  TORCH_CHECK(k_pages.dim() == 4, "pkv: k_pages must be [num_pages, Hkv, P, d], got ", k_pages.sizes());
+  check_cuda_tensor(k_pages, "k_pages", dtype);
+  check_cuda_tensor(v_pages, "v_pages", dtype);
+  TORCH_CHECK(v_pages.sizes() == k_pages.sizes() && v_pages.strides() == k_pages.strides(),
+              "pkv: v_pages must match k_pages in shape and strides, got ", v_pages.sizes(), " vs ", k_pages.sizes());
+  TORCH_CHECK(k_pages.size(3) == pkv::kHeadDim && k_pages.stride(3) == 1 && k_pages.stride(2) == pkv::kHeadDim,
+              "pkv: each page must hold contiguous [P, d] rows per head (HND layout), got strides ",
+              k_pages.strides());
+  check_aligned(k_pages, "k_pages");
+  check_aligned(v_pages, "v_pages");
+  const int64_t num_kv_heads = k_pages.size(1);
+  const int64_t page_size = k_pages.size(2);
+  TORCH_CHECK(page_size > 0 && (page_size & (page_size - 1)) == 0, "pkv: page_size must be a power of two, got ",
+              page_size);
+  TORCH_CHECK(q.size(1) % num_kv_heads == 0, "pkv: Hq=", q.size(1), " is not a multiple of Hkv=", num_kv_heads);
+  const int64_t group_size = q.size(1) / num_kv_heads;
+  TORCH_CHECK(group_size == 1 || group_size == 2 || group_size == 4 || group_size == 8,
+              "pkv: group size G = Hq / Hkv must be 1, 2, 4 or 8, got ", group_size);
+  check_cuda_tensor(block_table, "block_table", at::kInt);
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && block_table.stride(1) == 1,
+              "pkv: block_table must be [B, max_pages] with contiguous rows, got ", block_table.sizes());
+  check_cuda_tensor(seq_lens, "seq_lens", at::kInt);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous(),
+              "pkv: seq_lens must be contiguous [B], got ", seq_lens.sizes());
+  check_cuda_tensor(out, "out", dtype);
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1, "pkv: out must be [B, Hq, d] like q, got ",
+              out.sizes());
+  for (const auto* t : {&part_m, &part_l, &part_acc}) {
+    check_cuda_tensor(*t, "partial state", at::kFloat);
+    TORCH_CHECK(t->is_contiguous(), "pkv: partial-state tensors must be contiguous");
+  }
+  TORCH_CHECK(part_m.dim() == 2 && part_m.size(1) == group_size && part_l.sizes() == part_m.sizes(),
+              "pkv: part_m and part_l must be [num_slots, G], got ", part_m.sizes(), " and ", part_l.sizes());
+  TORCH_CHECK(part_acc.dim() == 3 && part_acc.size(0) == part_m.size(0) && part_acc.size(1) == group_size &&
+                  part_acc.size(2) == pkv::kHeadDim,
+              "pkv: part_acc must be [num_slots, G, d], got ", part_acc.sizes());
+
+  pkv::DecodeArgs a{};
+  a.q = q.data_ptr();
+  a.k_pages = k_pages.data_ptr();
+  a.v_pages = v_pages.data_ptr();
+  a.block_table = block_table.data_ptr<int32_t>();
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.out = out.data_ptr();
+  a.part_m = part_m.data_ptr<float>();
+  a.part_l = part_l.data_ptr<float>();
+  a.part_acc = part_acc.data_ptr<float>();
+  a.num_kv_heads = static_cast<int>(num_kv_heads);
+  a.group_size = static_cast<int>(group_size);
+  a.page_shift = __builtin_ctzll(static_cast<unsigned long long>(page_size));
+  a.block_table_stride = static_cast<int>(block_table.stride(0));
+  a.q_stride_row = q.stride(0);
+  a.q_stride_head = q.stride(1);
+  a.out_stride_row = out.stride(0);
+  a.out_stride_head = out.stride(1);
+  a.kv_stride_page = k_pages.stride(0);
+  a.kv_stride_head = k_pages.stride(1);
+  a.sm_scale = static_cast<float>(sm_scale);
+  a.dtype = dtype == at::kHalf ? pkv::KvDtype::kFloat16 : pkv::KvDtype::kBFloat16;
+  return a;
+}
+
+void check_launch(cudaError_t status, const char* what) {
+  TORCH_CHECK(status == cudaSuccess, "pkv: ", what, " launch failed: ", cudaGetErrorString(status));
+}
+
+void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
+                   const Tensor& seq_lens, const Tensor& row_indices, int64_t num_splits, double sm_scale,
+                   const Tensor& out, const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc);
+  check_cuda_tensor(row_indices, "row_indices", at::kInt);
+  TORCH_CHECK(row_indices.dim() == 1 && row_indices.is_contiguous(), "pkv: row_indices must be contiguous [R]");
+  TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "pkv: num_splits must be in 1..65535, got ", num_splits);
+  const int64_t num_rows = row_indices.size(0);
+  TORCH_CHECK(num_splits == 1 || part_m.size(0) >= num_rows * args.num_kv_heads * num_splits,
+              "pkv: partial-state buffers hold ", part_m.size(0), " slots, the launch needs ",
+              num_rows * args.num_kv_heads * num_splits);
+  check_launch(pkv::launch_bucket_decode(args, row_indices.data_ptr<int32_t>(), static_cast<int>(num_rows),
+                                         static_cast<int>(num_splits), c10::cuda::getCurrentCUDAStream().stream()),
+               "bucket_decode");
+}
+
+void workqueue_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
+                      const Tensor& seq_lens, const Tensor& tasks, const Tensor& split_offsets, double sm_scale,
+                      const Tensor& out, const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc,
+                      const std::optional<Tensor>& pair_counters) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc);
+  check_cuda_tensor(tasks, "tasks", at::kInt);
+  TORCH_CHECK(tasks.dim() == 2 && tasks.size(1) == 5 && tasks.is_contiguous(),
+              "pkv: tasks must be contiguous [T, 5] (row, kvh, split, tile_begin, tile_end), got ", tasks.sizes());
+  check_cuda_tensor(split_offsets, "split_offsets", at::kInt);
+  TORCH_CHECK(split_offsets.dim() == 1 && split_offsets.size(0) == q.size(0) * args.num_kv_heads + 1 &&
+                  split_offsets.is_contiguous(),
+              "pkv: split_offsets must be [B * Hkv + 1] = [", q.size(0) * args.num_kv_heads + 1, "], got ",
+              split_offsets.sizes());
+  int32_t* counters = nullptr;
+  if (pair_counters.has_value()) {
+    check_cuda_tensor(*pair_counters, "pair_counters", at::kInt);
+    TORCH_CHECK(pair_counters->numel() >= q.size(0) * args.num_kv_heads && pair_counters->is_contiguous(),
+                "pkv: pair_counters must hold B * Hkv counters");
+    counters = pair_counters->data_ptr<int32_t>();
+  }
+  check_launch(pkv::launch_workqueue_decode(args, tasks.data_ptr<int32_t>(), static_cast<int>(tasks.size(0)),
+                                            split_offsets.data_ptr<int32_t>(), counters,
+                                            c10::cuda::getCurrentCUDAStream().stream()),
+               "workqueue_decode");
+}
+
+void merge_states(const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc,
+                  const std::optional<Tensor>& row_indices, const std::optional<Tensor>& split_offsets,
+                  int64_t num_kv_heads, int64_t num_splits, const Tensor& out) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  TORCH_CHECK(out.dim() == 3 && out.size(2) == pkv::kHeadDim && out.stride(2) == 1,
+              "pkv: out must be [B, Hq, d], got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16,
+              "pkv: out must be float16 or bfloat16, got ", out.scalar_type());
+  TORCH_CHECK(num_kv_heads >= 1 && out.size(1) % num_kv_heads == 0, "pkv: Hq=", out.size(1),
+              " is not a multiple of num_kv_heads=", num_kv_heads);
+  TORCH_CHECK(row_indices.has_value() != split_offsets.has_value(),
+              "pkv: merge_states takes row_indices (uniform buckets) or split_offsets (workqueue), not both");
+  pkv::DecodeArgs a{};
+  a.out = out.data_ptr();
+  a.part_m = part_m.data_ptr<float>();
+  a.part_l = part_l.data_ptr<float>();
+  a.part_acc = part_acc.data_ptr<float>();
+  a.num_kv_heads = static_cast<int>(num_kv_heads);
+  a.group_size = static_cast<int>(out.size(1) / num_kv_heads);
+  a.out_stride_row = out.stride(0);
+  a.out_stride_head = out.stride(1);
+  a.dtype = out.scalar_type() == at::kHalf ? pkv::KvDtype::kFloat16 : pkv::KvDtype::kBFloat16;
+  int num_pairs;
+  const int32_t* rows = nullptr;
+  const int32_t* offsets = nullptr;
+  if (row_indices.has_value()) {
+    check_cuda_tensor(*row_indices, "row_indices", at::kInt);
+    rows = row_indices->data_ptr<int32_t>();
+    num_pairs = static_cast<int>(row_indices->size(0) * num_kv_heads);
+  } else {
+    check_cuda_tensor(*split_offsets, "split_offsets", at::kInt);
+    offsets = split_offsets->data_ptr<int32_t>();
+    num_pairs = static_cast<int>(split_offsets->size(0) - 1);
+  }
+  check_launch(pkv::launch_merge_states(a, rows, offsets, num_pairs, static_cast<int>(num_splits),
+                                        c10::cuda::getCurrentCUDAStream().stream()),
+               "merge_states");
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pkv, m) {
+  m.def(
+      "bucket_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
+      "Tensor row_indices, int num_splits, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
+      "Tensor(c!) part_l, Tensor(d!) part_acc) -> ()");
+  m.def(
+      "workqueue_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
+      "Tensor tasks, Tensor split_offsets, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
+      "Tensor(c!) part_l, Tensor(d!) part_acc, Tensor(e!)? pair_counters) -> ()");
+  m.def(
+      "merge_states(Tensor part_m, Tensor part_l, Tensor part_acc, Tensor? row_indices, "
+      "Tensor? split_offsets, int num_kv_heads, int num_splits, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pkv, CUDA, m) {
+  m.impl("bucket_decode", &bucket_decode);
+  m.impl("workqueue_decode", &workqueue_decode);
+  m.impl("merge_states", &merge_states);
+}

@@ -1,0 +1,171 @@
+"""Build the CUDA extension for the detected GPU, cached by source hash.
+
+The cache key covers every file in csrc/, the target arch, and the torch and CUDA versions, so a
+changed kernel or a new GPU never loads a stale library. A file lock keeps two processes from
+building the same key at once (FlashInfer's JIT cache works the same way).
+
+    python -m pkv.build --record artifacts/h200/build/extension.json   # build (or skip: no GPU)
+    python -m pkv.build --check-compile                                # nvcc every .cu, no GPU needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CSRC = REPO_ROOT / "csrc"
+KERNEL_SOURCES = ("launch.cu", "launch_fp16.cu", "launch_bf16.cu")
+BINDING_SOURCE = "pkv_ops.cpp"
+LIBRARY_NAME = "pkv_ext"
+
+
+def csrc_files() -> list[Path]:
+    return sorted(p for p in CSRC.iterdir() if p.suffix in {".cu", ".cuh", ".h", ".cpp"})
+
+
+def source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in csrc_files():
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def gencode_for(capability: tuple[int, int]) -> str:
+    """nvcc target for a compute capability; Hopper gets the arch-specific sm_90a."""
+    major, minor = capability
+    suffix = "a" if (major, minor) == (9, 0) else ""
+    return f"-gencode=arch=compute_{major}{minor}{suffix},code=sm_{major}{minor}{suffix}"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PKV_CACHE_DIR", Path.home() / ".cache" / "persistentkv"))
+
+
+def build_key(capability: tuple[int, int]) -> str:
+    import torch
+
+    parts = [source_hash(), f"sm{capability[0]}{capability[1]}", torch.__version__, str(torch.version.cuda)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _nvcc() -> str:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found is None:
+        raise RuntimeError("nvcc not found: set CUDA_HOME or put nvcc on PATH")
+    return found
+
+
+NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr")
+
+
+def ensure_built(verbose: bool = False) -> Path:
+    """Load the extension into torch.ops.pkv, building it first if this key is not cached."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the PersistentKV CUDA extension needs a CUDA GPU; none is visible to torch")
+    capability = torch.cuda.get_device_capability()
+    key = build_key(capability)
+    target = cache_root() / key
+    library = target / f"{LIBRARY_NAME}.so"
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not library.exists():
+            _compile(target, capability, verbose)
+    torch.ops.load_library(str(library))
+    return library
+
+
+def _compile(target: Path, capability: tuple[int, int], verbose: bool) -> None:
+    from torch.utils.cpp_extension import load
+
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=target))
+    load(
+        name=LIBRARY_NAME,
+        sources=[str(CSRC / BINDING_SOURCE)] + [str(CSRC / s) for s in KERNEL_SOURCES],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=[*NVCC_FLAGS, gencode_for(capability)],
+        build_directory=str(work),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    built = work / f"{LIBRARY_NAME}.so"
+    os.replace(built, target / f"{LIBRARY_NAME}.so")  # atomic: a crash leaves no half library
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def check_compile(arches: tuple[str, ...] = ("90a", "80")) -> list[str]:
+    """Compile every kernel source with nvcc (no GPU, no torch) so a broken kernel fails CI."""
+    nvcc = _nvcc()
+    done = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for source in sorted(CSRC.glob("*.cu")):
+            for arch in arches:
+                cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-c", str(source),
+                       "-o", str(Path(tmp) / f"{source.stem}.{arch}.o")]
+                result = subprocess.run(cmd, capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise RuntimeError(f"nvcc failed on {source.name} for sm_{arch}:\n{result.stderr}")
+                done.append(f"{source.name}:sm_{arch}")
+    return done
+
+
+def write_record(path: Path) -> dict:
+    from pkv.provenance import collect_provenance
+    from pkv.results import write_json_atomic
+
+    import torch
+
+    record: dict = {"schema": "pkv.build/1", "source_hash": source_hash()}
+    if not torch.cuda.is_available():
+        record["skipped"] = "no GPU: the CUDA extension is built only where torch sees a CUDA device"
+    else:
+        start = time.perf_counter()
+        library = ensure_built()
+        capability = torch.cuda.get_device_capability()
+        record.update(
+            library=str(library),
+            key=build_key(capability),
+            gencode=gencode_for(capability),
+            seconds=round(time.perf_counter() - start, 2),
+        )
+    record["provenance"] = collect_provenance()
+    write_json_atomic(path, record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--record", type=Path, help="build (or record why not) and write this JSON")
+    parser.add_argument("--check-compile", action="store_true", help="compile every csrc/*.cu with nvcc")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    if args.check_compile:
+        for item in check_compile():
+            print(f"compiled {item}")
+    if args.record:
+        record = write_record(args.record)
+        print(json.dumps({k: v for k, v in record.items() if k != "provenance"}, indent=1))
+    if not (args.check_compile or args.record):
+        ensure_built(verbose=args.verbose)
+        print("extension loaded")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
