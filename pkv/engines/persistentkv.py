@@ -6,35 +6,43 @@ plans in torch; the GPU tests compare the two on every route.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
 
 import numpy as np
 import torch
 
-from pkv.schedule import BucketPlan, SplitPolicy, WorkqueuePlan, plan_buckets, plan_workqueue
+from pkv.engines.base import Engine, EnginePlan
+from pkv.schedule import SplitPolicy, WorkqueuePlan, plan_buckets, plan_workqueue
 
 ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
-_DECISION_ROUTES = {"persistentkv_workqueue": "workqueue", "persistentkv_bucket": "bucket_exact"}
 
 
-@dataclass
+@dataclasses.dataclass
 class DevicePlan:
-    """A host plan plus its metadata uploaded in one copy. `route` is what the harness counts."""
+    """A step's plan with its int32 metadata on the device (uploaded in one copy).
+
+    Bucket slots follow pkv.engines.reference: launch j owns R_j * Hkv * S_j slots after launch
+    j-1's, so partial states compare slot by slot (single-split launches write `out` instead).
+    """
 
     route: str
-    host_plan: BucketPlan | WorkqueuePlan
-    batch_size: int
+    step: object
+    schedule: object
+    num_splits: int
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     tasks: torch.Tensor | None = None
     split_offsets: torch.Tensor | None = None
+    bucket_rows: list = dataclasses.field(default_factory=list)
     num_slots: int = 0
-    bucket_rows: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
 
 
-class PersistentKVEngine:
+class PersistentKVEngine(Engine):
     name = "persistentkv"
-    implementation = "cuda"
 
     def __init__(self, shape, *, route: str = "workqueue", split_policy: SplitPolicy | None = None,
                  bucket_num_splits: int = 32, fused_merge: bool = False, device: str = "cuda",
@@ -51,6 +59,8 @@ class PersistentKVEngine:
         self.fused_merge = bool(fused_merge)
         self.device = torch.device(device)
         self.cuda_graph = bool(cuda_graph)
+        self.implementation = f"cuda:{route}" + ("+fused_merge" if fused_merge else "") + \
+            ("+cuda_graph" if cuda_graph else "")
         self._counters = torch.zeros(0, dtype=torch.int32, device=self.device)
         self._graphs: dict[tuple, _GraphedStep] = {}
 
@@ -59,27 +69,30 @@ class PersistentKVEngine:
         return self._plan_route(step, self.route, None)
 
     def plan_for(self, step, decision) -> DevicePlan:
-        route = _DECISION_ROUTES.get(decision.route)
-        if route is None:
-            raise ValueError(f"persistentkv cannot run route {decision.route!r}")
-        return self._plan_route(step, route, decision.num_splits)
+        """Plan with a route decision's route and split count (used by the adaptive engine)."""
+        if decision.route == "persistentkv_workqueue":
+            return self._plan_route(step, "workqueue", decision.num_splits)
+        if decision.route == "persistentkv_bucket":
+            route = self.route if self.route != "workqueue" else "bucket_exact"
+            return self._plan_route(step, route, decision.num_splits)
+        raise ValueError(f"persistentkv cannot run route {decision.route!r}")
 
     def _plan_route(self, step, route: str, num_splits: int | None) -> DevicePlan:
         hkv, g = self.shape.num_kv_heads, self.shape.group_size
         if route == "workqueue":
             policy = self.split_policy
             if num_splits is not None and num_splits != policy.num_splits:
-                policy = SplitPolicy(kind=policy.kind, num_splits=int(num_splits), max_splits=policy.max_splits,
-                                     target_ctas=policy.target_ctas, min_tiles_per_split=policy.min_tiles_per_split)
+                policy = dataclasses.replace(policy, num_splits=int(num_splits))
             host = plan_workqueue(step, hkv, g, policy)
             parts = [step.block_table, step.seq_lens, host.tasks, host.split_offsets]
+            splits = int(policy.num_splits) if policy.kind == "fixed" else int(host.max_splits)
         else:
             splits = self.bucket_num_splits if num_splits is None else int(num_splits)
             host = plan_buckets(step, hkv, g, splits, mode="exact" if route == "bucket_exact" else "masked")
             parts = [step.block_table, step.seq_lens] + [launch.row_indices for launch in host.launches]
         views = self._upload(parts)
-        plan = DevicePlan(route=f"persistentkv_{'workqueue' if route == 'workqueue' else 'bucket'}",
-                          host_plan=host, batch_size=int(step.seq_lens.shape[0]),
+        plan = DevicePlan(route="persistentkv_workqueue" if route == "workqueue" else "persistentkv_bucket",
+                          step=step, schedule=host, num_splits=splits,
                           block_table=views[0].view(step.block_table.shape), seq_lens=views[1])
         if route == "workqueue":
             plan.tasks = views[2].view(-1, 5)
@@ -87,7 +100,7 @@ class PersistentKVEngine:
             plan.num_slots = int(host.split_offsets[-1])
         else:
             plan.bucket_rows = views[2:]
-            plan.num_slots = sum(len(l.row_indices) * hkv * l.num_splits for l in host.launches if l.num_splits > 1)
+            plan.num_slots = sum(len(l.row_indices) * hkv * l.num_splits for l in host.launches)
         return plan
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
@@ -102,15 +115,24 @@ class PersistentKVEngine:
         if self.cuda_graph:
             return self._run_graphed(q, k_pages, v_pages, plan)
         out = torch.empty_like(q)
-        self._launch(q, k_pages, v_pages, plan, out, *self._scratch(plan, q.device))
+        self._launch(q, k_pages, v_pages, plan, out, *self.scratch(plan, q.device))
         return out
 
-    def _scratch(self, plan: DevicePlan, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run_into(self, q, k_pages, v_pages, plan: DevicePlan, out, part_m, part_l, part_acc) -> None:
+        """run() with caller-owned output and scratch (tests poison them first)."""
+        self._launch(q, k_pages, v_pages, plan, out, part_m, part_l, part_acc)
+
+    def scratch(self, plan: DevicePlan, device, fill: float | None = None):
+        """(part_m, part_l, part_acc) buffers for the plan's slots, optionally filled."""
         g, d = self.shape.group_size, self.shape.head_dim
         slots = plan.num_slots
-        return (torch.empty(slots, g, dtype=torch.float32, device=device),
+        bufs = (torch.empty(slots, g, dtype=torch.float32, device=device),
                 torch.empty(slots, g, dtype=torch.float32, device=device),
                 torch.empty(slots, g, d, dtype=torch.float32, device=device))
+        if fill is not None:
+            for b in bufs:
+                b.fill_(fill)
+        return bufs
 
     def _pair_counters(self, pairs: int) -> torch.Tensor:
         if self._counters.numel() < pairs:  # zero at rest: the kernel resets what it counts
@@ -121,7 +143,7 @@ class PersistentKVEngine:
         ops, scale = self.ops, self.shape.sm_scale
         hkv = self.shape.num_kv_heads
         if plan.tasks is not None:
-            host: WorkqueuePlan = plan.host_plan
+            host: WorkqueuePlan = plan.schedule
             fused = self.fused_merge and host.max_splits > 1
             counters = self._pair_counters(plan.batch_size * hkv) if fused else None
             ops.workqueue_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, plan.tasks,
@@ -130,9 +152,9 @@ class PersistentKVEngine:
                 ops.merge_states(part_m, part_l, part_acc, None, plan.split_offsets, hkv, 0, out)
             return
         offset = 0
-        for launch, rows in zip(plan.host_plan.launches, plan.bucket_rows):
-            s = launch.num_splits
-            slots = len(launch.row_indices) * hkv * s if s > 1 else 0
+        for launch, rows in zip(plan.schedule.launches, plan.bucket_rows):
+            s = int(launch.num_splits)
+            slots = len(launch.row_indices) * hkv * s
             m, l, acc = part_m[offset:offset + slots], part_l[offset:offset + slots], part_acc[offset:offset + slots]
             ops.bucket_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, rows, s, scale, out, m, l, acc)
             if s > 1:
@@ -147,8 +169,8 @@ class PersistentKVEngine:
         key = (plan.route, tuple(q.shape), q.dtype, k_pages.data_ptr(), v_pages.data_ptr(),
                tuple(plan.block_table.shape), plan.num_slots,
                None if plan.tasks is None else tuple(plan.tasks.shape),
-               tuple((l.num_splits, len(l.row_indices)) for l in getattr(plan.host_plan, "launches", ())),
-               getattr(plan.host_plan, "max_splits", 0))
+               tuple((l.num_splits, len(l.row_indices)) for l in getattr(plan.schedule, "launches", ())),
+               getattr(plan.schedule, "max_splits", 0))
         graphed = self._graphs.get(key)
         if graphed is None:
             graphed = _GraphedStep(self, q, k_pages, v_pages, plan)
@@ -159,7 +181,7 @@ class PersistentKVEngine:
 class _GraphedStep:
     def __init__(self, engine: PersistentKVEngine, q, k_pages, v_pages, plan: DevicePlan):
         self.q = q.clone()
-        self.plan = DevicePlan(**{**plan.__dict__})
+        self.plan = dataclasses.replace(plan)
         self.plan.block_table = plan.block_table.clone()
         self.plan.seq_lens = plan.seq_lens.clone()
         if plan.tasks is not None:
@@ -167,7 +189,7 @@ class _GraphedStep:
             self.plan.split_offsets = plan.split_offsets.clone()
         self.plan.bucket_rows = [r.clone() for r in plan.bucket_rows]
         self.out = torch.empty_like(q)
-        scratch = engine._scratch(plan, q.device)
+        scratch = engine.scratch(plan, q.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up outside capture (smem opt-in, lazy init)

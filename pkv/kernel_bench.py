@@ -1,0 +1,165 @@
+"""Decode-kernel benchmark: PersistentKV's best split point against FlashInfer on identical pages.
+
+Each case is one decode call over a fixed batch (50% holes, page 16, fp16). For every case the
+script times FlashInfer's tensor-core and CUDA-core decode and a sweep of PersistentKV split
+points, all with the L2 flushed before each timed call and CUDA events around the call alone,
+then checks the fastest configuration of each engine against float64. It reports each time as a
+ratio to the faster FlashInfer and as a fraction of the read-bandwidth floor
+(KV bytes / read bandwidth measured in the same run).
+
+    python -m pkv.kernel_bench --out artifacts/h200/kernel_bench/decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+K = 1024
+CASES: dict[str, list[int]] = {
+    "b1_8k": [8 * K],
+    "b1_16k": [16 * K],
+    "b1_32k": [32 * K],
+    "b1_64k": [64 * K],
+    "b1_128k": [128 * K],
+    "b4_32k": [32 * K] * 4,
+    "b4_bimodal": [64 * K, 8 * K, 8 * K, 8 * K],
+    "b8_32k": [32 * K] * 8,
+    "b8_bimodal": [64 * K, 64 * K, 4 * K, 5632, 7 * K, 8704, 10 * K, 12 * K],
+    "b16_16k": [16 * K] * 16,
+    "b64_4k": [4 * K] * 64,
+}
+B1_SPLITS = (8, 16, 24, 32, 48, 64, 96, 128)
+WORKQUEUE_SPLITS = (1, 2, 4, 8, 16, 24, 32, 64)
+BALANCED_WAVES = (1, 2, 4, 8)  # target CTAs = waves x SMs
+FLUSH_BYTES = 512 << 20  # 2x L2 evicts it; the extra gives the host a head start so events time the GPU alone
+
+
+def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
+    """Streaming read bandwidth: a reduction over a buffer far larger than L2."""
+    from pkv.timing import time_device_us
+
+    buf = torch.ones(nbytes // 2, dtype=torch.float16, device=device)
+    stats = time_device_us(lambda: buf.sum(dtype=torch.float32), reps=reps, warmup=2)
+    del buf
+    return nbytes / (stats.median_us * 1e-6) / 1e9
+
+
+def persistentkv_configs(batch: int, num_sms: int):
+    from pkv.schedule import SplitPolicy
+
+    if batch == 1:
+        for s in B1_SPLITS:
+            yield f"bucket:S={s}", dict(route="bucket_exact", bucket_num_splits=s, split_policy=SplitPolicy(num_splits=s))
+        return
+    for s in WORKQUEUE_SPLITS:
+        yield f"workqueue:S={s}", dict(route="workqueue", split_policy=SplitPolicy(kind="fixed", num_splits=s))
+    for waves in BALANCED_WAVES:
+        policy = SplitPolicy(kind="balanced", num_splits=1, max_splits=64, target_ctas=waves * num_sms)
+        yield f"balanced:{waves}w", dict(route="workqueue", split_policy=policy)
+
+
+def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
+    from pkv.engines.dense import dense_decode
+    from pkv.engines.flashinfer import FlashInferEngine
+    from pkv.engines.persistentkv import PersistentKVEngine
+    from pkv.kv_data import make_kv_pages, make_queries
+    from pkv.pages import assign_pages
+    from pkv.step import build_step
+    from pkv.timing import time_device_us
+
+    device = "cuda"
+    assignment = assign_pages(seq_lens, 16, 0.5, seed)
+    step = build_step(0, np.arange(len(seq_lens)), np.asarray(seq_lens, dtype=np.int32), assignment.pages, 16)
+    k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, "float16", device, seed)
+    q = make_queries(len(seq_lens), shape, "float16", device, seed + 1)
+    kv_bytes = int(np.sum(seq_lens)) * shape.num_kv_heads * shape.head_dim * 2 * 2
+    floor_us = kv_bytes / (read_gbps * 1e9) * 1e6
+    ref = dense_decode(q.double(), k.double(), v.double(), step.seq_lens, step.block_table)
+
+    def errors(out):
+        diff = (out.double() - ref).abs()
+        return dict(max_abs_err=diff.max().item(), mean_abs_err=diff.mean().item(),
+                    rel_err=((out.double() - ref).norm() / ref.norm()).item())
+
+    rows = {}
+    for label, tc in (("flashinfer_tc", True), ("flashinfer_cc", False)):
+        engine = FlashInferEngine(shape, use_tensor_cores=tc, device=device)
+        engine.prepare(step, q, k, v)
+        plan = engine.plan(step)
+        out = engine.run(q, k, v, plan)
+        stats = time_device_us(lambda: engine.run(q, k, v, plan), reps=reps, warmup=3, flusher=flusher)
+        rows[label] = dict(median_us=stats.median_us, p10_us=stats.p10_us, p90_us=stats.p90_us, **errors(out))
+    sweep = {}
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best_label, best_engine, best_plan = None, None, None
+    for label, options in persistentkv_configs(len(seq_lens), num_sms):
+        engine = PersistentKVEngine(shape, device=device, **options)
+        plan = engine.plan(step)
+        engine.run(q, k, v, plan)
+        stats = time_device_us(lambda: engine.run(q, k, v, plan), reps=reps, warmup=3, flusher=flusher)
+        sweep[label] = stats.median_us
+        if best_label is None or stats.median_us < sweep[best_label]:
+            best_label, best_engine, best_plan = label, engine, plan
+    out = best_engine.run(q, k, v, best_plan)
+    torch.cuda.synchronize()
+    rows["persistentkv"] = dict(median_us=sweep[best_label], config=best_label, **errors(out))
+    fi_best = min(rows["flashinfer_tc"]["median_us"], rows["flashinfer_cc"]["median_us"])
+    result = dict(
+        seq_lens=list(map(int, seq_lens)), kv_bytes=kv_bytes, floor_us=floor_us, engines=rows, sweep_us=sweep,
+        flashinfer_best_us=fi_best, speedup_vs_flashinfer=fi_best / rows["persistentkv"]["median_us"],
+        pkv_fraction_of_floor=floor_us / rows["persistentkv"]["median_us"],
+        flashinfer_fraction_of_floor=floor_us / fi_best,
+    )
+    log(f"{name}: floor {floor_us:.1f} us, flashinfer {fi_best:.1f} us, persistentkv {rows['persistentkv']['median_us']:.1f} us"
+        f" ({best_label}), x{result['speedup_vs_flashinfer']:.3f}, rel_err {rows['persistentkv']['rel_err']:.2e}")
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=20260622)
+    args = parser.parse_args(argv)
+    from pkv.provenance import collect_provenance
+    from pkv.results import write_json_atomic
+    from pkv.shape import ModelShape
+    from pkv.timing import L2Flusher
+
+    if not torch.cuda.is_available():
+        write_json_atomic(args.out, {"schema": "pkv.kernel_bench/1", "skipped": "no GPU",
+                                     "provenance": collect_provenance(seed=args.seed)})
+        print("skipped: no GPU")
+        return 0
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    shape = ModelShape()
+    read_gbps = measure_read_gbps("cuda")
+    log(f"read bandwidth {read_gbps:.0f} GB/s")
+    flusher = L2Flusher("cuda", bytes=FLUSH_BYTES)
+    start = time.time()
+    cases = {name: run_case(name, CASES[name], shape, flusher, read_gbps, args.reps, args.seed, log)
+             for name in args.cases}
+    record = {"schema": "pkv.kernel_bench/1", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
+              "hole_fraction": 0.5, "reps": args.reps, "seconds": time.time() - start, "cases": cases,
+              "command": "python -m pkv.kernel_bench " + " ".join(argv or sys.argv[1:]),
+              "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps}, seed=args.seed)}
+    write_json_atomic(args.out, record)
+    print(f"{'case':<12}{'floor us':>9}{'FI tc':>9}{'FI cc':>9}{'PKV':>9}{'x FI':>8}{'PKV/floor':>10}{'FI/floor':>9}  config")
+    for name, c in cases.items():
+        e = c["engines"]
+        print(f"{name:<12}{c['floor_us']:>9.1f}{e['flashinfer_tc']['median_us']:>9.1f}{e['flashinfer_cc']['median_us']:>9.1f}"
+              f"{e['persistentkv']['median_us']:>9.1f}{c['speedup_vs_flashinfer']:>8.3f}{c['pkv_fraction_of_floor']:>10.2f}"
+              f"{c['flashinfer_fraction_of_floor']:>9.2f}  {e['persistentkv']['config']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

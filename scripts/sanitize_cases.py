@@ -1,0 +1,40 @@
+"""Small decode cases for compute-sanitizer (memcheck, racecheck): every kernel and route once.
+
+    compute-sanitizer --tool memcheck python scripts/sanitize_cases.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_cases.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pkv.engines.persistentkv import PersistentKVEngine
+from pkv.kv_data import make_kv_pages, make_queries
+from pkv.pages import assign_pages
+from pkv.schedule import SplitPolicy
+from pkv.shape import ModelShape
+from pkv.step import build_step
+
+
+def main() -> None:
+    lengths = [1, 17, 33, 640, 3000]
+    for group, dtype in ((4, "float16"), (8, "bfloat16"), (1, "float16")):
+        shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8)
+        assignment = assign_pages(lengths, 16, 0.5, seed=group)
+        step = build_step(0, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), assignment.pages, 16)
+        k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, dtype, "cuda", seed=group)
+        q = make_queries(len(lengths), shape, dtype, "cuda", seed=group + 1)
+        for options in (dict(route="workqueue", split_policy=SplitPolicy(num_splits=8)),
+                        dict(route="workqueue", split_policy=SplitPolicy(num_splits=8), fused_merge=True),
+                        dict(route="bucket_masked", bucket_num_splits=16),
+                        dict(route="bucket_exact", bucket_num_splits=1)):
+            engine = PersistentKVEngine(shape, **options)
+            out = engine.run(q, k, v, engine.plan(step))
+            torch.cuda.synchronize()
+            assert not torch.isnan(out).any()
+    print("sanitize cases ran")
+
+
+if __name__ == "__main__":
+    main()

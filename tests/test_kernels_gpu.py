@@ -1,0 +1,163 @@
+"""The CUDA kernels against float64, on every route (DESIGN.md correctness method).
+
+Outputs and scratch are NaN-poisoned before each run, inputs are fresh and peaked, lengths sit at
+the page, tile and split edges, and page tables have holes. Skipped where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+PAGE = 16
+EDGE_LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, 31, 32, 33, 63, 65, 1000, 4097]
+
+
+def _case(seq_lens, shape, dtype, seed, peaked=True, hole_fraction=0.5):
+    from pkv.kv_data import make_kv_pages, make_queries
+    from pkv.pages import assign_pages
+    from pkv.step import build_step
+
+    assignment = assign_pages(seq_lens, PAGE, hole_fraction, seed)
+    step = build_step(0, np.arange(len(seq_lens)), np.asarray(seq_lens, dtype=np.int32),
+                      assignment.pages, PAGE)
+    k, v = make_kv_pages(assignment.num_physical_pages, shape, PAGE, dtype, "cuda", seed, peaked=peaked)
+    q = make_queries(len(seq_lens), shape, dtype, "cuda", seed + 1, peaked=peaked)
+    return step, q, k, v
+
+
+def _dense(step, q, k, v):
+    from pkv.engines.dense import dense_decode
+
+    return dense_decode(q.double(), k.double(), v.double(), step.seq_lens, step.block_table)
+
+
+def _check(out, ref, dtype):
+    assert not torch.isnan(out).any(), "an output element was never written"
+    err = (out.double() - ref).abs()
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    if dtype == torch.float16:
+        assert err.max().item() < 2e-3 and err.mean().item() < 3e-4, (err.max().item(), err.mean().item())
+        assert rel < 2e-3, rel
+    else:
+        assert rel < 1e-2, rel
+        assert err.max().item() < 2e-2, err.max().item()
+
+
+def _engine(shape, **kw):
+    from pkv.engines.persistentkv import PersistentKVEngine
+
+    return PersistentKVEngine(shape, **kw)
+
+
+def _run_poisoned(engine, step, q, k, v):
+    plan = engine.plan(step)
+    out = torch.full_like(q, float("nan"))
+    scratch = engine.scratch(plan, q.device, fill=float("nan"))
+    engine.run_into(q, k, v, plan, out, *scratch)
+    torch.cuda.synchronize()
+    return plan, out, scratch
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("route", ["workqueue", "bucket_exact", "bucket_masked"])
+def test_routes_match_float64(route, group, dtype):
+    from pkv.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128)
+    rng = np.random.default_rng(group * 7 + (dtype == torch.bfloat16))
+    for trial, splits in enumerate((1, 3, 16, 64)):
+        lengths = list(rng.choice(EDGE_LENGTHS, size=int(rng.integers(1, 9))))
+        engine = _engine(shape, route=route, split_policy=SplitPolicy(num_splits=splits), bucket_num_splits=splits)
+        step, q, k, v = _case(lengths, shape, dtype, seed=1000 * group + trial)
+        _, out, _ = _run_poisoned(engine, step, q, k, v)
+        _check(out, _dense(step, q, k, v), dtype)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "balanced"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_workqueue_random_batches(kind, fused):
+    from pkv.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    rng = np.random.default_rng(7 + fused)
+    for trial in range(6):
+        batch = int(rng.choice([1, 2, 5, 16, 64]))
+        lengths = [int(x) for x in rng.integers(1, 6000, size=batch)]
+        splits = int(rng.choice([1, 2, 20, 64]))
+        policy = SplitPolicy(kind=kind, num_splits=splits, max_splits=64)
+        engine = _engine(shape, route="workqueue", split_policy=policy, fused_merge=fused)
+        step, q, k, v = _case(lengths, shape, torch.float16, seed=50 + trial, peaked=bool(trial % 2 == 0))
+        _, out, _ = _run_poisoned(engine, step, q, k, v)
+        _check(out, _dense(step, q, k, v), torch.float16)
+        if fused:
+            assert int(engine._counters.abs().sum()) == 0, "fused-merge counters must reset to zero"
+
+
+def test_partial_states_match_reference():
+    """The kernels' split states equal the torch reference's, slot by slot."""
+    from pkv.engines.reference import ReferenceEngine
+    from pkv.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    lengths = [1, 33, 700, 2048, 5000]
+    for route in ("workqueue", "bucket_masked"):
+        policy = SplitPolicy(num_splits=8)
+        engine = _engine(shape, route=route, split_policy=policy, bucket_num_splits=8)
+        reference = ReferenceEngine(shape, route=route, split_policy=policy, bucket_num_splits=8, device="cuda")
+        step, q, k, v = _case(lengths, shape, torch.float16, seed=3)
+        _, _, (m, l, acc) = _run_poisoned(engine, step, q, k, v)
+        rm, rl, racc = reference.partial_states(q, k, v, reference.plan(step))
+        written = ~torch.isnan(m[:, 0])
+        assert written.any()
+        finite = torch.isfinite(rm[written])
+        torch.testing.assert_close(m[written][finite], rm[written][finite].float(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(l[written], rl[written].float(), atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(acc[written], racc[written].float(), atol=1e-3, rtol=1e-4)
+
+
+def test_long_context_b1():
+    from pkv.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    for length, splits in ((32768, 48), (131072 + 17, 64)):
+        engine = _engine(shape, route="bucket_exact", bucket_num_splits=splits,
+                         split_policy=SplitPolicy(num_splits=splits))
+        step, q, k, v = _case([length], shape, torch.float16, seed=length)
+        _, out, _ = _run_poisoned(engine, step, q, k, v)
+        _check(out, _dense(step, q, k, v), torch.float16)
+
+
+def test_cuda_graph_replay_matches_eager():
+    from pkv.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    eager = _engine(shape, route="workqueue", split_policy=SplitPolicy(num_splits=20))
+    graphed = _engine(shape, route="workqueue", split_policy=SplitPolicy(num_splits=20), cuda_graph=True)
+    for seed in range(3):
+        step, q, k, v = _case([4000, 9000, 100, 30000], shape, torch.float16, seed=seed)
+        ref = eager.run(q, k, v, eager.plan(step))
+        got = graphed.run(q, k, v, graphed.plan(step))
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+def test_bad_inputs_name_the_field():
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    engine = _engine(shape, route="workqueue")
+    step, q, k, v = _case([100, 200], shape, torch.float16, seed=0)
+    plan = engine.plan(step)
+    with pytest.raises(RuntimeError, match="q must be"):
+        engine.run(q.float(), k, v, plan)
+    with pytest.raises(RuntimeError, match="v_pages"):
+        engine.run(q, k, v[:, :4], plan)
