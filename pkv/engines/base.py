@@ -1,0 +1,89 @@
+"""The engine interface and the plan record that engines hand to ``run``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class EngineUnavailable(RuntimeError):
+    """An engine cannot run here (library not installed, no GPU); ``reason`` says why.
+
+    Benchmarks record the reason instead of a number.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class EnginePlan:
+    """What ``Engine.plan(step)`` returns for the engines of this package.
+
+    ``route`` uses the route policy's names ("flashinfer", "persistentkv_bucket",
+    "persistentkv_workqueue") so the harness can count routes the same way for every engine.
+    ``schedule`` is the ``pkv.schedule`` plan (BucketPlan or WorkqueuePlan) or None for
+    engines that schedule internally; the harness derives structural counters from it.
+    ``tensors`` holds whatever the engine uploaded for ``run`` (block table, lengths, ...).
+    """
+
+    route: str
+    step: Any
+    schedule: Any = None
+    num_splits: int | None = None
+    tensors: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    """One decode-attention implementation.
+
+    ``plan(step)`` does the host work and uploads for one StepBatch (timed inside the wall
+    step); ``run(q, k_pages, v_pages, plan)`` returns ``out`` of shape [B, Hq, d] in q's dtype.
+    ``name`` is the engine's role ("persistentkv", "flashinfer", ...); ``implementation``
+    names the code that actually ran (on the CPU profile the roles have stand-ins).
+    """
+
+    name: str = "engine"
+    implementation: str = "engine"
+
+    def prepare(self, step, q, k_pages, v_pages) -> None:
+        """Untimed one-off work before a step is timed (kernel JIT, variant probes).
+
+        The harness and the isolated benchmark call it before timing each step; the default
+        does nothing. It must not change what ``run`` computes.
+        """
+
+    def plan(self, step) -> object:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def run(self, q, k_pages, v_pages, plan):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, implementation={self.implementation!r})"
+
+
+def check_decode_inputs(q, k_pages, v_pages, shape, page_size: int | None = None) -> None:
+    """Shape and dtype checks shared by the engines; errors name the tensor and its shape."""
+    if q.dim() != 3 or q.shape[1] != shape.num_qo_heads or q.shape[2] != shape.head_dim:
+        raise ValueError(
+            f"q must be [B, {shape.num_qo_heads}, {shape.head_dim}], got {tuple(q.shape)}"
+        )
+    for label, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if (
+            pages.dim() != 4
+            or pages.shape[1] != shape.num_kv_heads
+            or pages.shape[3] != shape.head_dim
+            or (page_size is not None and pages.shape[2] != page_size)
+        ):
+            want_p = page_size if page_size is not None else "P"
+            raise ValueError(
+                f"{label} must be [num_pages, {shape.num_kv_heads}, {want_p}, {shape.head_dim}], "
+                f"got {tuple(pages.shape)}"
+            )
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages {tuple(k_pages.shape)} and v_pages {tuple(v_pages.shape)} differ")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages dtype {k_pages.dtype} differs from v_pages dtype {v_pages.dtype}")

@@ -1,0 +1,194 @@
+"""ReferenceEngine executes pkv.schedule plans exactly: compared with the float64 dense path."""
+
+import numpy as np
+import pytest
+import torch
+
+from pkv.accuracy import PAPER_MAX_ABS, PAPER_MEAN_ABS, check_within, compare
+from pkv.engines.dense import dense_decode
+from pkv.engines.reference import ReferenceEngine, work_items
+from pkv.kv_data import make_kv_pages, make_queries
+from pkv.shape import ModelShape
+
+schedule = pytest.importorskip("pkv.schedule")
+pages_mod = pytest.importorskip("pkv.pages")
+step_mod = pytest.importorskip("pkv.step")
+
+P = 16
+ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
+# Page and tile edges, a split boundary and rows far shorter than the split count.
+EDGE_LENS = [1, P - 1, P, P + 1, 31, 33, 32 * 7, 32 * 7 + 1, 2, 500]
+
+
+def make_step(lens, hole_fraction=0.5, seed=0, page_size=P):
+    assignment = pages_mod.assign_pages(lens, page_size, hole_fraction, seed)
+    step = step_mod.build_step(0, np.arange(len(lens)), lens, assignment.pages, page_size)
+    return step, assignment.num_physical_pages
+
+
+def inputs(lens, shape, dtype, seed=0, hole_fraction=0.5):
+    step, num_pages = make_step(lens, hole_fraction, seed)
+    k, v = make_kv_pages(num_pages, shape, P, dtype, "cpu", seed)
+    q = make_queries(len(lens), shape, dtype, "cpu", seed + 100)
+    return step, q, k, v
+
+
+def engine(shape, route, splits):
+    return ReferenceEngine(shape, route=route, split_policy=schedule.SplitPolicy(num_splits=splits),
+                           bucket_num_splits=splits)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("group_size", [1, 2, 4, 8])
+def test_float64_matches_dense_on_edge_lengths(route, group_size):
+    shape = ModelShape(num_qo_heads=2 * group_size, num_kv_heads=2, head_dim=32)
+    step, q, k, v = inputs(EDGE_LENS, shape, torch.float64, seed=group_size)
+    ref = dense_decode(q, k, v, step.seq_lens, step.block_table)
+    for splits in (1, 3, 8):
+        eng = engine(shape, route, splits)
+        out = eng.run(q, k, v, eng.plan(step))
+        assert out.dtype == torch.float64
+        assert not torch.isnan(out).any()
+        assert compare(out, ref)["rel_err"] < 1e-6, (route, splits)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_float64_matches_dense_on_random_batches(route, seed):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 700, size=int(rng.integers(1, 9))).tolist()
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    step, q, k, v = inputs(lens, shape, torch.float64, seed=seed, hole_fraction=[0.0, 0.5][seed % 2])
+    ref = dense_decode(q, k, v, step.seq_lens, step.block_table)
+    eng = engine(shape, route, int(rng.integers(1, 24)))
+    assert compare(eng.run(q, k, v, eng.plan(step)), ref)["rel_err"] < 1e-6
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_fp16_inputs_within_paper_bounds_on_peaked_attention(route):
+    shape = ModelShape(num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    lens = [1, 17, 33, 1000, 2047, 4096]
+    step, q, k, v = inputs(lens, shape, torch.float16, seed=7)
+    ref = dense_decode(q, k, v, step.seq_lens, step.block_table)
+    eng = engine(shape, route, 20)
+    out = eng.run(q, k, v, eng.plan(step))
+    assert out.dtype == torch.float16
+    errors = compare(out, ref)
+    assert check_within(errors, max_abs=PAPER_MAX_ABS, mean_abs=PAPER_MEAN_ABS, rel=2e-3), errors
+
+
+def test_peaked_inputs_make_a_dropped_tile_visible():
+    # The point of peaked inputs: losing part of the context must break the bounds.
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    lens = [2048, 4096]
+    step, q, k, v = inputs(lens, shape, torch.float32, seed=3)
+    full = dense_decode(q, k, v, step.seq_lens, step.block_table)
+    truncated = dense_decode(q, k, v, step.seq_lens - 32 * 8, step.block_table)
+    assert not check_within(compare(truncated, full))
+
+
+def test_partial_states_merge_equals_run_and_slots_follow_contract():
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
+    lens = [3, 40, 300]
+    step, q, k, v = inputs(lens, shape, torch.float64, seed=5)
+    for route in ROUTES:
+        eng = engine(shape, route, 4)
+        plan = eng.plan(step)
+        m, l, acc = eng.partial_states(q, k, v, plan)
+        assert m.dtype == l.dtype == acc.dtype == torch.float64
+        assert not torch.isnan(m).any() and not torch.isnan(acc).any()
+        torch.testing.assert_close(eng.merge_states(m, l, acc, plan).to(q.dtype),
+                                   eng.run(q, k, v, plan), rtol=0, atol=0)
+        if route == "workqueue":
+            assert m.shape[0] == int(plan.schedule.split_offsets[-1])
+        else:
+            expected = sum(len(x.row_indices) * 2 * x.num_splits for x in plan.schedule.launches)
+            assert m.shape[0] == expected
+
+
+def test_workqueue_partial_state_of_a_task_is_its_tile_range():
+    shape = ModelShape(num_qo_heads=4, num_kv_heads=1, head_dim=16)
+    lens = [200]
+    step, q, k, v = inputs(lens, shape, torch.float64, seed=9)
+    eng = engine(shape, "workqueue", 3)
+    plan = eng.plan(step)
+    m, l, acc = eng.partial_states(q, k, v, plan)
+    # Task of split 1: recompute its softmax state directly from the tokens it covers.
+    task = next(t for t in plan.schedule.tasks if t[2] == 1)
+    lo, hi = 32 * int(task[3]), min(32 * int(task[4]), lens[0])
+    tokens = np.arange(lo, hi)
+    pages = step.block_table[0, tokens // P]
+    keys = k[pages, 0, tokens % P]
+    values = v[pages, 0, tokens % P]
+    scores = q[0] @ keys.T * shape.sm_scale
+    slot = int(plan.schedule.split_offsets[0]) + 1
+    torch.testing.assert_close(m[slot], scores.max(dim=-1).values)
+    weights = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
+    torch.testing.assert_close(l[slot], weights.sum(-1))
+    torch.testing.assert_close(acc[slot], weights @ values)
+
+
+def test_empty_bucket_splits_hold_the_neutral_state():
+    shape = ModelShape(num_qo_heads=4, num_kv_heads=2, head_dim=16)
+    lens = [1, 640]  # masked bucket: row 0 owns 1 tile of the 20 splits
+    step, q, k, v = inputs(lens, shape, torch.float64, seed=1)
+    eng = engine(shape, "bucket_masked", 20)
+    plan = eng.plan(step)
+    m, l, acc = eng.partial_states(q, k, v, plan)
+    splits = plan.schedule.launches[0].num_splits
+    row0 = slice(0, 2 * splits)
+    m0 = m[row0].reshape(2, splits, -1)
+    assert torch.isneginf(m0[:, 1:]).all() and torch.isfinite(m0[:, 0]).all()
+    assert (l[row0].reshape(2, splits, -1)[:, 1:] == 0).all()
+    assert (acc[row0].reshape(2, splits, shape.group_size, 16)[:, 1:] == 0).all()
+
+
+def test_output_is_poisoned_where_a_plan_writes_nothing():
+    shape = ModelShape(num_qo_heads=4, num_kv_heads=2, head_dim=16)
+    step, q, k, v = inputs([50, 70], shape, torch.float32, seed=2)
+    eng = engine(shape, "bucket_exact", 2)
+    plan = eng.plan(step)
+    # Drop the launch that holds row 1: its output must stay NaN, not zeros or stale data.
+    kept = tuple(x for x in plan.schedule.launches if 1 not in x.row_indices.tolist())
+    plan.schedule = schedule.BucketPlan(kept, 2, 2, "exact")
+    out = eng.run(q, k, v, plan)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+
+
+def test_invalid_workqueue_task_is_rejected_with_its_index():
+    shape = ModelShape(num_qo_heads=4, num_kv_heads=1, head_dim=16)
+    step, q, k, v = inputs([64], shape, torch.float32, seed=2)
+    eng = engine(shape, "workqueue", 2)
+    plan = eng.plan(step)
+    tasks = plan.schedule.tasks.copy()
+    tasks[0, 4] = 99  # tile_end past the row's 2 tiles
+    plan.schedule = schedule.WorkqueuePlan(tasks, plan.schedule.split_offsets, 1, 4,
+                                           plan.schedule.max_splits)
+    with pytest.raises(ValueError, match=r"tasks\[0\]"):
+        work_items(plan, 1)
+
+
+def test_plan_for_uses_the_decisions_route_and_splits():
+    class Decision:
+        def __init__(self, route, num_splits):
+            self.route, self.num_splits = route, num_splits
+
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
+    step, q, k, v = inputs([100, 900], shape, torch.float64, seed=4)
+    ref = dense_decode(q, k, v, step.seq_lens, step.block_table)
+    eng = engine(shape, "workqueue", 20)
+    wq = eng.plan_for(step, Decision("persistentkv_workqueue", 5))
+    assert wq.route == "persistentkv_workqueue" and wq.num_splits == 5
+    assert int(np.diff(wq.schedule.split_offsets).max()) == 5
+    bucket = eng.plan_for(step, Decision("persistentkv_bucket", 7))
+    assert bucket.route == "persistentkv_bucket"
+    assert max(x.num_splits for x in bucket.schedule.launches) == 7
+    for plan in (wq, bucket):
+        assert compare(eng.run(q, k, v, plan), ref)["rel_err"] < 1e-6
+    with pytest.raises(ValueError, match="flashinfer"):
+        eng.plan_for(step, Decision("flashinfer", 1))
+
+
+def test_constructor_rejects_unknown_route():
+    with pytest.raises(ValueError, match="route"):
+        ReferenceEngine(ModelShape(), route="buckets")
