@@ -1,0 +1,170 @@
+"""Continuous decode harness (paper 3.6): which requests are active at each decode step.
+
+Rules, shared by :class:`ContinuousDecoder` and :func:`decode_plan_summary`:
+
+- The clock ``t`` starts at 0. At each step, waiting requests with ``arrival_step <= t`` are
+  admitted in ``(arrival_step, request_id)`` order while fewer than ``max_active`` are active.
+- Rows keep their admission order; a leaving row closes up the gap.
+- An admitted request's k-th decode step (k = 0 .. decode_len - 1) has
+  ``seq_len = prompt_len + k + 1``: the context already cached plus this step's token.
+- A request leaves after its ``decode_len`` steps; a slot it frees is filled at the next step.
+- A step with nothing active is not yielded: the clock jumps to the next arrival. So
+  ``StepBatch.step`` is the clock (gaps show idle time) and the count of yielded steps is what
+  ``max_steps`` bounds.
+- The run ends after ``max_steps`` yielded steps or when every request is done.
+
+Prefill is outside the harness: the prompt's KV is taken as already resident in its pages.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from pkv.pages import PageAssignment
+from pkv.step import StepBatch, build_step
+from pkv.traces import Request
+
+
+def _check_limits(max_active, max_steps) -> None:
+    if isinstance(max_active, bool) or not isinstance(max_active, (int, np.integer)) or max_active < 1:
+        raise ValueError(f"max_active must be an integer >= 1, got {max_active!r}")
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 1):
+        raise ValueError(f"max_steps must be an integer >= 1 or None, got {max_steps!r}")
+
+
+class _Columns:
+    """The trace as arrays, with the admission order fixed once."""
+
+    def __init__(self, requests: Sequence[Request]):
+        if len(requests) == 0:
+            raise ValueError("requests is empty: a decode run needs at least one request")
+        self.ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
+        self.arrival = np.fromiter((r.arrival_step for r in requests), dtype=np.int64, count=len(requests))
+        self.prompt = np.fromiter((r.prompt_len for r in requests), dtype=np.int64, count=len(requests))
+        self.decode = np.fromiter((r.decode_len for r in requests), dtype=np.int64, count=len(requests))
+        uniq, counts = np.unique(self.ids, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"request_id {int(uniq[counts > 1][0])} appears more than once in requests")
+        self.order = np.lexsort((self.ids, self.arrival))  # by arrival, ties by request id
+
+
+def _schedule(cols: _Columns, max_active: int, max_steps: int | None) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Yield (clock, active request positions in row order, seq_lens) per decode step."""
+    n = cols.order.shape[0]
+    progress = np.zeros(n, dtype=np.int64)
+    active = np.empty(0, dtype=np.int64)
+    next_wait = 0
+    t = 0
+    yielded = 0
+    while next_wait < n or active.size:
+        if max_steps is not None and yielded >= max_steps:
+            return
+        if active.size == 0 and cols.arrival[cols.order[next_wait]] > t:
+            t = int(cols.arrival[cols.order[next_wait]])
+        room = max_active - active.size
+        first = next_wait
+        while room and next_wait < n and cols.arrival[cols.order[next_wait]] <= t:
+            next_wait += 1
+            room -= 1
+        if next_wait > first:
+            active = np.concatenate([active, cols.order[first:next_wait]])
+        seq_lens = cols.prompt[active] + progress[active] + 1
+        yield t, active, seq_lens
+        yielded += 1
+        progress[active] += 1
+        active = active[progress[active] < cols.decode[active]]
+        t += 1
+
+
+class ContinuousDecoder:
+    """Replays ``requests`` as continuous-batching decode steps over ``assignment``.
+
+    ``assignment.pages[i]`` belongs to ``requests[i]`` (list position, not request id), as
+    produced by ``assign_pages([r.total_len for r in requests], ...)``. ``steps()`` can be
+    called again for an identical replay, so every engine of a run sees the same steps.
+    """
+
+    def __init__(self, requests: list[Request], assignment: PageAssignment, max_active: int, max_steps: int | None = None):
+        _check_limits(max_active, max_steps)
+        self.requests = tuple(requests)
+        self._cols = _Columns(self.requests)
+        if len(assignment.pages) != len(self.requests):
+            raise ValueError(
+                f"page assignment covers {len(assignment.pages)} requests but the trace has {len(self.requests)}"
+            )
+        page_size = assignment.page_size
+        needed = -(-(self._cols.prompt + self._cols.decode) // page_size)
+        owned = np.asarray(assignment.reserved_pages, dtype=np.int64)
+        short = np.flatnonzero(owned < needed)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(
+                f"request {int(self._cols.ids[i])} needs {int(needed[i])} pages of {page_size} tokens for "
+                f"total_len={int(self._cols.prompt[i] + self._cols.decode[i])} but the assignment gives it {int(owned[i])}"
+            )
+        self.assignment = assignment
+        self.max_active = int(max_active)
+        self.max_steps = None if max_steps is None else int(max_steps)
+
+    def steps(self) -> Iterator[StepBatch]:
+        pages = self.assignment.pages
+        page_size = self.assignment.page_size
+        ids = self._cols.ids
+        for t, active, seq_lens in _schedule(self._cols, self.max_active, self.max_steps):
+            yield build_step(t, ids[active], seq_lens, [pages[i] for i in active.tolist()], page_size)
+
+    def __iter__(self) -> Iterator[StepBatch]:
+        return self.steps()
+
+    def summary(self) -> dict:
+        return decode_plan_summary(self.requests, self.max_active, self.max_steps)
+
+
+def decode_plan_summary(requests: Sequence[Request], max_active: int, max_steps: int | None = None) -> dict:
+    """Counts of the run ``ContinuousDecoder`` would replay, without building any step.
+
+    Jumps from event to event (an arrival that finds room, a departure, the step limit) instead
+    of stepping the clock, so a full production log summarises in milliseconds.
+    """
+    _check_limits(max_active, max_steps)
+    cols = _Columns(list(requests))
+    n = cols.order.shape[0]
+    arrival = cols.arrival[cols.order]
+    decode = cols.decode[cols.order]
+    remaining = np.empty(0, dtype=np.int64)
+    next_wait = t = steps = tokens = finished = peak = 0
+    while next_wait < n or remaining.size:
+        if max_steps is not None and steps >= max_steps:
+            break
+        if remaining.size == 0 and arrival[next_wait] > t:
+            t = int(arrival[next_wait])
+        room = max_active - remaining.size
+        first = next_wait
+        while room and next_wait < n and arrival[next_wait] <= t:
+            next_wait += 1
+            room -= 1
+        if next_wait > first:
+            remaining = np.concatenate([remaining, decode[first:next_wait]])
+        peak = max(peak, int(remaining.size))
+        span = int(remaining.min())
+        if room and next_wait < n:  # the next arrival joins as soon as it comes
+            span = min(span, int(arrival[next_wait]) - t)
+        if max_steps is not None:
+            span = min(span, max_steps - steps)
+        steps += span
+        tokens += span * int(remaining.size)
+        t += span
+        remaining = remaining - span
+        finished += int((remaining == 0).sum())
+        remaining = remaining[remaining > 0]
+    return {
+        "steps": steps,
+        "decode_tokens": tokens,
+        "mean_active": tokens / steps if steps else 0.0,
+        "peak_active": peak,
+        "requests_admitted": next_wait,
+        "requests_finished": finished,
+        "end_step": t,
+    }
