@@ -1,0 +1,181 @@
+"""Device timing (CUDA events, median of many) and synchronized wall time (paper 3.9)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+# Used when the device does not report its L2 size; larger than any current GPU's L2.
+_FALLBACK_FLUSH_BYTES = 120 * 1024 * 1024
+
+
+def _is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def synchronize(device) -> None:
+    if _is_cuda(device):
+        torch.cuda.synchronize(torch.device(device))
+
+
+class L2Flusher:
+    """Evicts the L2 cache between timed launches by writing a buffer twice its size.
+
+    Without it, back-to-back repetitions over the same pages read from L2 and report more
+    bandwidth than a serving step (whose KV was evicted by the rest of the model) would see.
+    A no-op on the CPU.
+    """
+
+    def __init__(self, device, bytes: int | None = None) -> None:  # noqa: A002 - contract name
+        self.device = torch.device(device)
+        self.buffer = None
+        self.nbytes = 0
+        if not _is_cuda(self.device):
+            return
+        if bytes is None:
+            props = torch.cuda.get_device_properties(self.device)
+            l2 = int(getattr(props, "L2_cache_size", 0) or 0)
+            bytes = 2 * l2 if l2 > 0 else _FALLBACK_FLUSH_BYTES
+        if bytes < 1:
+            raise ValueError(f"L2Flusher bytes must be positive, got {bytes}")
+        self.nbytes = int(bytes)
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+
+    def flush(self) -> None:
+        if self.buffer is not None:
+            self.buffer.fill_(1)
+
+    __call__ = flush
+
+
+@dataclass(frozen=True)
+class TimingStats:
+    median_us: float
+    mean_us: float
+    p10_us: float
+    p90_us: float
+    n: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _percentile(sorted_values: list[float], fraction: float) -> float:
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    position = fraction * (len(sorted_values) - 1)
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def summarize_us(samples: list[float]) -> TimingStats:
+    if not samples:
+        raise ValueError("no timing samples")
+    ordered = sorted(samples)
+    return TimingStats(
+        median_us=statistics.median(ordered),
+        mean_us=statistics.fmean(ordered),
+        p10_us=_percentile(ordered, 0.10),
+        p90_us=_percentile(ordered, 0.90),
+        n=len(ordered),
+    )
+
+
+def time_device_us(fn, *, reps: int = 30, warmup: int = 5, flusher: L2Flusher | None = None,
+                   device=None) -> TimingStats:
+    """Time ``fn()`` ``reps`` times: CUDA events around each call on CUDA, perf_counter on CPU.
+
+    The L2 flush runs before each repetition, outside the events. ``device`` defaults to
+    CUDA when available and the flusher's device otherwise.
+    """
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"reps must be >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
+    if device is None:
+        device = flusher.device if flusher is not None else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    if _is_cuda(device):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        torch.cuda.synchronize(device)
+        for start, end in zip(starts, ends):
+            if flusher is not None:
+                flusher.flush()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        samples = [start.elapsed_time(end) * 1e3 for start, end in zip(starts, ends)]
+    else:
+        for _ in range(reps):
+            if flusher is not None:
+                flusher.flush()
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+    return summarize_us(samples)
+
+
+class WallTimer:
+    """Synchronized host wall time of a block: sync, start, block, sync, stop.
+
+    ``with WallTimer(device) as timer: ...`` then ``timer.elapsed_us``. Both syncs matter: the
+    first keeps earlier queued work out of the block, the second keeps the block's own queued
+    work in it.
+    """
+
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        self.elapsed_us = float("nan")
+        self._t0 = 0.0
+
+    def __enter__(self) -> "WallTimer":
+        synchronize(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        synchronize(self.device)
+        self.elapsed_us = (time.perf_counter() - self._t0) * 1e6
+
+
+class DeviceTimer:
+    """Device time of the work queued inside a block (CUDA events; perf_counter on CPU).
+
+    ``elapsed_us`` is only valid after the device has been synchronized (WallTimer's exit
+    does that when the two are nested).
+    """
+
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        self._cuda = _is_cuda(self.device)
+        self._start = self._end = None
+        self._t0 = self._t1 = 0.0
+
+    def __enter__(self) -> "DeviceTimer":
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._cuda:
+            self._end.record()
+        else:
+            self._t1 = time.perf_counter()
+
+    @property
+    def elapsed_us(self) -> float:
+        if self._cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) * 1e3
+        return (self._t1 - self._t0) * 1e6

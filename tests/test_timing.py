@@ -1,0 +1,113 @@
+"""Timing helpers, NVTX ranges, the MLP tail and accuracy metrics on the CPU."""
+
+import math
+import time
+
+import pytest
+import torch
+
+from pkv.accuracy import AccuracyError, check_within, compare, require_within
+from pkv.mlp_tail import GatedMLPTail
+from pkv.nvtx_ranges import nvtx_range
+from pkv.shape import ModelShape
+from pkv.timing import DeviceTimer, L2Flusher, TimingStats, WallTimer, summarize_us, time_device_us
+
+
+def test_time_device_us_measures_cpu_work():
+    calls = []
+
+    def work():
+        calls.append(1)
+        time.sleep(0.002)
+
+    stats = time_device_us(work, reps=5, warmup=2, device="cpu")
+    assert isinstance(stats, TimingStats)
+    assert len(calls) == 7 and stats.n == 5
+    assert 1500 < stats.median_us < 200_000
+    assert stats.p10_us <= stats.median_us <= stats.p90_us
+
+
+def test_time_device_us_flushes_before_every_rep():
+    flushes = []
+
+    class CountingFlusher:
+        device = torch.device("cpu")
+
+        def flush(self):
+            flushes.append(1)
+
+    time_device_us(lambda: None, reps=4, warmup=1, flusher=CountingFlusher())
+    assert len(flushes) == 4
+
+
+def test_summarize_percentiles():
+    stats = summarize_us([float(x) for x in range(1, 12)])
+    assert stats.median_us == 6 and stats.p10_us == 2 and stats.p90_us == 10
+    assert stats.mean_us == 6
+    with pytest.raises(ValueError):
+        summarize_us([])
+    with pytest.raises(ValueError, match="reps"):
+        time_device_us(lambda: None, reps=0)
+
+
+def test_l2_flusher_is_a_noop_on_cpu():
+    flusher = L2Flusher("cpu")
+    assert flusher.buffer is None
+    flusher.flush()
+
+
+def test_wall_and_device_timers_on_cpu():
+    with WallTimer("cpu") as wall:
+        with DeviceTimer("cpu") as device:
+            time.sleep(0.003)
+    assert wall.elapsed_us >= device.elapsed_us >= 2500
+
+
+def test_nvtx_range_refuses_nesting_separator():
+    with pytest.raises(ValueError, match="/"):
+        with nvtx_range("a/b"):
+            pass
+    with pytest.raises(ValueError):
+        with nvtx_range(""):
+            pass
+    entered = []
+    with nvtx_range("reference_decode"):
+        entered.append(True)
+    assert entered
+
+
+def test_gated_mlp_tail_shapes_and_math():
+    shape = ModelShape(num_qo_heads=4, num_kv_heads=2, head_dim=8)
+    tail = GatedMLPTail(hidden=32, intermediate=48, dtype="float64", device="cpu", seed=3)
+    x = torch.randn(5, shape.num_qo_heads, shape.head_dim, dtype=torch.float64)
+    y = tail(x)
+    assert y.shape == (5, 32)
+    flat = x.reshape(5, 32)
+    expected = (torch.nn.functional.silu(flat @ tail.gate.T) * (flat @ tail.up.T)) @ tail.down.T
+    torch.testing.assert_close(y, expected)
+    with pytest.raises(ValueError, match="hidden=32"):
+        tail(torch.randn(5, 3, 8, dtype=torch.float64))
+
+
+def test_compare_and_bounds():
+    ref = torch.ones(2, 3, 4)
+    errors = compare(ref + 1e-4, ref)
+    assert math.isclose(errors["max_abs_err"], 1e-4, rel_tol=1e-2)
+    assert check_within(errors)
+    assert not check_within(compare(ref + 3e-3, ref))
+    poisoned = ref.clone()
+    poisoned[0, 0, 0] = float("nan")
+    assert not check_within(compare(poisoned, ref))
+    with pytest.raises(AccuracyError, match="engine x"):
+        require_within(compare(ref + 1.0, ref), "engine x")
+    with pytest.raises(ValueError, match="shape"):
+        compare(ref[:1], ref)
+
+
+def test_model_shape_validation():
+    assert ModelShape().group_size == 4
+    assert math.isclose(ModelShape().sm_scale, 128 ** -0.5)
+    with pytest.raises(ValueError, match="divisible"):
+        ModelShape(num_qo_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="head_dim"):
+        ModelShape(head_dim=0)
