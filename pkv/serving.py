@@ -126,39 +126,42 @@ def decode_plan_summary(requests: Sequence[Request], max_active: int, max_steps:
     """Counts of the run ``ContinuousDecoder`` would replay, without building any step.
 
     Jumps from event to event (an arrival that finds room, a departure, the step limit) instead
-    of stepping the clock, so a full production log summarises in milliseconds.
+    of stepping the clock, so a production log of 20k requests summarises in a fraction of a second.
+
+    Keys: ``steps`` (yielded steps), ``decode_tokens`` (sum of active rows over the steps),
+    ``mean_active``, ``peak_active``, ``requests_admitted``, ``requests_finished`` and
+    ``end_step`` (the clock after the last step).
     """
     _check_limits(max_active, max_steps)
     cols = _Columns(list(requests))
     n = cols.order.shape[0]
-    arrival = cols.arrival[cols.order]
-    decode = cols.decode[cols.order]
-    remaining = np.empty(0, dtype=np.int64)
+    # Python lists: the active set is at most max_active long, where numpy calls cost more than they save.
+    arrival = cols.arrival[cols.order].tolist()
+    decode = cols.decode[cols.order].tolist()
+    remaining: list[int] = []
     next_wait = t = steps = tokens = finished = peak = 0
-    while next_wait < n or remaining.size:
+    while next_wait < n or remaining:
         if max_steps is not None and steps >= max_steps:
             break
-        if remaining.size == 0 and arrival[next_wait] > t:
-            t = int(arrival[next_wait])
-        room = max_active - remaining.size
-        first = next_wait
+        if not remaining and arrival[next_wait] > t:
+            t = arrival[next_wait]
+        room = max_active - len(remaining)
         while room and next_wait < n and arrival[next_wait] <= t:
+            remaining.append(decode[next_wait])
             next_wait += 1
             room -= 1
-        if next_wait > first:
-            remaining = np.concatenate([remaining, decode[first:next_wait]])
-        peak = max(peak, int(remaining.size))
-        span = int(remaining.min())
+        peak = max(peak, len(remaining))
+        span = min(remaining)
         if room and next_wait < n:  # the next arrival joins as soon as it comes
-            span = min(span, int(arrival[next_wait]) - t)
+            span = min(span, arrival[next_wait] - t)
         if max_steps is not None:
             span = min(span, max_steps - steps)
         steps += span
-        tokens += span * int(remaining.size)
+        tokens += span * len(remaining)
         t += span
-        remaining = remaining - span
-        finished += int((remaining == 0).sum())
-        remaining = remaining[remaining > 0]
+        before = len(remaining)
+        remaining = [r - span for r in remaining if r > span]
+        finished += before - len(remaining)
     return {
         "steps": steps,
         "decode_tokens": tokens,

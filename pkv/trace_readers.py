@@ -3,7 +3,8 @@
 Formats, chosen by the file extension and then by the header or the first record:
 
 - ``.csv`` with columns ``prompt_len, decode_len`` and optionally ``arrival_step`` (default 0)
-  and ``request_id`` (default: the 0-based record index).
+  and ``request_id`` (default: the 0-based record index). Arrival steps need not be sorted: the
+  harness admits by ``(arrival_step, request_id)``.
 - ``.csv`` in the Azure LLM inference trace form: ``TIMESTAMP, ContextTokens, GeneratedTokens``,
   timestamps like ``2023-11-16 18:17:03.9799600`` (up to 9 fractional digits).
 - ``.json``: a list of objects with the plain CSV keys, or ``{"requests": [...]}``.

@@ -59,6 +59,8 @@ class Request:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise ValueError(f"Request.{name} must be an integer, got {value!r}")
+            # Plain ints, so requests serialise to JSON and compare equal whatever built them.
+            object.__setattr__(self, name, int(value))
         if self.arrival_step < 0:
             raise ValueError(f"Request.arrival_step must be >= 0, got {self.arrival_step}")
         if self.prompt_len < 0:

@@ -145,3 +145,9 @@ def test_bad_arguments_name_the_argument(kwargs, name):
     family, n, seed = args.pop("family"), args.pop("num_requests"), args.pop("seed")
     with pytest.raises(ValueError, match=name):
         synthetic_trace(family, n, seed, **args)
+
+
+def test_request_fields_are_plain_ints():
+    r = Request(np.int64(1), np.int32(0), np.int64(5), np.int64(2))
+    assert all(type(getattr(r, f)) is int for f in ("request_id", "arrival_step", "prompt_len", "decode_len"))
+    assert r == Request(1, 0, 5, 2)
