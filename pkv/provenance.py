@@ -1,0 +1,169 @@
+"""Provenance attached to every result file: code version, machine, software stack, config, seed.
+
+Every field degrades to "unknown" / None instead of raising, because a result must still be
+written on a machine without git, without a GPU or without FlashInfer. Collection is cheap: git
+and nvidia-smi are each asked once per process, with a timeout, so a hung driver cannot stall a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import functools
+import importlib.metadata
+import json
+import math
+import platform
+import shutil
+import socket
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+UNKNOWN = "unknown"
+NOT_INSTALLED = "not installed"
+
+# Short enough that a wedged driver or a slow network filesystem does not hold up a benchmark.
+_SUBPROCESS_TIMEOUT_S = 5.0
+
+# The checkout the package was imported from, not the caller's working directory: a rule may run
+# with its cwd under artifacts/, but the commit that matters is the code's.
+_SOURCE_DIR = Path(__file__).resolve().parent.parent
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
+    """stdout of a command, or None if it is missing, fails or times out."""
+    try:
+        proc = subprocess.run(
+            cmd,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=_SUBPROCESS_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    return proc.stdout
+
+
+@functools.lru_cache(maxsize=1)
+def _git_state() -> tuple[str, bool | None]:
+    if shutil.which("git") is None:
+        return UNKNOWN, None
+    head = _run(["git", "-C", str(_SOURCE_DIR), "rev-parse", "HEAD"])
+    if head is None or not head.strip():
+        return UNKNOWN, None
+    # Untracked files (build outputs, artifacts) do not change what the tracked code computes.
+    status = _run(["git", "-C", str(_SOURCE_DIR), "status", "--porcelain", "--untracked-files=no"])
+    dirty = None if status is None else bool(status.strip())
+    return head.strip(), dirty
+
+
+@functools.lru_cache(maxsize=1)
+def _nvidia_smi() -> tuple[str | None, str | None]:
+    """(name of GPU 0, driver version) from one nvidia-smi call, (None, None) without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None, None
+    out = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+    if not out or not out.strip():
+        return None, None
+    first = out.strip().splitlines()[0]
+    name, _, driver = first.partition(",")
+    return (name.strip() or None), (driver.strip() or None)
+
+
+def _torch_info() -> tuple[str, str | None, str | None]:
+    """(torch version, torch.version.cuda, device name of cuda:0 or None)."""
+    try:
+        import torch
+    except ImportError:
+        return NOT_INSTALLED, None, None
+    cuda_version = getattr(torch.version, "cuda", None)
+    device_name = None
+    try:
+        if torch.cuda.is_available():
+            device_name = torch.cuda.get_device_name(0)
+    except Exception:  # a broken driver must not stop a CPU-side result from being written
+        device_name = None
+    return str(torch.__version__), cuda_version, device_name
+
+
+def _distribution_version(*names: str) -> str:
+    # Reading package metadata avoids importing flashinfer, whose import can start JIT work.
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return NOT_INSTALLED
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A JSON-ready copy of a config value; raises ValueError naming the field it cannot convert."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # omegaconf is a dependency, but provenance must not need it
+        DictConfig = ListConfig = ()  # type: ignore[assignment]
+        OmegaConf = None  # type: ignore[assignment]
+    if OmegaConf is not None and isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Path):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"provenance: {where} = {value!r} is not a finite number")
+        return value
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item):
+        try:
+            return _plain(item(), where)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"provenance: {where} = {value!r} is not a plain value") from exc
+    raise ValueError(f"provenance: {where} has type {type(value).__name__}, which cannot be stored in JSON")
+
+
+def collect_provenance(config: Any = None, seed: int | None = None) -> dict:
+    """Where and how a result was produced.
+
+    `config` may be a mapping, a dataclass instance or an OmegaConf config; it is stored resolved,
+    as a plain dict ({} when not given). Values that cannot be determined are "unknown" (strings)
+    or None (GPU name and driver on a machine without a GPU).
+    """
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"provenance: seed = {seed!r} must be an int or None")
+    plain_config = {} if config is None else _plain(config, "config")
+    if not isinstance(plain_config, dict):
+        raise ValueError(f"provenance: config must be a mapping, got {type(config).__name__}")
+    json.dumps(plain_config)  # fail here, naming provenance, rather than later in the result writer
+
+    commit, dirty = _git_state()
+    torch_version, cuda_version, torch_device = _torch_info()
+    smi_name, driver = _nvidia_smi()
+    gpu_name = torch_device or smi_name
+    return {
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "host": socket.gethostname() or UNKNOWN,
+        "gpu_name": gpu_name,
+        "driver_version": driver,
+        "cuda_version": cuda_version,
+        "torch": torch_version,
+        "flashinfer": _distribution_version("flashinfer-python", "flashinfer"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": plain_config,
+        "seed": seed,
+    }

@@ -1,0 +1,232 @@
+"""Result files: the envelope every DAG output shares, atomic writes, and reading them back.
+
+A reader (the table renderer, a later rule, a user's notebook) must never see half a file, so
+every write goes to a temporary file in the destination folder, is fsynced, and is then renamed
+over the destination: os.replace is atomic within one filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+RESULT_SCHEMA = "pkv.result/1"
+
+# Folders under a results root that hold rendered outputs, not results.
+_NOT_RESULTS = frozenset({"tables"})
+
+
+class ResultFileError(ValueError):
+    """A result file that cannot be read or does not follow the result envelope."""
+
+
+def _json_default(value: Any) -> Any:
+    # numpy / torch scalars and arrays come straight out of the timing code.
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"object of type {type(value).__name__} is not JSON serializable")
+
+
+def _first_non_finite(obj: Any, where: str = "$") -> str | None:
+    """JSON path of the first NaN/inf in obj, so the error can say which field is wrong."""
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else f"{where} = {obj!r}"
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            found = _first_non_finite(value, f"{where}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            found = _first_non_finite(value, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    tolist = getattr(obj, "tolist", None)
+    if callable(tolist) and not isinstance(obj, (str, bytes)):
+        return _first_non_finite(tolist(), where)
+    return None
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write text to path so that readers see either the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    # Persist the rename itself; not every filesystem allows opening a directory.
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return path
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any, *, allow_nan: bool = False) -> Path:
+    """Write obj as JSON to path atomically; creates parent folders.
+
+    NaN and inf are refused unless allow_nan: they are not JSON, and a NaN time or error in a
+    result almost always means a failed measurement that should not reach a table.
+    """
+    path = Path(path)
+    if not allow_nan:
+        bad = _first_non_finite(obj)
+        if bad:
+            raise ResultFileError(f"{path}: refusing to write a non-finite value: {bad}")
+    try:
+        text = json.dumps(obj, indent=2, sort_keys=False, allow_nan=allow_nan, default=_json_default)
+    except (TypeError, ValueError) as exc:
+        raise ResultFileError(f"{path}: cannot serialize to JSON: {exc}") from exc
+    # Serialize before touching the filesystem, so a bad object leaves nothing behind.
+    return write_text_atomic(path, text + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Parse a JSON file; errors name the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such result file") from None
+    except OSError as exc:
+        raise ResultFileError(f"{path}: cannot read: {exc}") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ResultFileError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+
+
+def _require_str(field: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, str) or not value:
+        raise ResultFileError(f"result envelope: {field} = {value!r} must be a non-empty string")
+
+
+def result_envelope(
+    experiment: str,
+    trace: Mapping[str, Any],
+    engine: str,
+    *,
+    baseline_engine: str | None,
+    run_id: str,
+    performance_result: bool,
+    metrics: Mapping[str, Any] | None = None,
+    skipped: str | None = None,
+    variant: str | None = None,
+    provenance: Mapping[str, Any],
+) -> dict:
+    """One trace-run result (docs/architecture.md, "Result files").
+
+    Exactly one of metrics (it ran) or skipped (why it could not run) is given.
+    """
+    _require_str("experiment", experiment)
+    _require_str("engine", engine)
+    _require_str("baseline_engine", baseline_engine, allow_none=True)
+    _require_str("run_id", run_id)
+    _require_str("variant", variant, allow_none=True)
+    if not isinstance(trace, Mapping) or not isinstance(trace.get("name"), str) or not trace.get("name"):
+        raise ResultFileError(f"result envelope: trace = {trace!r} must be a mapping with a non-empty 'name'")
+    if not isinstance(performance_result, bool):
+        raise ResultFileError(f"result envelope: performance_result = {performance_result!r} must be a bool")
+    if (metrics is None) == (skipped is None):
+        raise ResultFileError(
+            f"result envelope for {engine} on {trace['name']}: give exactly one of metrics or skipped "
+            f"(metrics={'set' if metrics is not None else None}, skipped={skipped!r})"
+        )
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise ResultFileError(f"result envelope: metrics must be a mapping, got {type(metrics).__name__}")
+    if skipped is not None:
+        _require_str("skipped", skipped)
+    if not isinstance(provenance, Mapping):
+        raise ResultFileError(f"result envelope: provenance must be a mapping, got {type(provenance).__name__}")
+    record: dict[str, Any] = {
+        "schema": RESULT_SCHEMA,
+        "experiment": experiment,
+        "variant": variant,
+        "trace": dict(trace),
+        "engine": engine,
+        "baseline_engine": baseline_engine,
+        "run_id": run_id,
+        "performance_result": performance_result,
+    }
+    if metrics is not None:
+        record["metrics"] = dict(metrics)
+    else:
+        record["skipped"] = skipped
+    record["provenance"] = dict(provenance)
+    return record
+
+
+def validate_result(record: Any, source: str | os.PathLike = "<result>") -> dict:
+    """Check a parsed result against the envelope; errors name the source file and the field."""
+    if not isinstance(record, dict):
+        raise ResultFileError(f"{source}: a result must be a JSON object, got {type(record).__name__}")
+    if record.get("schema") != RESULT_SCHEMA:
+        raise ResultFileError(f"{source}: schema = {record.get('schema')!r}, expected {RESULT_SCHEMA!r}")
+    for field in ("experiment", "engine", "run_id"):
+        if not isinstance(record.get(field), str) or not record[field]:
+            raise ResultFileError(f"{source}: {field} = {record.get(field)!r} must be a non-empty string")
+    trace = record.get("trace")
+    if not isinstance(trace, dict) or not isinstance(trace.get("name"), str):
+        raise ResultFileError(f"{source}: trace = {trace!r} must be an object with a 'name'")
+    if not isinstance(record.get("performance_result"), bool):
+        raise ResultFileError(
+            f"{source}: performance_result = {record.get('performance_result')!r} must be true or false"
+        )
+    has_metrics = isinstance(record.get("metrics"), dict)
+    has_skipped = isinstance(record.get("skipped"), str)
+    if has_metrics == has_skipped:
+        raise ResultFileError(f"{source}: a result needs exactly one of 'metrics' (object) or 'skipped' (string)")
+    if not isinstance(record.get("provenance"), dict):
+        raise ResultFileError(f"{source}: provenance is missing or not an object")
+    return record
+
+
+def read_result(path: str | os.PathLike) -> dict:
+    """Read and validate one trace-run result file."""
+    return validate_result(read_json(path), path)
+
+
+def iter_results(root: str | os.PathLike) -> Iterator[tuple[Path, dict]]:
+    """(path, record) for every trace-run result under root, in sorted path order.
+
+    Other JSON under the root (calibration constants, the build record, profiler counters) is
+    passed over; a file that claims the result schema but breaks the envelope raises.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: results root is not a directory")
+    for path in sorted(root.rglob("*.json")):
+        rel = path.relative_to(root).parts
+        if rel[0] in _NOT_RESULTS or any(part.startswith(".") for part in rel):
+            continue
+        record = read_json(path)
+        if isinstance(record, dict) and record.get("schema") == RESULT_SCHEMA:
+            yield path, validate_result(record, path)
