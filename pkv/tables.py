@@ -1,0 +1,165 @@
+"""Render the paper's tables from a results root through the Jinja templates in paper_tables/.
+
+    python -m pkv.tables --root artifacts/<gpu> --out artifacts/<gpu>/tables
+
+Numbers come from pkv.table_data (and pkv.evidence for Table 6); the templates hold the layout;
+this module only turns typed cells into Markdown or LaTeX text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from pkv import evidence, table_data
+from pkv.results import write_text_atomic
+from pkv.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
+
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "paper_tables"
+FORMATS = ("md", "tex")
+
+TABLE_BUILDERS: dict[int, Callable[[Path], dict[str, Any]]] = {
+    1: table_data.table1,
+    2: table_data.table2,
+    3: table_data.table3,
+    4: table_data.table4,
+    5: table_data.table5,
+    6: evidence.evidence_map,
+    7: table_data.table7,
+    8: table_data.table8,
+}
+
+DASH = {"md": "–", "tex": "--"}
+
+
+def _mantissa_exponent(value: float, digits: int) -> tuple[str, int]:
+    exponent = math.floor(math.log10(abs(value)))
+    mantissa = value / 10**exponent
+    # Rounding can carry the mantissa to 10.000; renormalize so it reads 1.000e(k+1).
+    if round(abs(mantissa), digits) >= 10:
+        exponent += 1
+        mantissa = value / 10**exponent
+    return f"{mantissa:.{digits}f}", exponent
+
+
+_TEX_SPECIALS = {
+    "\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+    "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
+    "×": r"$\times$", "±": r"$\pm$", "–": "--", "|": r"\textbar{}", "<": r"\textless{}", ">": r"\textgreater{}",
+}
+
+
+def escape_tex(text: Any) -> str:
+    return "".join(_TEX_SPECIALS.get(ch, ch) for ch in str(text))
+
+
+def escape_md(text: Any) -> str:
+    # Only what breaks a pipe table; everything else reads as plain text.
+    return str(text).replace("|", r"\|").replace("\n", " ")
+
+
+def format_cell(value: Any, fmt: str) -> str:
+    """One typed cell as Markdown (fmt="md") or LaTeX (fmt="tex") text."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    tex = fmt == "tex"
+    if isinstance(value, Missing):
+        return rf"--\textsuperscript{{{value.note}}}" if tex else f"–[{value.note}]"
+    if isinstance(value, NotApplicable) or value is None:
+        return DASH[fmt]
+    if isinstance(value, Num):
+        text = f"{value.value:.{value.decimals}f}"
+        return text + (escape_tex(value.suffix) if tex else value.suffix)
+    if isinstance(value, MeanStd):
+        mean = f"{value.mean:.{value.decimals}f}"
+        suffix = (r"\times" if value.suffix == "×" else escape_tex(value.suffix)) if tex else value.suffix
+        if value.std is None:
+            return f"${mean}{suffix}$" if tex else f"{mean}{suffix}"
+        std = f"{value.std:.{value.decimals}f}"
+        return f"${mean}{{\\pm}}{std}{suffix}$" if tex else f"{mean} ± {std}{suffix}"
+    if isinstance(value, Sci):
+        if value.value == 0:
+            return "0"
+        mantissa, exponent = _mantissa_exponent(value.value, value.digits)
+        return f"${mantissa}{{\\cdot}}10^{{{exponent}}}$" if tex else f"{mantissa}e{exponent:+03d}"
+    if isinstance(value, Text):
+        return escape_tex(value.text) if tex else escape_md(value.text)
+    if isinstance(value, (int, float, str)):
+        return escape_tex(value) if tex else escape_md(value)
+    raise TypeError(f"cannot format a table cell of type {type(value).__name__}")
+
+
+def format_marks(marks: Iterable[int], fmt: str) -> str:
+    """Footnote marks for a row whose numbers leave some seeds out."""
+    marks = sorted(set(marks))
+    if not marks:
+        return ""
+    joined = ",".join(str(m) for m in marks)
+    return rf"\textsuperscript{{{joined}}}" if fmt == "tex" else f"[{joined}]"
+
+
+def make_environment(fmt: str, templates_dir: Path = TEMPLATES_DIR) -> jinja2.Environment:
+    if not templates_dir.is_dir():
+        raise FileNotFoundError(f"{templates_dir}: template folder not found")
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir)),
+        undefined=jinja2.StrictUndefined,  # a renamed row field must fail the render, not print nothing
+        autoescape=False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters["cell"] = lambda v: format_cell(v, fmt)
+    env.filters["esc"] = escape_tex if fmt == "tex" else escape_md
+    env.filters["marks"] = lambda m: format_marks(m, fmt)
+    env.globals["dash"] = DASH[fmt]
+    return env
+
+
+def render_table(number: int, root: Path, fmt: str, templates_dir: Path = TEMPLATES_DIR) -> str:
+    if number not in TABLE_BUILDERS:
+        raise ValueError(f"no table {number}; tables are {sorted(TABLE_BUILDERS)}")
+    context = TABLE_BUILDERS[number](Path(root))
+    template = make_environment(fmt, templates_dir).get_template(f"table{number}.{fmt}.j2")
+    return template.render(t=context, table_number=number)
+
+
+def render_all(root: Path, out_dir: Path, templates_dir: Path = TEMPLATES_DIR) -> list[Path]:
+    """Render tables 1-8 as table<K>.md and table<K>.tex under out_dir; returns the files written."""
+    root, out_dir = Path(root), Path(out_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: results root is not a directory")
+    written = []
+    for number in sorted(TABLE_BUILDERS):
+        context = TABLE_BUILDERS[number](root)
+        for fmt in FORMATS:
+            template = make_environment(fmt, templates_dir).get_template(f"table{number}.{fmt}.j2")
+            text = template.render(t=context, table_number=number)
+            written.append(write_text_atomic(out_dir / f"table{number}.{fmt}", text))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pkv.tables", description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, required=True, help="results root, e.g. artifacts/<gpu>")
+    parser.add_argument("--out", type=Path, required=True, help="folder for table<K>.md and table<K>.tex")
+    parser.add_argument("--templates", type=Path, default=TEMPLATES_DIR, help="folder of table templates")
+    args = parser.parse_args(argv)
+    try:
+        paths = render_all(args.root, args.out, args.templates)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"pkv.tables: {exc}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

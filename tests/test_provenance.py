@@ -1,0 +1,122 @@
+import dataclasses
+import json
+import subprocess
+
+import pytest
+
+from pkv import provenance
+from pkv.provenance import collect_provenance
+
+KEYS = {"git_commit", "git_dirty", "host", "gpu_name", "driver_version", "cuda_version", "torch", "flashinfer",
+        "python", "platform", "timestamp_utc", "config", "seed"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    provenance._git_state.cache_clear()
+    provenance._nvidia_smi.cache_clear()
+    yield
+    provenance._git_state.cache_clear()
+    provenance._nvidia_smi.cache_clear()
+
+
+def _no_gpu(monkeypatch):
+    real_which = provenance.shutil.which
+    monkeypatch.setattr(provenance.shutil, "which", lambda name: None if name == "nvidia-smi" else real_which(name))
+    monkeypatch.setattr(provenance, "_torch_info", lambda: ("2.5.0", None, None))
+
+
+def test_keys_present_without_gpu(monkeypatch):
+    _no_gpu(monkeypatch)
+    prov = collect_provenance({"trace": {"family": "bimodal"}}, seed=20260623)
+    assert KEYS <= set(prov)
+    assert prov["gpu_name"] is None and prov["driver_version"] is None and prov["cuda_version"] is None
+    assert prov["seed"] == 20260623
+    assert prov["config"] == {"trace": {"family": "bimodal"}}
+    assert prov["timestamp_utc"].endswith("+00:00")
+    json.dumps(prov)  # must be storable as-is
+
+
+def test_real_machine_provenance_is_json():
+    prov = collect_provenance()
+    assert KEYS <= set(prov)
+    assert prov["config"] == {} and prov["seed"] is None
+    assert isinstance(prov["torch"], str) and prov["flashinfer"]
+    json.dumps(prov)
+
+
+def test_without_git_checkout(monkeypatch, tmp_path):
+    monkeypatch.setattr(provenance, "_SOURCE_DIR", tmp_path)  # not inside any repository
+    prov = collect_provenance()
+    assert prov["git_commit"] == "unknown"
+    assert prov["git_dirty"] is None
+
+
+def test_without_git_binary(monkeypatch):
+    real_which = provenance.shutil.which
+    monkeypatch.setattr(provenance.shutil, "which", lambda name: None if name == "git" else real_which(name))
+    assert collect_provenance()["git_commit"] == "unknown"
+
+
+def test_nvidia_smi_called_once_with_timeout(monkeypatch):
+    calls = []
+    real_run = subprocess.run
+
+    def fake_run(cmd, **kwargs):
+        if cmd[0] == "nvidia-smi":
+            calls.append(kwargs.get("timeout"))
+            return subprocess.CompletedProcess(cmd, 0, stdout="NVIDIA H200, 570.1\nNVIDIA H200, 570.1\n", stderr="")
+        return real_run(cmd, **kwargs)
+
+    real_which = provenance.shutil.which
+    monkeypatch.setattr(provenance.shutil, "which",
+                        lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else real_which(name))
+    monkeypatch.setattr(provenance.subprocess, "run", fake_run)
+    monkeypatch.setattr(provenance, "_torch_info", lambda: ("2.5.0", "12.4", None))
+    first = collect_provenance()
+    second = collect_provenance()
+    assert len(calls) == 1 and calls[0] is not None
+    assert first["gpu_name"] == second["gpu_name"] == "NVIDIA H200"
+    assert first["driver_version"] == "570.1"
+    assert first["cuda_version"] == "12.4"
+
+
+def test_hung_nvidia_smi_degrades(monkeypatch):
+    def hung(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs.get("timeout", 0))
+
+    monkeypatch.setattr(provenance.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(provenance.subprocess, "run", hung)
+    monkeypatch.setattr(provenance, "_torch_info", lambda: ("2.5.0", None, None))
+    prov = collect_provenance()
+    assert prov["gpu_name"] is None and prov["git_commit"] == "unknown"
+
+
+def test_config_forms_become_plain_dicts(monkeypatch):
+    _no_gpu(monkeypatch)
+    from omegaconf import OmegaConf
+
+    @dataclasses.dataclass
+    class Shape:
+        num_qo_heads: int = 32
+        splits: tuple = (16, 20)
+
+    assert collect_provenance(Shape())["config"] == {"num_qo_heads": 32, "splits": [16, 20]}
+    cfg = OmegaConf.create({"a": 2, "b": "${a}"})
+    assert collect_provenance(cfg)["config"] == {"a": 2, "b": 2}
+
+
+@pytest.mark.parametrize("seed", [1.5, "7", True])
+def test_bad_seed_is_rejected(seed):
+    with pytest.raises(ValueError, match="seed"):
+        collect_provenance(seed=seed)
+
+
+def test_non_finite_config_value_names_field():
+    with pytest.raises(ValueError, match=r"config\.gpu\.beta"):
+        collect_provenance({"gpu": {"beta": float("nan")}})
+
+
+def test_unstorable_config_value_names_field():
+    with pytest.raises(ValueError, match=r"config\.handle"):
+        collect_provenance({"handle": object()})

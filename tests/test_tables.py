@@ -1,0 +1,247 @@
+import statistics
+from pathlib import Path
+
+import pytest
+
+from pkv import evidence, table_data, tables
+from pkv.provenance import collect_provenance
+from pkv.results import result_envelope, write_json_atomic
+from pkv.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
+
+FIXTURE = Path(__file__).parent / "fixtures" / "results" / "fake_gpu"
+
+
+def _row(rows, key, value):
+    matches = [r for r in rows if r.get(key) == value]
+    assert len(matches) == 1, (key, value, rows)
+    return matches[0]
+
+
+def _note_text(ctx, cell):
+    assert isinstance(cell, Missing), cell
+    return dict(ctx["notes"])[cell.note]
+
+
+# ---------------------------------------------------------------- aggregation on the synthetic tree
+
+
+def test_table2_ratios_within_run_and_over_held_out_seeds():
+    ctx = table_data.table2(FIXTURE)
+    row = _row(ctx["rows"], "trace", "bimodal_b8")
+    # seed 20260622 is the calibration seed and seed 20260625 mixes two runs: only 23 and 24 count.
+    cuda = [1100.0 / 1000.0, 1200.0 / 1000.0]
+    wall = [1050.0 / 1000.0, 1100.0 / 1000.0]
+    assert row["seeds"] == 2
+    assert row["cuda"].mean == pytest.approx(statistics.fmean(cuda))
+    assert row["cuda"].std == pytest.approx(statistics.stdev(cuda))
+    assert row["wall"].mean == pytest.approx(statistics.fmean(wall))
+    assert row["wall"].std == pytest.approx(statistics.stdev(wall))
+    assert row["max_err"].value == pytest.approx(6.1e-5)
+    assert row["mean_err"].value == pytest.approx(5.0e-6)
+    assert row["route"].text == "PersistentKV workqueue, split 20"
+    marks = [dict(ctx["notes"])[m] for m in row["marks"]]
+    assert any("different runs" in m and "20260625" in m for m in marks)
+
+
+def test_table2_skipped_and_not_run_rows():
+    ctx = table_data.table2(FIXTURE)
+    b1 = _row(ctx["rows"], "trace", "bucketed_b1")
+    assert "skipped: fixture: engine unavailable" in _note_text(ctx, b1["wall"])
+    zipf = _row(ctx["rows"], "trace", "zipf_b8")
+    assert "not run" in _note_text(ctx, zipf["cuda"])
+    assert "evaluate/zipf_b8" in ctx["not_run"]
+    assert ctx["performance_result"] is True
+    assert "FAKE-GPU" in ctx["device"]
+
+
+def test_table1_milliseconds_and_skipped_method():
+    ctx = table_data.table1(FIXTURE)
+    assert [c["tokens"] for c in ctx["contexts"]] == [8192, 32768]
+    assert "isolated/ctx65536.json" in ctx["not_run"]
+    fi = _row(ctx["rows"], "method", "flashinfer")
+    assert fi["cells"][0]["ms"].value == pytest.approx(0.1201)
+    assert fi["rel_err"].value == pytest.approx(3.0e-3)
+    vllm = _row(ctx["rows"], "method", "vllm")
+    assert "vllm not installed" in _note_text(ctx, vllm["cells"][1]["ms"])
+
+
+def test_table3_per_engine_mean_std_and_ratio_row():
+    ctx = table_data.table3(FIXTURE)
+    block = ctx["blocks"][0]
+    adaptive = _row(block["rows"], "engine", "adaptive")
+    assert adaptive["cuda_tok_s"].mean == pytest.approx(120.0)
+    assert adaptive["cuda_tok_s"].std == pytest.approx(statistics.stdev([110.0, 130.0]))
+    assert adaptive["wall_ms_per_step"].mean == pytest.approx(4.0)
+    ratios = [105.0 / 100.0, 120.0 / 100.0]
+    assert block["ratio"]["wall"].mean == pytest.approx(statistics.fmean(ratios))
+    assert block["ratio"]["wall"].suffix == "×"
+
+
+def test_table4_counter_means():
+    ctx = table_data.table4(FIXTURE)
+    exact = _row(ctx["rows"], "label", "PersistentKV exact buckets")
+    assert exact["launches_per_step"].value == pytest.approx(statistics.fmean([16.0, 17.0]))
+    wq = _row(ctx["rows"], "label", "PersistentKV workqueue")
+    assert wq["launches_per_step"].value == pytest.approx(2.5)
+    fi = _row(ctx["rows"], "label", "FlashInfer")
+    assert fi["launches_per_step"].value == pytest.approx(1.0)
+    assert "decode_ctas_per_sm not reported" in _note_text(ctx, fi["decode_ctas_per_sm"])
+    adaptive = _row(ctx["rows"], "label", "Adaptive route")
+    assert adaptive["launches_per_step"].value == pytest.approx(3.0)  # seeds 23 and 24 report it
+
+
+def test_table5_kernels_and_missing_counter():
+    ctx = table_data.table5(FIXTURE)
+    assert ctx["skipped"] is None
+    merge = _row(ctx["rows"], "name", "pkv_merge")
+    assert merge["time_ms"].value == pytest.approx(0.014)
+    assert "l2_hit_pct not captured" in _note_text(ctx, merge["l2_hit_pct"])
+
+
+def test_table7_and_table8():
+    t7 = table_data.table7(FIXTURE)
+    row = t7["rows"][0]
+    assert [p["splits"] for p in row["points"]] == [16, 20]
+    assert row["points"][0]["cuda"].mean == pytest.approx(1.3)
+    assert row["points"][1]["wall"].mean == pytest.approx(1.15)
+    t8 = table_data.table8(FIXTURE)
+    assert [(r["group"].value, r["hkv"].value) for r in t8["rows"]] == [(1, 32), (4, 8)]
+    assert t8["rows"][0]["route"].text == "FlashInfer"
+    assert t8["rows"][1]["wall"].mean == pytest.approx(1.24)
+
+
+def test_evidence_statuses_from_measured_ratios():
+    ctx = evidence.evidence_map(FIXTURE)
+    rows = {r["regime"]: r for r in ctx["rows"]}
+    assert rows["Bimodal B8 serving"]["status"] == evidence.POSITIVE
+    assert "2 held-out seeds" in rows["Bimodal B8 serving"]["evidence"]
+    assert "raggedness ablation (2 variants)" in rows["Bimodal B8 serving"]["evidence"]
+    assert rows["Bimodal B4 serving"]["status"] == evidence.REGRESSION  # 0.95 in the fixture
+    assert rows["GQA sweep G=1, Bimodal B8"]["status"] == evidence.NO_REGRESSION
+    assert rows["Zipf B8 serving"]["status"] == evidence.NOT_RUN
+    assert rows["Bucketed B1 serving"]["status"] == evidence.NOT_RUN  # only a skipped record
+    assert rows["Cost-model constants"]["status"] == evidence.RECORDED
+    assert all(r["qualifier"] is None for r in ctx["rows"])
+
+
+@pytest.mark.parametrize("ratio, status", [
+    (1.02, evidence.POSITIVE), (1.0199, evidence.NO_REGRESSION), (0.98, evidence.NO_REGRESSION),
+    (0.9799, evidence.REGRESSION),
+])
+def test_status_thresholds(ratio, status):
+    assert evidence.status_of(ratio) == status
+
+
+# ---------------------------------------------------------------- CPU profile marker
+
+
+def _write_run(root, trace, seed, run_id, adaptive_wall, baseline_wall, performance_result, prov):
+    for engine, wall in (("adaptive", adaptive_wall), ("flashinfer", baseline_wall)):
+        metrics = {"cuda_tok_s": wall, "wall_tok_s": wall, "max_abs_err": 1e-6, "mean_abs_err": 1e-7,
+                   "selected_route": "persistentkv_workqueue" if engine == "adaptive" else "flashinfer",
+                   "num_splits": 4}
+        rec = result_envelope("evaluate", {"name": trace, "seed": seed}, engine, baseline_engine="flashinfer",
+                              run_id=run_id, performance_result=performance_result, metrics=metrics,
+                              provenance=prov)
+        write_json_atomic(root / "evaluate" / trace / f"seed{seed}" / f"{engine}.json", rec)
+
+
+@pytest.fixture(scope="module")
+def cpu_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cpu") / "artifacts" / "cpu"
+    prov = collect_provenance({"profile": "cpu"}, 0)
+    prov["gpu_name"] = None  # the CPU profile, whatever machine runs the tests
+    _write_run(root, "bimodal_b8", 20260623, "a", 30.0, 20.0, False, prov)
+    _write_run(root, "bimodal_b8", 20260624, "b", 33.0, 30.0, False, prov)
+    write_json_atomic(root / "profile" / "ncu_counters.json",
+                      {"performance_result": False, "skipped": "no GPU", "provenance": prov})
+    return root
+
+
+def test_cpu_profile_marked_not_a_performance_result(cpu_root, tmp_path):
+    ctx = table_data.table2(cpu_root)
+    assert ctx["performance_result"] is False
+    assert ctx["performance_note"] == "CPU profile: not a performance result"
+    assert ctx["device"] == "CPU only (no GPU)"
+    out = tmp_path / "tables"
+    written = tables.render_all(cpu_root, out)
+    assert sorted(p.name for p in written) == sorted(f"table{k}.{f}" for k in range(1, 9) for f in ("md", "tex"))
+    for path in written:
+        assert "not a performance result" in path.read_text().lower(), path.name
+    t6 = (out / "table6.md").read_text()
+    assert "Positive (CPU profile: not a performance result)" in t6
+    t5 = (out / "table5.md").read_text()
+    assert "no GPU" in t5
+
+
+def test_cpu_profile_ratio_values_in_both_formats(cpu_root):
+    wall = [30.0 / 20.0, 33.0 / 30.0]
+    mean, std = statistics.fmean(wall), statistics.stdev(wall)
+    md = tables.render_table(2, cpu_root, "md")
+    tex = tables.render_table(2, cpu_root, "tex")
+    assert f"{mean:.3f} ± {std:.3f}" in md
+    assert f"${mean:.3f}{{\\pm}}{std:.3f}$" in tex
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def test_render_all_fixture_contains_computed_numbers(tmp_path):
+    written = tables.render_all(FIXTURE, tmp_path)
+    assert len(written) == 16
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    ctx = table_data.table2(FIXTURE)
+    row = _row(ctx["rows"], "trace", "bimodal_b8")
+    md, tex = (tmp_path / "table2.md").read_text(), (tmp_path / "table2.tex").read_text()
+    assert f"{row['cuda'].mean:.3f} ± {row['cuda'].std:.3f}" in md
+    assert f"${row['wall'].mean:.3f}{{\\pm}}{row['wall'].std:.3f}$" in tex
+    assert "6.100e-05" in md and r"$6.100{\cdot}10^{-5}$" in tex
+    assert "bimodal\\_b8" in tex  # LaTeX text is escaped
+    assert "Not run: `evaluate/uniform_b8`" in md
+    assert "Commit: f1x7ure00000" in md
+    for k in range(1, 9):
+        assert "FAKE-GPU" in (tmp_path / f"table{k}.md").read_text()
+        assert "\\begin{table}" in (tmp_path / f"table{k}.tex").read_text()
+    t1 = (tmp_path / "table1.md").read_text()
+    assert "| FlashInfer | 0.1201 | 0.81 | 0.4404 | 0.88 |" in t1
+    assert "fixture: vllm not installed" in t1
+
+
+def test_empty_root_renders_every_table_as_not_run(tmp_path):
+    root = tmp_path / "artifacts" / "nothing"
+    root.mkdir(parents=True)
+    written = tables.render_all(root, tmp_path / "out")
+    assert len(written) == 16
+    assert "none of its inputs ran" in (tmp_path / "out" / "table2.md").read_text()
+    assert "Not run" in (tmp_path / "out" / "table6.md").read_text()
+
+
+@pytest.mark.parametrize("value, md, tex", [
+    (Num(1.23456, 3), "1.235", "1.235"),
+    (MeanStd(1.0, 0.05, 5, 3, "×"), "1.000 ± 0.050×", r"$1.000{\pm}0.050\times$"),
+    (MeanStd(1.25, None, 1, 3), "1.250", "$1.250$"),
+    (Sci(6.104e-5), "6.104e-05", r"$6.104{\cdot}10^{-5}$"),
+    (Sci(9.9996e-4), "1.000e-03", r"$1.000{\cdot}10^{-3}$"),
+    (Sci(0.0), "0", "0"),
+    (Text("a_b | c"), r"a_b \| c", r"a\_b \textbar{} c"),
+    (Missing("why", 2), "–[2]", r"--\textsuperscript{2}"),
+    (NotApplicable(), "–", "--"),
+])
+def test_format_cell(value, md, tex):
+    assert tables.format_cell(value, "md") == md
+    assert tables.format_cell(value, "tex") == tex
+
+
+def test_cli(tmp_path, capsys):
+    assert tables.main(["--root", str(FIXTURE), "--out", str(tmp_path / "t")]) == 0
+    assert (tmp_path / "t" / "table8.tex").is_file()
+    assert tables.main(["--root", str(tmp_path / "absent"), "--out", str(tmp_path / "u")]) == 1
+    assert "absent" in capsys.readouterr().err
+
+
+def test_corrupt_result_fails_naming_file(tmp_path):
+    bad = tmp_path / "evaluate" / "bimodal_b8" / "seed20260623" / "adaptive.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="adaptive.json"):
+        tables.render_all(tmp_path, tmp_path / "out")
