@@ -1,0 +1,63 @@
+"""The adaptive engine: the calibrated route policy over PersistentKV and the FlashInfer role."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pkv.engines.base import Engine
+
+
+@dataclass
+class AdaptivePlan:
+    """The route decision and the chosen engine's own plan.
+
+    ``route``, ``num_splits``, ``schedule`` and ``step`` read like any EnginePlan, so the
+    harness counts routes and counters the same way for every engine.
+    """
+
+    route: str
+    decision: object
+    inner: object
+    step: object
+
+    @property
+    def schedule(self):
+        return getattr(self.inner, "schedule", None)
+
+    @property
+    def num_splits(self):
+        if self.route == "flashinfer":
+            return getattr(self.inner, "num_splits", None)
+        return int(self.decision.num_splits)
+
+
+class AdaptiveEngine(Engine):
+    """Asks the route policy per step, then plans and runs the chosen engine."""
+
+    def __init__(self, policy, persistent: Engine, fallback: Engine) -> None:
+        if not hasattr(persistent, "plan_for"):
+            raise ValueError(
+                f"AdaptiveEngine needs a persistent engine with plan_for(step, decision), "
+                f"got {persistent!r}")
+        self.policy = policy
+        self.persistent = persistent
+        self.fallback = fallback
+        self.name = "adaptive"
+        self.implementation = f"adaptive({persistent.implementation}|{fallback.implementation})"
+
+    def plan(self, step) -> AdaptivePlan:
+        decision = self.policy.choose(step)
+        if decision.route == "flashinfer":
+            inner = self.fallback.plan(step)
+        else:
+            inner = self.persistent.plan_for(step, decision)
+        return AdaptivePlan(route=decision.route, decision=decision, inner=inner, step=step)
+
+    def prepare(self, step, q, k_pages, v_pages) -> None:
+        # Either engine may be chosen for this step; both get their one-off work untimed.
+        self.persistent.prepare(step, q, k_pages, v_pages)
+        self.fallback.prepare(step, q, k_pages, v_pages)
+
+    def run(self, q, k_pages, v_pages, plan: AdaptivePlan):
+        engine = self.fallback if plan.route == "flashinfer" else self.persistent
+        return engine.run(q, k_pages, v_pages, plan.inner)

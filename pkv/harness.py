@@ -1,0 +1,272 @@
+"""The serving-trace harness (paper 3.6, 3.9): every engine, every decode step, one pass.
+
+All engines of a run see the same page assignment, the same K,V tensors (allocated once, sized
+by the assignment) and the same queries. Per step and engine: the L2 flush (untimed), then
+synchronized wall time of plan + run (+ the MLP tail) and device time of the queued run work.
+Each engine's output is checked against the baseline engine's before the step counts (fp32
+compare, the paper's bounds); every ``check_every`` measured steps all engines are also
+compared with the float64 dense reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pkv.accuracy import PAPER_MAX_ABS, PAPER_MEAN_ABS, AccuracyError, check_within, compare
+from pkv.engines.dense import dense_decode
+from pkv.kv_data import make_kv_pages, make_queries, resolve_dtype
+from pkv.mlp_tail import GatedMLPTail
+from pkv.nvtx_ranges import nvtx_range, validate_range_name
+from pkv.timing import DeviceTimer, L2Flusher, WallTimer
+
+# Relative error against float64 above which an engine (or the baseline itself) is wrong
+# rather than merely rounded: a few ulps of the output dtype.
+REF_REL_LIMIT = {
+    torch.float16: 1e-2,
+    torch.bfloat16: 3e-2,
+    torch.float32: 1e-4,
+    torch.float64: 1e-9,
+}
+PROGRESS_EVERY_S = 5.0
+
+
+class CorrectnessError(AccuracyError):
+    """An engine disagreed with the baseline or the float64 reference during a trace run."""
+
+
+@dataclass(frozen=True)
+class TraceRunSpec:
+    name: str
+    family: str
+    seed: int
+    requests: tuple
+    page_size: int = 16
+    hole_fraction: float = 0.0
+    max_active: int = 8
+    warmup_steps: int = 4
+    measured_steps: int = 64
+    dtype: str = "float16"
+    device: str = "cuda"
+    check_every: int = 16
+    mlp_tail: bool = False
+    flush_l2: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TraceRunSpec.name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.requests, tuple) or not self.requests:
+            raise ValueError(f"TraceRunSpec.requests must be a non-empty tuple, got {type(self.requests)}")
+        for field_name, low in (("page_size", 1), ("max_active", 1), ("warmup_steps", 0),
+                                ("measured_steps", 1), ("check_every", 1), ("seed", 0)):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"TraceRunSpec.{field_name} must be an int >= {low}, got {value!r}")
+        if not 0.0 <= float(self.hole_fraction) < 1.0:
+            raise ValueError(f"TraceRunSpec.hole_fraction must be in [0, 1), got {self.hole_fraction!r}")
+        try:
+            resolve_dtype(self.dtype)
+        except ValueError as exc:
+            raise ValueError(f"TraceRunSpec.dtype: {exc}") from None
+
+
+def query_seed(seed: int, step: int) -> int:
+    """Fresh, reproducible queries per step."""
+    return int(np.random.SeedSequence([int(seed), int(step)]).generate_state(1)[0])
+
+
+def default_num_sms(device) -> int:
+    """SMs for the structural counters; on the CPU profile one core plays the role of an SM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return os.cpu_count() or 1
+
+
+def uses_fused_merge(engine) -> bool:
+    """Whether the engine (or the PersistentKV engine inside an adaptive one) fuses the merge."""
+    inner = getattr(engine, "persistent", None)
+    return bool(getattr(engine, "fused_merge", False) or getattr(inner, "fused_merge", False))
+
+
+def step_counters(plan, step, shape, num_sms: int, kv_dtype_bytes: int, fused_merge: bool = False):
+    """Structural counters from the plan's type: workqueue, buckets, or one library call."""
+    from pkv import counters
+
+    schedule = getattr(plan, "schedule", None)
+    if hasattr(schedule, "tasks"):
+        return counters.counters_for_workqueue(schedule, step, num_sms, shape.head_dim,
+                                               kv_dtype_bytes, fused_merge=fused_merge)
+    if hasattr(schedule, "launches"):
+        return counters.counters_for_buckets(schedule, step, num_sms, shape.head_dim, kv_dtype_bytes)
+    return counters.counters_for_flashinfer(step, num_sms, shape.head_dim, kv_dtype_bytes,
+                                            num_kv_heads=shape.num_kv_heads)
+
+
+class _EngineRecord:
+    """Per-engine accumulation over the measured steps."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.decode_tokens = 0
+        self.wall_us = 0.0
+        self.cuda_us = 0.0
+        self.max_abs_err = 0.0
+        self.abs_err_sum = 0.0
+        self.checked_steps = 0
+        self.ref_max_rel_err = 0.0
+        self.routes: Counter = Counter()
+        self.splits: Counter = Counter()
+        self.counters: list = []
+
+    def metrics(self, implementation: str) -> dict:
+        selected = self.routes.most_common(1)[0][0] if self.routes else None
+        splits = self.splits.most_common(1)[0][0] if self.splits else None
+        from pkv import counters
+
+        return {
+            "steps": self.steps,
+            "decode_tokens": self.decode_tokens,
+            "cuda_ms_total": self.cuda_us / 1e3,
+            "wall_ms_total": self.wall_us / 1e3,
+            "cuda_ms_per_step": self.cuda_us / 1e3 / self.steps,
+            "wall_ms_per_step": self.wall_us / 1e3 / self.steps,
+            "cuda_tok_s": self.decode_tokens / (self.cuda_us / 1e6) if self.cuda_us > 0 else math.inf,
+            "wall_tok_s": self.decode_tokens / (self.wall_us / 1e6) if self.wall_us > 0 else math.inf,
+            "max_abs_err": self.max_abs_err,
+            "mean_abs_err": self.abs_err_sum / self.checked_steps if self.checked_steps else 0.0,
+            "ref_max_rel_err": self.ref_max_rel_err,
+            "routes": dict(sorted(self.routes.items())),
+            "selected_route": selected,
+            "num_splits": splits,
+            "counters": counters.summarize(self.counters),
+            "implementation": implementation,
+        }
+
+
+def _check_against_baseline(name, out, baseline_name, baseline_out, step) -> dict:
+    errors = compare(out.float(), baseline_out.float())
+    if not check_within(errors, max_abs=PAPER_MAX_ABS, mean_abs=PAPER_MEAN_ABS):
+        raise CorrectnessError(
+            f"engine {name!r} disagrees with baseline {baseline_name!r} at decode step {step.step} "
+            f"(B={step.batch_size}, seq_lens={step.seq_lens.tolist()}): max|e|="
+            f"{errors['max_abs_err']:.3e} (bound {PAPER_MAX_ABS}), mean|e|="
+            f"{errors['mean_abs_err']:.3e} (bound {PAPER_MEAN_ABS})"
+        )
+    return errors
+
+
+def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progress: bool = True,
+              num_sms: int | None = None) -> dict[str, dict]:
+    """Run every engine on every decode step of the trace; return each engine's metrics dict
+    (the result contract's "metrics", plus "implementation")."""
+    from pkv.pages import assign_pages
+    from pkv.serving import ContinuousDecoder
+
+    if not engines:
+        raise ValueError("run_trace needs at least one engine")
+    if baseline not in engines:
+        raise ValueError(f"baseline engine {baseline!r} is not among the engines {sorted(engines)}")
+    for name in engines:
+        validate_range_name(f"{name}_decode")
+    device = torch.device(spec.device)
+    dtype = resolve_dtype(spec.dtype)
+    requests = list(spec.requests)
+    assignment = assign_pages([r.total_len for r in requests], spec.page_size, spec.hole_fraction,
+                              spec.seed)
+    k_pages, v_pages = make_kv_pages(assignment.num_physical_pages, shape, spec.page_size, dtype,
+                                     device, spec.seed)
+    decoder = ContinuousDecoder(requests, assignment, spec.max_active,
+                                max_steps=spec.warmup_steps + spec.measured_steps)
+    flusher = L2Flusher(device) if spec.flush_l2 else None
+    mlp = GatedMLPTail(hidden=shape.num_qo_heads * shape.head_dim, dtype=dtype, device=device,
+                       seed=spec.seed) if spec.mlp_tail else None
+    sms = default_num_sms(device) if num_sms is None else int(num_sms)
+    kv_dtype_bytes = k_pages.element_size()
+    ref_limit = REF_REL_LIMIT[dtype]
+
+    names = list(engines)
+    fused = {name: uses_fused_merge(engines[name]) for name in names}
+    records = {name: _EngineRecord() for name in names}
+    total_steps = spec.warmup_steps + spec.measured_steps
+    started = last_report = time.perf_counter()
+    index = -1
+    for index, step in enumerate(decoder.steps()):
+        measured_index = index - spec.warmup_steps
+        measured = measured_index >= 0
+        q = make_queries(step.batch_size, shape, dtype, device, query_seed(spec.seed, step.step))
+        outputs = {}
+        # Rotate who goes first each step so no engine always runs right after the flush of
+        # another's cache state or at a fixed point of the clock ramp.
+        order = names[index % len(names):] + names[:index % len(names)]
+        for name in order:
+            engine = engines[name]
+            engine.prepare(step, q, k_pages, v_pages)
+            if flusher is not None:
+                flusher.flush()
+            with WallTimer(device) as wall:
+                with nvtx_range(f"{name}_plan"):
+                    plan = engine.plan(step)
+                with DeviceTimer(device) as device_timer:
+                    with nvtx_range(f"{name}_decode"):
+                        out = engine.run(q, k_pages, v_pages, plan)
+                    if mlp is not None:
+                        with nvtx_range(f"{name}_mlp_tail"):
+                            mlp(out)
+            outputs[name] = out
+            if measured:
+                record = records[name]
+                record.steps += 1
+                record.decode_tokens += step.batch_size
+                record.wall_us += wall.elapsed_us
+                record.cuda_us += device_timer.elapsed_us
+                route = getattr(plan, "route", None)
+                if route is not None:
+                    record.routes[route] += 1
+                splits = getattr(plan, "num_splits", None)
+                if splits is not None:
+                    record.splits[int(splits)] += 1
+                record.counters.append(step_counters(plan, step, shape, sms, kv_dtype_bytes,
+                                                     fused[name]))
+
+        for name in names:
+            if name == baseline:
+                continue
+            errors = _check_against_baseline(name, outputs[name], baseline, outputs[baseline], step)
+            record = records[name]
+            record.max_abs_err = max(record.max_abs_err, errors["max_abs_err"])
+            record.abs_err_sum += errors["mean_abs_err"]
+            record.checked_steps += 1
+
+        if measured and measured_index % spec.check_every == 0:
+            reference = dense_decode(q, k_pages, v_pages, step.seq_lens, step.block_table,
+                                     sm_scale=shape.sm_scale)
+            for name in names:
+                rel = compare(outputs[name], reference)["rel_err"]
+                if not rel < ref_limit:
+                    raise CorrectnessError(
+                        f"engine {name!r} at decode step {step.step}: relative error {rel:.3e} "
+                        f"against the float64 reference exceeds {ref_limit:.0e} for {dtype}")
+                records[name].ref_max_rel_err = max(records[name].ref_max_rel_err, rel)
+
+        now = time.perf_counter()
+        if progress and now - last_report >= PROGRESS_EVERY_S:
+            print(f"[{spec.name}] step {index + 1}/{total_steps} elapsed {now - started:.1f}s",
+                  file=sys.stderr, flush=True)
+            last_report = now
+
+    if records[baseline].steps == 0:
+        raise ValueError(
+            f"trace {spec.name!r} has {index + 1} decode steps, none after the "
+            f"{spec.warmup_steps} warmup steps")
+    if progress:
+        print(f"[{spec.name}] done: {index + 1} steps in {time.perf_counter() - started:.1f}s",
+              file=sys.stderr, flush=True)
+    return {name: records[name].metrics(engines[name].implementation) for name in names}

@@ -1,0 +1,120 @@
+"""The adaptive engine's dispatch and build_engine's role names on the CPU."""
+
+import numpy as np
+import pytest
+import torch
+
+from pkv.accuracy import compare
+from pkv.engines import ENGINE_NAMES, EngineUnavailable, build_engine
+from pkv.engines.adaptive import AdaptiveEngine
+from pkv.engines.dense import dense_decode
+from pkv.engines.reference import ReferenceEngine
+from pkv.engines.sdpa import SdpaEngine
+from pkv.kv_data import make_kv_pages, make_queries
+from pkv.shape import ModelShape
+
+schedule = pytest.importorskip("pkv.schedule")
+pages_mod = pytest.importorskip("pkv.pages")
+step_mod = pytest.importorskip("pkv.step")
+
+SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
+
+
+class Decision:
+    def __init__(self, route, num_splits, reason="test"):
+        self.route, self.num_splits, self.reason, self.estimates = route, num_splits, reason, {}
+
+
+class LengthPolicy:
+    """Stand-in policy: long single rows -> bucket, long batches -> workqueue, else flashinfer."""
+
+    def choose(self, step):
+        if int(np.max(step.seq_lens)) < 256:
+            return Decision("flashinfer", 0)
+        if len(step.seq_lens) == 1:
+            return Decision("persistentkv_bucket", 6)
+        return Decision("persistentkv_workqueue", 3)
+
+
+def inputs(lens, seed=0):
+    assignment = pages_mod.assign_pages(lens, 16, 0.0, seed)
+    step = step_mod.build_step(0, np.arange(len(lens)), lens, assignment.pages, 16)
+    k, v = make_kv_pages(assignment.num_physical_pages, SHAPE, 16, torch.float64, "cpu", seed)
+    q = make_queries(len(lens), SHAPE, torch.float64, "cpu", seed + 1)
+    return step, q, k, v
+
+
+@pytest.mark.parametrize("lens,route,splits", [
+    ([100, 200], "flashinfer", None),
+    ([1000], "persistentkv_bucket", 6),
+    ([300, 1000, 40], "persistentkv_workqueue", 3),
+])
+def test_adaptive_dispatches_on_the_policy_decision(lens, route, splits):
+    engine = AdaptiveEngine(LengthPolicy(), ReferenceEngine(SHAPE), SdpaEngine(SHAPE, "cpu"))
+    step, q, k, v = inputs(lens)
+    plan = engine.plan(step)
+    assert plan.route == route and plan.decision.route == route
+    assert plan.num_splits == splits
+    if route == "flashinfer":
+        assert plan.schedule is None
+    else:
+        assert plan.schedule is plan.inner.schedule
+    out = engine.run(q, k, v, plan)
+    assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
+
+
+def test_adaptive_requires_plan_for():
+    with pytest.raises(ValueError, match="plan_for"):
+        AdaptiveEngine(LengthPolicy(), SdpaEngine(SHAPE, "cpu"), SdpaEngine(SHAPE, "cpu"))
+
+
+def test_build_engine_cpu_stand_ins():
+    persistent = build_engine("persistentkv", shape=SHAPE, device="cpu",
+                              options={"num_splits": 12, "route": "workqueue"})
+    assert isinstance(persistent, ReferenceEngine)
+    assert persistent.name == "persistentkv" and persistent.implementation == "reference:workqueue"
+    assert persistent.split_policy.num_splits == 12
+    flashinfer = build_engine("flashinfer", shape=SHAPE, device="cpu")
+    assert isinstance(flashinfer, SdpaEngine)
+    assert flashinfer.name == "flashinfer" and flashinfer.implementation == "sdpa"
+    assert build_engine("sdpa", shape=SHAPE, device="cpu").name == "sdpa"
+    bucket = build_engine("reference", shape=SHAPE, device="cpu",
+                          options={"route": "bucket_masked", "bucket_num_splits": 9,
+                                   "fused_merge": True})
+    assert bucket.route == "bucket_masked" and bucket.bucket_num_splits == 9 and bucket.fused_merge
+
+
+def test_build_engine_reports_unavailable_engines_with_a_reason():
+    for name in ("flashinfer_tc", "flashinfer_cc", "vllm", "trtllm"):
+        with pytest.raises(EngineUnavailable) as info:
+            build_engine(name, shape=SHAPE, device="cpu")
+        assert info.value.reason
+
+
+def test_build_engine_rejects_unknown_names_and_options():
+    with pytest.raises(ValueError, match="unknown engine 'flashattn'"):
+        build_engine("flashattn", shape=SHAPE, device="cpu")
+    with pytest.raises(ValueError, match="num_split"):
+        build_engine("reference", shape=SHAPE, device="cpu", options={"num_split": 4})
+    with pytest.raises(ValueError, match="calib"):
+        build_engine("adaptive", shape=SHAPE, device="cpu")
+    assert "adaptive" in ENGINE_NAMES
+
+
+def test_build_engine_adaptive_with_a_calibration():
+    cost_model = pytest.importorskip("pkv.cost_model")
+    pytest.importorskip("pkv.route_policy")
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
+    calib = cost_model.Calibration(gpu="cpu", num_sms=2, beta_gbps=10.0, lambda_us=5.0, c_min=1.0,
+                                   min_context_tokens=0, supported_group_sizes=(4,),
+                                   workqueue_num_splits=4, bucket_num_splits=5)
+    engine = build_engine("adaptive", shape=shape, device="cpu", calib=calib)
+    assert engine.persistent.split_policy.num_splits == 4
+    assert engine.persistent.bucket_num_splits == 5
+    assert isinstance(engine.fallback, SdpaEngine)
+    for lens in ([900], [300, 40, 1000, 77, 500, 600, 700, 800]):
+        step, q, k, v = inputs(lens)
+        plan = engine.plan(step)
+        assert plan.route in ("flashinfer", "persistentkv_bucket", "persistentkv_workqueue")
+        out = engine.run(q, k, v, plan)
+        assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
