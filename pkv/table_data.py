@@ -351,10 +351,11 @@ def ratio(cmp: Comparison, key: str) -> float | None:
 
 
 def trace_label(name: str) -> str:
-    m = re.fullmatch(r"([a-z]+)_b(\d+)", name)
-    if m and m.group(1) in _FAMILY_LABELS:
-        return f"{_FAMILY_LABELS[m.group(1)]} B{m.group(2)}"
-    return name
+    """"bimodal_b8" -> "Bimodal B8"; a replayed request file keeps its own name: "fixture_mixed B8"."""
+    m = re.fullmatch(r"(.+)_b(\d+)", name)
+    if not m:
+        return name
+    return f"{_FAMILY_LABELS.get(m.group(1), m.group(1))} B{m.group(2)}"
 
 
 def context_label(tokens: int) -> str:

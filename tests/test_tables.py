@@ -245,3 +245,11 @@ def test_corrupt_result_fails_naming_file(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="adaptive.json"):
         tables.render_all(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("name, label", [
+    ("bimodal_b8", "Bimodal B8"), ("bucketed_b1", "Bucketed B1"), ("fixture_mixed_b8", "fixture_mixed B8"),
+    ("plain", "plain"),
+])
+def test_trace_labels(name, label):
+    assert table_data.trace_label(name) == label
