@@ -192,3 +192,16 @@ def test_plan_for_uses_the_decisions_route_and_splits():
 def test_constructor_rejects_unknown_route():
     with pytest.raises(ValueError, match="route"):
         ReferenceEngine(ModelShape(), route="buckets")
+
+
+@pytest.mark.parametrize("page_size", [1, 8, 12, 64])
+def test_page_sizes_that_do_not_match_the_tile(page_size):
+    shape = ModelShape(num_qo_heads=4, num_kv_heads=2, head_dim=16)
+    lens = [1, page_size - 1 or 1, page_size + 1, 31, 33, 97, 260]
+    step, num_pages = make_step(lens, 0.5, 3, page_size=page_size)
+    k, v = make_kv_pages(num_pages, shape, page_size, torch.float64, "cpu", 3)
+    q = make_queries(len(lens), shape, torch.float64, "cpu", 4)
+    ref = dense_decode(q, k, v, step.seq_lens, step.block_table)
+    for route in ROUTES:
+        eng = engine(shape, route, 3)
+        assert compare(eng.run(q, k, v, eng.plan(step)), ref)["rel_err"] < 1e-6, route

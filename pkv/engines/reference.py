@@ -260,8 +260,8 @@ class ReferenceEngine(Engine):
         order = np.argsort(-lengths, kind="stable")
         start = 0
         while start < order.size:
-            longest = int(lengths[order[start]])
-            count = max(1, _GATHER_BUDGET // max(1, longest * head_dim))
+            longest = int(lengths[order[start]]) + 2 * k_pages.shape[2]  # page-aligned span
+            count = max(1, _GATHER_BUDGET // (longest * head_dim))
             chunk = order[start:start + count]
             start += count
             self._compute_chunk(items, chunk, longest, q_grouped, k_pages, v_pages, block_table,
@@ -274,19 +274,26 @@ class ReferenceEngine(Engine):
         page_size = k_pages.shape[2]
         rows = torch.as_tensor(items.rows[chunk], device=device)
         kv_heads = torch.as_tensor(items.kv_heads[chunk], device=device)
-        begin = torch.as_tensor(items.token_begin[chunk], device=device)
-        length = torch.as_tensor(items.token_end[chunk] - items.token_begin[chunk], device=device)
         slots = torch.as_tensor(items.slots[chunk], device=device)
+        begin = items.token_begin[chunk]
+        end = items.token_end[chunk]
 
-        offsets = torch.arange(longest, device=device)
-        valid = offsets[None, :] < length[:, None]
-        # Padding positions re-read the item's first token (always a real page) and are masked.
-        tokens = torch.where(valid, begin[:, None] + offsets[None, :], begin[:, None])
-        pages = block_table[rows[:, None], tokens // page_size]
-        in_page = tokens % page_size
-        keys = k_pages[pages, kv_heads[:, None], in_page].to(dtype)      # [C, L, d]
-        values = v_pages[pages, kv_heads[:, None], in_page].to(dtype)    # [C, L, d]
-        query = q_grouped[rows, kv_heads].to(dtype)                       # [C, G, d]
+        # Gather whole pages (P * d contiguous elements each) rather than single tokens: the
+        # item's range starts `lead` tokens into its first page and the rest is masked.
+        first_page = begin // page_size
+        last_page = (end - 1) // page_size
+        lead = torch.as_tensor(begin - first_page * page_size, device=device)
+        length = torch.as_tensor(end - begin, device=device)
+        span = int((last_page - first_page).max()) + 1
+        logical = torch.as_tensor(first_page, device=device)[:, None] + torch.arange(span, device=device)
+        # Padding pages repeat the item's last page (always a real page) and are masked.
+        logical = torch.minimum(logical, torch.as_tensor(last_page, device=device)[:, None])
+        physical = block_table[rows[:, None], logical]                        # [C, span]
+        keys = k_pages[physical, kv_heads[:, None]].to(dtype).flatten(1, 2)   # [C, span*P, d]
+        values = v_pages[physical, kv_heads[:, None]].to(dtype).flatten(1, 2)
+        offsets = torch.arange(span * page_size, device=device)[None, :]
+        valid = (offsets >= lead[:, None]) & (offsets < (lead + length)[:, None])
+        query = q_grouped[rows, kv_heads].to(dtype)                           # [C, G, d]
 
         scores = torch.bmm(query, keys.transpose(1, 2)) * self.shape.sm_scale  # [C, G, L]
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
