@@ -1,0 +1,78 @@
+"""Per-step route choice between FlashInfer and the PersistentKV schedules (paper 3.5).
+
+Gates first (uncalibrated group size, short context), then one PersistentKV candidate per
+batch size: length buckets at batch 1, where splitting the sequence is the only source of
+CTAs, and the compact workqueue at batch >= 2. The candidate is promoted only when the cost
+model estimates it faster than FlashInfer by a no-regression margin. Batches 2..7 sit at
+the merge/launch break-even point and stay on FlashInfer unless allow_b4 is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pkv.cost_model import (
+    ROUTE_BUCKET,
+    ROUTE_FLASHINFER,
+    ROUTE_WORKQUEUE,
+    Calibration,
+    RouteEstimator,
+)
+
+# Batches below this (and above 1) are the B4 boundary regime.
+FULL_BATCH = 8
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    route: str
+    num_splits: int  # PersistentKV split count of the chosen route; 0 for FlashInfer
+    reason: str
+    estimates: dict[str, float]  # route -> estimated us; empty when a gate decided
+
+
+class RoutePolicy:
+    def __init__(self, calib: Calibration, *, num_kv_heads: int, group_size: int, head_dim: int,
+                 allow_b4: bool = False, kv_dtype_bytes: int = 2):
+        for name, value in (("num_kv_heads", num_kv_heads), ("group_size", group_size), ("head_dim", head_dim),
+                            ("kv_dtype_bytes", kv_dtype_bytes)):
+            if int(value) < 1:
+                raise ValueError(f"RoutePolicy: {name} must be >= 1, got {value}")
+        self.calib = calib
+        self.num_kv_heads = int(num_kv_heads)
+        self.group_size = int(group_size)
+        self.head_dim = int(head_dim)
+        self.kv_dtype_bytes = int(kv_dtype_bytes)
+        self.allow_b4 = bool(allow_b4)
+        self._group_supported = self.group_size in calib.supported_group_sizes
+        self._estimator = RouteEstimator(calib, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
+                                         head_dim=self.head_dim, kv_dtype_bytes=self.kv_dtype_bytes)
+
+    def candidate(self, batch_size: int) -> tuple[str, int]:
+        """The PersistentKV route and split count considered for a batch of this size."""
+        if batch_size == 1:
+            return ROUTE_BUCKET, self.calib.bucket_num_splits
+        return ROUTE_WORKQUEUE, self.calib.workqueue_num_splits
+
+    def choose(self, step) -> RouteDecision:
+        if not self._group_supported:
+            return RouteDecision(ROUTE_FLASHINFER, 0, "gate: G", {})
+        seq_lens = np.asarray(step.seq_lens)
+        batch = int(seq_lens.size)
+        if batch == 0:
+            raise ValueError("RoutePolicy.choose: StepBatch.seq_lens is empty; a decode step needs a row")
+        if int(seq_lens.max()) < self.calib.min_context_tokens:
+            return RouteDecision(ROUTE_FLASHINFER, 0, "gate: context", {})
+        boundary = 1 < batch < FULL_BATCH
+        if boundary and not self.allow_b4:
+            return RouteDecision(ROUTE_FLASHINFER, 0, "B4 boundary", {})
+
+        route, splits = self.candidate(batch)
+        estimates = self._estimator.totals_us(step, {ROUTE_FLASHINFER: None, route: splits})
+        speedup = estimates[ROUTE_FLASHINFER] / estimates[route]
+        margin = self.calib.b4_margin if boundary else self.calib.b8_margin
+        if speedup >= margin:
+            return RouteDecision(route, splits, f"estimate {speedup:.3f}x >= margin {margin:.2f}x", estimates)
+        return RouteDecision(ROUTE_FLASHINFER, 0, f"estimate {speedup:.3f}x < margin {margin:.2f}x", estimates)
