@@ -118,3 +118,10 @@ def test_build_engine_adaptive_with_a_calibration():
         assert plan.route in ("flashinfer", "persistentkv_bucket", "persistentkv_workqueue")
         out = engine.run(q, k, v, plan)
         assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
+
+
+def test_cuda_graph_option_needs_the_cuda_engine():
+    with pytest.raises(EngineUnavailable, match="cuda_graph"):
+        build_engine("persistentkv", shape=SHAPE, device="cpu", options={"cuda_graph": True})
+    engine = build_engine("persistentkv", shape=SHAPE, device="cpu", options={"cuda_graph": False})
+    assert isinstance(engine, ReferenceEngine)

@@ -14,7 +14,9 @@ from pkv.engines.base import Engine, EnginePlan, EngineUnavailable
 ENGINE_NAMES = ("persistentkv", "adaptive", "flashinfer", "flashinfer_tc", "flashinfer_cc",
                 "reference", "sdpa", "vllm", "trtllm")
 OPTION_NAMES = ("route", "num_splits", "split_kind", "bucket_num_splits", "fused_merge",
-                "allow_b4", "use_tensor_cores", "page_size")
+                "cuda_graph", "allow_b4", "use_tensor_cores", "page_size")
+_PERSISTENT_OPTIONS = ("route", "num_splits", "split_kind", "bucket_num_splits", "fused_merge",
+                       "cuda_graph")
 
 __all__ = ["Engine", "EnginePlan", "EngineUnavailable", "ENGINE_NAMES", "OPTION_NAMES",
            "build_engine"]
@@ -48,7 +50,8 @@ def build_engine(name: str, *, shape, device, calib=None, options: dict | None =
     """Construct the engine for a role name on ``device``.
 
     Options: route, num_splits, split_kind, bucket_num_splits, fused_merge (PersistentKV and
-    reference); allow_b4 (adaptive); use_tensor_cores, page_size (FlashInfer). Unset split
+    reference); cuda_graph (the CUDA PersistentKV engine only); allow_b4 (adaptive);
+    use_tensor_cores, page_size (FlashInfer). Unset split
     options come from ``calib`` when given. Raises EngineUnavailable when the role cannot run
     here, ValueError for unknown names or options.
     """
@@ -63,11 +66,18 @@ def build_engine(name: str, *, shape, device, calib=None, options: dict | None =
 
     if name in ("reference", "persistentkv"):
         kwargs = _persistent_kwargs(options, calib)
+        cuda_graph = bool(options.get("cuda_graph", False))
         if name == "persistentkv" and on_cuda:
             from pkv.engines.persistentkv import PersistentKVEngine
 
+            if cuda_graph:
+                kwargs["cuda_graph"] = True
             engine = PersistentKVEngine(shape, device=device, **kwargs)
         else:
+            if cuda_graph:
+                raise EngineUnavailable(
+                    f"cuda_graph replay needs the CUDA PersistentKV engine; {name!r} on {device} "
+                    "runs the torch reference engine")
             from pkv.engines.reference import ReferenceEngine
 
             engine = ReferenceEngine(shape, device=device, **kwargs)
@@ -111,9 +121,7 @@ def build_engine(name: str, *, shape, device, calib=None, options: dict | None =
 
     policy = RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
                          head_dim=shape.head_dim, allow_b4=bool(options.get("allow_b4", False)))
-    persistent_options = {k: v for k, v in options.items()
-                          if k in ("route", "num_splits", "split_kind", "bucket_num_splits",
-                                   "fused_merge")}
+    persistent_options = {k: v for k, v in options.items() if k in _PERSISTENT_OPTIONS}
     fallback_options = {k: v for k, v in options.items() if k in ("use_tensor_cores", "page_size")}
     persistent = build_engine("persistentkv", shape=shape, device=device, calib=calib,
                               options=persistent_options)
