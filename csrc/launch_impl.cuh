@@ -8,11 +8,12 @@
 
 namespace pkv {
 
-// Raises the kernel's dynamic shared-memory limit once (48 KB is the default cap).
-template <typename Kernel>
-cudaError_t allow_decode_smem(Kernel kernel) {
-  static cudaError_t status =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeSmemBytes);
+// Raises a decode kernel's dynamic shared-memory limit (48 KB is the default cap), once per
+// instantiation: the template parameter is the kernel itself, so each (dtype, G, route) has its own flag.
+template <auto Kernel>
+cudaError_t allow_decode_smem() {
+  static const cudaError_t status =
+      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeSmemBytes);
   return status;
 }
 
@@ -32,8 +33,8 @@ cudaError_t bucket_decode_typed(const DecodeArgs& args, const int32_t* row_indic
                                 int num_splits, cudaStream_t stream) {
   return dispatch_group_size(args.group_size, [&](auto g) {
     constexpr int G = decltype(g)::value;
-    auto kernel = bucket_decode_kernel<T, G>;
-    if (cudaError_t e = allow_decode_smem(kernel); e != cudaSuccess) return e;
+    constexpr auto kernel = bucket_decode_kernel<T, G>;
+    if (cudaError_t e = allow_decode_smem<kernel>(); e != cudaSuccess) return e;
     const dim3 grid(num_rows, args.num_kv_heads, num_splits);
     kernel<<<grid, kThreads, kDecodeSmemBytes, stream>>>(args, row_indices, num_splits);
     return cudaGetLastError();
@@ -45,8 +46,8 @@ cudaError_t workqueue_decode_typed(const DecodeArgs& args, const int32_t* tasks,
                                    const int32_t* split_offsets, int32_t* pair_counters, cudaStream_t stream) {
   return dispatch_group_size(args.group_size, [&](auto g) {
     constexpr int G = decltype(g)::value;
-    auto kernel = workqueue_decode_kernel<T, G>;
-    if (cudaError_t e = allow_decode_smem(kernel); e != cudaSuccess) return e;
+    constexpr auto kernel = workqueue_decode_kernel<T, G>;
+    if (cudaError_t e = allow_decode_smem<kernel>(); e != cudaSuccess) return e;
     kernel<<<num_tasks, kThreads, kDecodeSmemBytes, stream>>>(args, tasks, split_offsets, pair_counters);
     return cudaGetLastError();
   });
@@ -57,7 +58,9 @@ cudaError_t merge_states_typed(const DecodeArgs& args, const int32_t* row_indice
                                int num_pairs, int num_splits, cudaStream_t stream) {
   return dispatch_group_size(args.group_size, [&](auto g) {
     constexpr int G = decltype(g)::value;
-    merge_states_kernel<T, G><<<num_pairs, kHeadDim, 0, stream>>>(args, row_indices, split_offsets, num_splits);
+    if (num_splits > kMaxMergeSlots) return cudaErrorInvalidValue;
+    const dim3 grid(num_pairs, G);
+    merge_states_kernel<T, G><<<grid, kMergeThreads, 0, stream>>>(args, row_indices, split_offsets, num_splits);
     return cudaGetLastError();
   });
 }

@@ -1,13 +1,18 @@
 // Split decode over native block tables: one CTA covers (row, KV head, a range of 32-token tiles)
-// and all G query heads that share that KV head. Each of the 4 warps owns 8 tokens of every tile
-// and runs its own cp.async ring, so the main loop needs no CTA-wide barrier; the warps' online
-// softmax states are combined once at the end.
+// and all G query heads that share that KV head.
+//
+// Each of the 4 warps takes 16-token chunks of the split in turn and runs its own cp.async ring,
+// so the main loop has no CTA-wide barrier. Scores and P.V run on tensor cores (mma.m16n8k16):
+// the G query heads are the rows of A (padded to 16), so the KV tile is read from shared memory
+// by ldmatrix exactly once and the CUDA cores only do the online softmax. The warps' states are
+// combined once at the end.
 #pragma once
 #include <cstdint>
 #include <math_constants.h>
 
 #include "cp_async.cuh"
 #include "dtype_traits.cuh"
+#include "mma.cuh"
 #include "pkv_launch.h"
 #include "softmax_state.cuh"
 
@@ -15,198 +20,177 @@ namespace pkv {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRowsPerWarp = kTileTokens / kWarps;  // tokens of each tile a warp owns
-constexpr int kCopiesPerLane = kRowsPerWarp * kHeadDim * 2 / 16 / 32;  // 16-byte copies per lane per K (or V)
+constexpr int kChunkTokens = 16;  // a warp's unit of work: one k16 step of P.V
+constexpr int kChunksPerTile = kTileTokens / kChunkTokens;
+constexpr int kRowChunks = kHeadDim * 2 / 16;          // 16-byte pieces of one K or V row
+constexpr int kCopiesPerLane = kChunkTokens * kRowChunks / 32;  // per K (and per V) per chunk
 constexpr int kStages = 3;
-constexpr int kStageElems = 2 * kRowsPerWarp * kHeadDim;  // K rows then V rows
+constexpr int kStageElems = 2 * kChunkTokens * kHeadDim;  // K rows then V rows
 constexpr int kDecodeSmemBytes = kWarps * kStages * kStageElems * 2;
 constexpr float kLog2e = 1.4426950408889634f;
 
-static_assert(kHeadDim == 128, "lane layout assumes 16 lanes x 8 elements per row");
-static_assert(kCopiesPerLane == 4, "copy layout assumes 4 copies per lane");
+static_assert(kHeadDim == 128, "fragment layout assumes d = 128");
+static_assert(kCopiesPerLane == 8, "copy layout assumes 8 copies per lane");
 
-// Per-warp online-softmax state over its tokens, in the log2 domain of the scaled score.
-template <int G>
-struct WarpState {
-  float m[G];
-  float l[G];        // this half-warp's share; halves are summed at the end
-  float acc[G][8];   // the 8 head-dim elements this lane owns
-};
+// Element offset of 16-byte piece `piece` of row `row` in a staged chunk. The XOR swizzle puts
+// the 8 rows an ldmatrix reads in 8 different bank groups (rows are 256 bytes apart).
+__device__ __forceinline__ int swizzled(int row, int piece) { return row * kHeadDim + ((piece ^ (row & 7)) << 3); }
 
 template <typename T, int G>
 struct CtaDecoder {
   const DecodeArgs& a;
-  const int row, kvh, seq_len, tile_begin, tile_end;
+  const int row, kvh, seq_len, tile_begin, num_chunks;
   T* ring;  // this warp's ring of kStages (K, V) chunks
-  const int warp, lane, half, col;
+  const int warp, lane;
   const T* k_head;
   const T* v_head;
   const int32_t* pages;
 
   __device__ CtaDecoder(const DecodeArgs& args, int row_, int kvh_, int seq_len_, int tb, int te, char* smem)
-      : a(args), row(row_), kvh(kvh_), seq_len(seq_len_), tile_begin(tb), tile_end(te),
+      : a(args), row(row_), kvh(kvh_), seq_len(seq_len_), tile_begin(tb), num_chunks((te - tb) * kChunksPerTile),
         ring(reinterpret_cast<T*>(smem) + (threadIdx.x / 32) * kStages * kStageElems),
-        warp(threadIdx.x / 32), lane(threadIdx.x % 32), half((threadIdx.x % 32) >> 4),
-        col(threadIdx.x & 15) {
-    k_head = static_cast<const T*>(a.k_pages) + kvh * a.kv_stride_head + col * 8;
-    v_head = static_cast<const T*>(a.v_pages) + kvh * a.kv_stride_head + col * 8;
+        warp(threadIdx.x / 32), lane(threadIdx.x % 32) {
+    k_head = static_cast<const T*>(a.k_pages) + kvh * a.kv_stride_head;
+    v_head = static_cast<const T*>(a.v_pages) + kvh * a.kv_stride_head;
     pages = a.block_table + static_cast<int64_t>(row) * a.block_table_stride;
   }
 
-  // Physical page of each token this lane copies for stage j, or -1 past the row's end.
-  __device__ __forceinline__ void lookup(int j, int (&pg)[kCopiesPerLane]) const {
-    const int tok0 = (tile_begin + j) * kTileTokens + warp * kRowsPerWarp + half;
-    const bool in_split = tile_begin + j < tile_end;
-#pragma unroll
-    for (int i = 0; i < kCopiesPerLane; ++i) {
-      const int tok = tok0 + 2 * i;
-      pg[i] = (in_split && tok < seq_len) ? __ldg(pages + (tok >> a.page_shift)) : -1;
-    }
+  // First token of this warp's j-th chunk.
+  __device__ __forceinline__ int chunk_token(int j) const {
+    return tile_begin * kTileTokens + (warp + kWarps * j) * kChunkTokens;
   }
 
-  __device__ __forceinline__ void issue(int j, const int (&pg)[kCopiesPerLane]) const {
+  // Lane r (< 16) looks up the physical page of token r of chunk j (-1 past the split or row).
+  __device__ __forceinline__ int lookup(int j) const {
+    const int tok = chunk_token(j) + (lane & 15);
+    const bool valid = warp + kWarps * j < num_chunks && tok < seq_len;
+    return valid ? __ldg(pages + (tok >> a.page_shift)) : -1;
+  }
+
+  __device__ __forceinline__ void issue(int j, int page_of_lane) const {
     T* sk = ring + (j % kStages) * kStageElems;
-    T* sv = sk + kRowsPerWarp * kHeadDim;
-    const int tok0 = (tile_begin + j) * kTileTokens + warp * kRowsPerWarp + half;
+    T* sv = sk + kChunkTokens * kHeadDim;
+    const int tok0 = chunk_token(j);
     const int page_mask = (1 << a.page_shift) - 1;
+    const int piece = lane & 15;
 #pragma unroll
     for (int i = 0; i < kCopiesPerLane; ++i) {
-      const int r = half + 2 * i;
-      const int tok = tok0 + 2 * i;
-      const bool valid = pg[i] >= 0;
-      const int64_t off = valid ? static_cast<int64_t>(pg[i]) * a.kv_stride_page +
-                                      static_cast<int64_t>(tok & page_mask) * kHeadDim
+      const int r = (lane >> 4) + 2 * i;
+      const int pg = __shfl_sync(0xffffffffu, page_of_lane, r);
+      const bool valid = pg >= 0;
+      const int64_t off = valid ? static_cast<int64_t>(pg) * a.kv_stride_page +
+                                      static_cast<int64_t>((tok0 + r) & page_mask) * kHeadDim + piece * 8
                                 : 0;
-      cp_async_16(sk + r * kHeadDim + col * 8, k_head + off, valid);
-      cp_async_16(sv + r * kHeadDim + col * 8, v_head + off, valid);
+      cp_async_16(sk + swizzled(r, piece), k_head + off, valid);  // invalid rows: zero-filled, not read
+      cp_async_16(sv + swizzled(r, piece), v_head + off, valid);
     }
   }
 
-  __device__ __forceinline__ void compute(int j, const float (&q)[G][8], WarpState<G>& st) const {
-    const int tok0 = (tile_begin + j) * kTileTokens + warp * kRowsPerWarp;
-    if (tok0 >= seq_len) return;  // warp-uniform: this warp's 8 tokens are all past the end
+  // One chunk: S = Q K^T (16 heads x 16 tokens), online softmax on head row lane/4, O += P V.
+  __device__ __forceinline__ void compute(int j, const uint32_t (&qa)[8][2], float& m, float& l,
+                                          float (&o)[16][4]) const {
+    const int tok0 = chunk_token(j);
+    if (tok0 >= seq_len) return;  // warp-uniform: the whole chunk is past the row's end
     const T* sk = ring + (j % kStages) * kStageElems;
-    const T* sv = sk + kRowsPerWarp * kHeadDim;
-    float s[kCopiesPerLane][G];
+    const T* sv = sk + kChunkTokens * kHeadDim;
+    const int quad = lane & 3;
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    {
+      const int r = ((lane >> 4) & 1) * 8 + (lane & 7);  // matrices: (tok 0-7|8-15) x (d lo|hi)
+      const int hi = (lane >> 3) & 1;
 #pragma unroll
-    for (int i = 0; i < kCopiesPerLane; ++i) {
-      const int r = half + 2 * i;
-      float k[8];
-      Vec8<T>::to_float(*reinterpret_cast<const uint4*>(sk + r * kHeadDim + col * 8), k);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float dot = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) dot = fmaf(q[g][e], k[e], dot);
-        s[i][g] = dot;
+      for (int kc = 0; kc < 8; ++kc) {
+        uint32_t b[4];
+        ldmatrix_x4(b, sk + swizzled(r, 2 * kc + hi));
+        Mma<T>::run(s[0], qa[kc][0], qa[kc][1], b[0], b[1]);
+        Mma<T>::run(s[1], qa[kc][0], qa[kc][1], b[2], b[3]);
       }
     }
+    const float q_scale = a.sm_scale * kLog2e;
+    float x[4] = {s[0][0] * q_scale, s[0][1] * q_scale, s[1][0] * q_scale, s[1][1] * q_scale};
+    const int tok_of[4] = {2 * quad, 2 * quad + 1, 8 + 2 * quad, 9 + 2 * quad};
 #pragma unroll
-    for (int i = 0; i < kCopiesPerLane; ++i)
+    for (int i = 0; i < 4; ++i)
+      if (tok0 + tok_of[i] >= seq_len) x[i] = -CUDART_INF_F;
+    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // Token tok0 is valid, so the quad's max is finite: no (-inf) - (-inf) below.
+    const float m_new = fmaxf(m, mx);
+    const float alpha = exp2f(m - m_new);
+    float p[4];
 #pragma unroll
-      for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) p[i] = exp2f(x[i] - m_new);
+    l = l * alpha + (p[0] + p[1]) + (p[2] + p[3]);
+    m = m_new;
 #pragma unroll
-        for (int off = 8; off >= 1; off >>= 1) s[i][g] += __shfl_xor_sync(0xffffffffu, s[i][g], off);
-#pragma unroll
-    for (int i = 0; i < kCopiesPerLane; ++i) {
-      if (tok0 + half + 2 * i >= seq_len) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) s[i][g] = -CUDART_INF_F;
-      }
+    for (int nd = 0; nd < 16; ++nd) {
+      o[nd][0] *= alpha;
+      o[nd][1] *= alpha;
     }
-    float p[kCopiesPerLane][G];
+    // The two n8 score tiles are exactly the A fragment of P for one k16 step.
+    const uint32_t pa0 = Mma<T>::pack(p[0], p[1]);
+    const uint32_t pa2 = Mma<T>::pack(p[2], p[3]);
+    const int r = ((lane >> 3) & 1) * 8 + (lane & 7);  // matrices: (tok 0-7|8-15) x (d block 2pp|2pp+1)
+    const int hi = lane >> 4;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float mx = s[0][g];
-#pragma unroll
-      for (int i = 1; i < kCopiesPerLane; ++i) mx = fmaxf(mx, s[i][g]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-      // tok0 < seq_len, so token tok0 is valid and m_new is finite: no -inf - -inf below.
-      const float m_new = fmaxf(st.m[g], mx);
-      const float alpha = exp2f(st.m[g] - m_new);
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < kCopiesPerLane; ++i) {
-        p[i][g] = exp2f(s[i][g] - m_new);
-        sum += p[i][g];
-      }
-      st.l[g] = st.l[g] * alpha + sum;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) st.acc[g][e] *= alpha;
-      st.m[g] = m_new;
-    }
-#pragma unroll
-    for (int i = 0; i < kCopiesPerLane; ++i) {
-      const int r = half + 2 * i;
-      float v[8];
-      Vec8<T>::to_float(*reinterpret_cast<const uint4*>(sv + r * kHeadDim + col * 8), v);
-#pragma unroll
-      for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) st.acc[g][e] = fmaf(p[i][g], v[e], st.acc[g][e]);
+    for (int pp = 0; pp < 8; ++pp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sv + swizzled(r, 2 * pp + hi));
+      Mma<T>::run(o[2 * pp], pa0, pa2, b[0], b[1]);
+      Mma<T>::run(o[2 * pp + 1], pa0, pa2, b[2], b[3]);
     }
   }
 
   // Runs the split and leaves the CTA's combined state in shared memory (see CombineBuffer).
   __device__ void run(char* smem) const {
-    float q[G][8];
-    const float q_scale = a.sm_scale * kLog2e;
-    const T* q_row = static_cast<const T*>(a.q) + row * a.q_stride_row;
+    const int head = lane >> 2;  // A-fragment row: the query head this lane's scores belong to
+    const int quad = lane & 3;
+    uint32_t qa[8][2];
+    {
+      const T* q_row = static_cast<const T*>(a.q) + row * a.q_stride_row + (kvh * G + head) * a.q_stride_head;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      Vec8<T>::to_float(
-          *reinterpret_cast<const uint4*>(q_row + (kvh * G + g) * a.q_stride_head + col * 8), q[g]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) q[g][e] *= q_scale;
+      for (int kc = 0; kc < 8; ++kc) {
+        const bool real = head < G;  // rows G..15 of A are zero padding
+        qa[kc][0] = real ? *reinterpret_cast<const uint32_t*>(q_row + 16 * kc + 2 * quad) : 0u;
+        qa[kc][1] = real ? *reinterpret_cast<const uint32_t*>(q_row + 16 * kc + 2 * quad + 8) : 0u;
+      }
     }
-    WarpState<G> st;
+    float m = -CUDART_INF_F, l = 0.f;
+    float o[16][4];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      st.m[g] = -CUDART_INF_F;
-      st.l[g] = 0.f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) st.acc[g][e] = 0.f;
-    }
+    for (int nd = 0; nd < 16; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
 
-    const int n = tile_end - tile_begin;
-    int pg[kCopiesPerLane];
+    const int n = num_chunks > warp ? (num_chunks - warp + kWarps - 1) / kWarps : 0;
 #pragma unroll
     for (int j = 0; j < kStages - 1; ++j) {
-      lookup(j, pg);
-      issue(j, pg);
+      issue(j, lookup(j));
       cp_async_commit();
     }
-    lookup(kStages - 1, pg);
+    int next_page = lookup(kStages - 1);
     for (int j = 0; j < n; ++j) {
-      issue(j + kStages - 1, pg);  // rows past the split are zero-filled without a read
+      issue(j + kStages - 1, next_page);
       cp_async_commit();
-      lookup(j + kStages, pg);  // the page-table read overlaps this stage's math
+      next_page = lookup(j + kStages);  // the page-table read overlaps this chunk's math
       cp_async_wait<kStages - 1>();
       __syncwarp();
-      compute(j, q, st);
+      compute(j, qa, m, l, o);
       __syncwarp();  // the next issue overwrites the stage just read
     }
     cp_async_wait<0>();
-
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      st.l[g] += __shfl_xor_sync(0xffffffffu, st.l[g], 16);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) st.acc[g][e] += __shfl_xor_sync(0xffffffffu, st.acc[g][e], 16);
-    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
     __syncthreads();  // every warp is done with its ring: reuse it for the combine
     CombineBuffer<G> buf(smem);
-    if (half == 0) {
+    if (head < G) {
 #pragma unroll
-      for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) buf.acc(warp, g)[col * 8 + e] = st.acc[g][e];
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        buf.m(warp, g) = st.m[g];
-        buf.l(warp, g) = st.l[g];
+      for (int nd = 0; nd < 16; ++nd) {
+        buf.acc(warp, head)[8 * nd + 2 * quad] = o[nd][0];
+        buf.acc(warp, head)[8 * nd + 2 * quad + 1] = o[nd][1];
+      }
+      if (quad == 0) {
+        buf.m(warp, head) = m;
+        buf.l(warp, head) = l;
       }
     }
     __syncthreads();
@@ -260,7 +244,7 @@ __device__ void write_neutral(const DecodeArgs& a, int slot) {
 template <typename T, int G>
 __global__ void __launch_bounds__(kThreads) bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices,
                                                                  int num_splits) {
-  extern __shared__ __align__(16) char smem[];
+  extern __shared__ __align__(128) char smem[];
   const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
   const int row = row_indices[r];
   const int seq_len = a.seq_lens[row];
@@ -281,7 +265,7 @@ template <typename T, int G>
 __global__ void __launch_bounds__(kThreads) workqueue_decode_kernel(DecodeArgs a, const int32_t* tasks,
                                                                     const int32_t* split_offsets,
                                                                     int32_t* pair_counters) {
-  extern __shared__ __align__(16) char smem[];
+  extern __shared__ __align__(128) char smem[];
   __shared__ int is_last;
   const int32_t* task = tasks + blockIdx.x * 5;
   const int row = task[0], kvh = task[1], split = task[2], tb = task[3], te = task[4];
@@ -303,7 +287,9 @@ __global__ void __launch_bounds__(kThreads) workqueue_decode_kernel(DecodeArgs a
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  merge_pair<T, G>(a, slot_begin, num_slots, row, kvh);
+  float* scratch = reinterpret_cast<float*>(smem);  // the combine buffer is no longer needed
+#pragma unroll 1
+  for (int g = 0; g < G; ++g) merge_head<T, G>(a, slot_begin, num_slots, row, kvh, g, scratch);
 }
 
 }  // namespace pkv

@@ -15,6 +15,7 @@ from pkv.engines.base import Engine, EnginePlan
 from pkv.schedule import SplitPolicy, WorkqueuePlan, plan_buckets, plan_workqueue
 
 ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
+MAX_MERGE_SPLITS = 1024  # kMaxMergeSlots in csrc/softmax_state.cuh
 
 
 @dataclasses.dataclass
@@ -90,6 +91,10 @@ class PersistentKVEngine(Engine):
             splits = self.bucket_num_splits if num_splits is None else int(num_splits)
             host = plan_buckets(step, hkv, g, splits, mode="exact" if route == "bucket_exact" else "masked")
             parts = [step.block_table, step.seq_lens] + [launch.row_indices for launch in host.launches]
+        widest = int(host.max_splits) if route == "workqueue" else max(int(l.num_splits) for l in host.launches)
+        if widest > MAX_MERGE_SPLITS:
+            raise ValueError(f"persistentkv merges at most {MAX_MERGE_SPLITS} splits per (row, KV head), "
+                             f"the plan has {widest}")
         views = self._upload(parts)
         plan = DevicePlan(route="persistentkv_workqueue" if route == "workqueue" else "persistentkv_bucket",
                           step=step, schedule=host, num_splits=splits,
