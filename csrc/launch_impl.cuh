@@ -10,11 +10,19 @@ namespace pkv {
 
 // Raises a decode kernel's dynamic shared-memory limit (48 KB is the default cap), once per
 // instantiation: the template parameter is the kernel itself, so each (dtype, G, route) has its own flag.
-template <auto Kernel>
+template <auto Kernel, int Bytes>
 cudaError_t allow_decode_smem() {
-  static const cudaError_t status =
-      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeSmemBytes);
+  static const cudaError_t status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Bytes);
   return status;
+}
+
+template <typename F>
+cudaError_t dispatch_stages(int stages, F&& launch) {
+  switch (stages) {
+    case 2: return launch(std::integral_constant<int, 2>{});
+    case 3: return launch(std::integral_constant<int, 3>{});
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <typename F>
@@ -32,12 +40,14 @@ template <typename T>
 cudaError_t bucket_decode_typed(const DecodeArgs& args, const int32_t* row_indices, int num_rows,
                                 int num_splits, cudaStream_t stream) {
   return dispatch_group_size(args.group_size, [&](auto g) {
-    constexpr int G = decltype(g)::value;
-    constexpr auto kernel = bucket_decode_kernel<T, G>;
-    if (cudaError_t e = allow_decode_smem<kernel>(); e != cudaSuccess) return e;
-    const dim3 grid(num_rows, args.num_kv_heads, num_splits);
-    kernel<<<grid, kThreads, kDecodeSmemBytes, stream>>>(args, row_indices, num_splits);
-    return cudaGetLastError();
+    return dispatch_stages(args.stages, [&](auto st) {
+      constexpr int G = decltype(g)::value, S = decltype(st)::value, bytes = decode_smem_bytes<S>();
+      constexpr auto kernel = bucket_decode_kernel<T, G, S>;
+      if (cudaError_t e = allow_decode_smem<kernel, bytes>(); e != cudaSuccess) return e;
+      const dim3 grid(num_rows, args.num_kv_heads, num_splits);
+      kernel<<<grid, kThreads, bytes, stream>>>(args, row_indices, num_splits);
+      return cudaGetLastError();
+    });
   });
 }
 
@@ -45,11 +55,13 @@ template <typename T>
 cudaError_t workqueue_decode_typed(const DecodeArgs& args, const int32_t* tasks, int num_tasks,
                                    const int32_t* split_offsets, int32_t* pair_counters, cudaStream_t stream) {
   return dispatch_group_size(args.group_size, [&](auto g) {
-    constexpr int G = decltype(g)::value;
-    constexpr auto kernel = workqueue_decode_kernel<T, G>;
-    if (cudaError_t e = allow_decode_smem<kernel>(); e != cudaSuccess) return e;
-    kernel<<<num_tasks, kThreads, kDecodeSmemBytes, stream>>>(args, tasks, split_offsets, pair_counters);
-    return cudaGetLastError();
+    return dispatch_stages(args.stages, [&](auto st) {
+      constexpr int G = decltype(g)::value, S = decltype(st)::value, bytes = decode_smem_bytes<S>();
+      constexpr auto kernel = workqueue_decode_kernel<T, G, S>;
+      if (cudaError_t e = allow_decode_smem<kernel, bytes>(); e != cudaSuccess) return e;
+      kernel<<<num_tasks, kThreads, bytes, stream>>>(args, tasks, split_offsets, pair_counters);
+      return cudaGetLastError();
+    });
   });
 }
 
@@ -59,9 +71,17 @@ cudaError_t merge_states_typed(const DecodeArgs& args, const int32_t* row_indice
   return dispatch_group_size(args.group_size, [&](auto g) {
     constexpr int G = decltype(g)::value;
     if (num_splits > kMaxMergeSlots) return cudaErrorInvalidValue;
-    const dim3 grid(num_pairs, G);
-    merge_states_kernel<T, G><<<grid, kMergeThreads, 0, stream>>>(args, row_indices, split_offsets, num_splits);
-    return cudaGetLastError();
+    // Programmatic dependent launch: the merge grid is set up while the decode grid drains.
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(num_pairs, G);
+    config.blockDim = dim3(kMergeThreads);
+    config.stream = stream;
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, merge_states_kernel<T, G>, args, row_indices, split_offsets, num_splits);
   });
 }
 

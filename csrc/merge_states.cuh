@@ -12,6 +12,9 @@ template <typename T, int G>
 __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(DecodeArgs a, const int32_t* row_indices,
                                                                      const int32_t* split_offsets, int num_splits) {
   __shared__ __align__(16) float scratch[kMergeScratchFloats];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the decode grid's states are complete
+#endif
   const int pair = blockIdx.x;
   const int g = blockIdx.y;
   const int kvh = pair % a.num_kv_heads;

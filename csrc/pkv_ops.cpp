@@ -24,7 +24,7 @@ void check_aligned(const Tensor& t, const char* name) {
 
 pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
                           const Tensor& seq_lens, double sm_scale, const Tensor& out, const Tensor& part_m,
-                          const Tensor& part_l, const Tensor& part_acc) {
+                          const Tensor& part_l, const Tensor& part_acc, int64_t stages) {
   TORCH_CHECK(q.dim() == 3, "pkv: q must be [B, Hq, d], got ", q.sizes());
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "pkv: q must be float16 or bfloat16, got ", q.scalar_type());
@@ -93,6 +93,8 @@ pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& 
   a.kv_stride_head = k_pages.stride(1);
   a.sm_scale = static_cast<float>(sm_scale);
   a.dtype = dtype == at::kHalf ? pkv::KvDtype::kFloat16 : pkv::KvDtype::kBFloat16;
+  TORCH_CHECK(stages == 2 || stages == 3, "pkv: stages must be 2 or 3, got ", stages);
+  a.stages = static_cast<int>(stages);
   return a;
 }
 
@@ -102,9 +104,10 @@ void check_launch(cudaError_t status, const char* what) {
 
 void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
                    const Tensor& seq_lens, const Tensor& row_indices, int64_t num_splits, double sm_scale,
-                   const Tensor& out, const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc) {
+                   const Tensor& out, const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc,
+                   int64_t stages) {
   const c10::cuda::CUDAGuard guard(q.device());
-  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc);
+  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages);
   check_cuda_tensor(row_indices, "row_indices", at::kInt);
   TORCH_CHECK(row_indices.dim() == 1 && row_indices.is_contiguous(), "pkv: row_indices must be contiguous [R]");
   TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "pkv: num_splits must be in 1..65535, got ", num_splits);
@@ -120,9 +123,9 @@ void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages
 void workqueue_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
                       const Tensor& seq_lens, const Tensor& tasks, const Tensor& split_offsets, double sm_scale,
                       const Tensor& out, const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc,
-                      const std::optional<Tensor>& pair_counters) {
+                      const std::optional<Tensor>& pair_counters, int64_t stages) {
   const c10::cuda::CUDAGuard guard(q.device());
-  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc);
+  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages);
   check_cuda_tensor(tasks, "tasks", at::kInt);
   TORCH_CHECK(tasks.dim() == 2 && tasks.size(1) == 5 && tasks.is_contiguous(),
               "pkv: tasks must be contiguous [T, 5] (row, kvh, split, tile_begin, tile_end), got ", tasks.sizes());
@@ -189,11 +192,11 @@ TORCH_LIBRARY(pkv, m) {
   m.def(
       "bucket_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
       "Tensor row_indices, int num_splits, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
-      "Tensor(c!) part_l, Tensor(d!) part_acc) -> ()");
+      "Tensor(c!) part_l, Tensor(d!) part_acc, int stages=3) -> ()");
   m.def(
       "workqueue_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
       "Tensor tasks, Tensor split_offsets, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
-      "Tensor(c!) part_l, Tensor(d!) part_acc, Tensor(e!)? pair_counters) -> ()");
+      "Tensor(c!) part_l, Tensor(d!) part_acc, Tensor(e!)? pair_counters, int stages=3) -> ()");
   m.def(
       "merge_states(Tensor part_m, Tensor part_l, Tensor part_acc, Tensor? row_indices, "
       "Tensor? split_offsets, int num_kv_heads, int num_splits, Tensor(a!) out) -> ()");

@@ -24,9 +24,11 @@ constexpr int kChunkTokens = 16;  // a warp's unit of work: one k16 step of P.V
 constexpr int kChunksPerTile = kTileTokens / kChunkTokens;
 constexpr int kRowChunks = kHeadDim * 2 / 16;          // 16-byte pieces of one K or V row
 constexpr int kCopiesPerLane = kChunkTokens * kRowChunks / 32;  // per K (and per V) per chunk
-constexpr int kStages = 3;
 constexpr int kStageElems = 2 * kChunkTokens * kHeadDim;  // K rows then V rows
-constexpr int kDecodeSmemBytes = kWarps * kStages * kStageElems * 2;
+// cp.async ring depth per warp. 3 stages (96 KB a CTA, 2 CTAs an SM) keep more bytes in flight
+// per warp; 2 stages (64 KB, 3 CTAs an SM) keep more warps resident. The benchmark picks.
+template <int Stages>
+constexpr int decode_smem_bytes() { return kWarps * Stages * kStageElems * 2; }
 constexpr float kLog2e = 1.4426950408889634f;
 
 static_assert(kHeadDim == 128, "fragment layout assumes d = 128");
@@ -36,7 +38,7 @@ static_assert(kCopiesPerLane == 8, "copy layout assumes 8 copies per lane");
 // the 8 rows an ldmatrix reads in 8 different bank groups (rows are 256 bytes apart).
 __device__ __forceinline__ int swizzled(int row, int piece) { return row * kHeadDim + ((piece ^ (row & 7)) << 3); }
 
-template <typename T, int G>
+template <typename T, int G, int kStages>
 struct CtaDecoder {
   const DecodeArgs& a;
   const int row, kvh, seq_len, tile_begin, num_chunks;
@@ -241,7 +243,15 @@ __device__ void write_neutral(const DecodeArgs& a, int slot) {
   }
 }
 
-template <typename T, int G>
+// Lets a dependent launch (the merge, launched with programmatic stream serialization) start
+// its prologue while this grid drains; the merge waits for our writes in griddepcontrol.wait.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+
+template <typename T, int G, int Stages>
 __global__ void __launch_bounds__(kThreads) bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices,
                                                                  int num_splits) {
   extern __shared__ __align__(128) char smem[];
@@ -255,13 +265,15 @@ __global__ void __launch_bounds__(kThreads) bucket_decode_kernel(DecodeArgs a, c
   const int slot = (r * a.num_kv_heads + kvh) * num_splits + split;
   if (tb >= n_tiles) {  // row-local bounds leave this split empty: no Q load, no staging
     write_neutral<G>(a, slot);
+    allow_dependent_launch();
     return;
   }
-  CtaDecoder<T, G>(a, row, kvh, seq_len, tb, te, smem).run(smem);
+  CtaDecoder<T, G, Stages>(a, row, kvh, seq_len, tb, te, smem).run(smem);
   finish_split<T, G>(a, smem, row, kvh, num_splits == 1, slot);
+  allow_dependent_launch();
 }
 
-template <typename T, int G>
+template <typename T, int G, int Stages>
 __global__ void __launch_bounds__(kThreads) workqueue_decode_kernel(DecodeArgs a, const int32_t* tasks,
                                                                     const int32_t* split_offsets,
                                                                     int32_t* pair_counters) {
@@ -273,8 +285,9 @@ __global__ void __launch_bounds__(kThreads) workqueue_decode_kernel(DecodeArgs a
   const int slot_begin = split_offsets[pair];
   const int num_slots = split_offsets[pair + 1] - slot_begin;
   const int seq_len = a.seq_lens[row];
-  CtaDecoder<T, G>(a, row, kvh, seq_len, tb, te, smem).run(smem);
+  CtaDecoder<T, G, Stages>(a, row, kvh, seq_len, tb, te, smem).run(smem);
   finish_split<T, G>(a, smem, row, kvh, num_slots == 1, slot_begin + split);
+  allow_dependent_launch();
   if (pair_counters == nullptr || num_slots == 1) return;
   // Fused merge: publish this split's state, then the last split of the pair to arrive merges.
   __threadfence();

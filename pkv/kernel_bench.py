@@ -35,10 +35,26 @@ CASES: dict[str, list[int]] = {
     "b16_16k": [16 * K] * 16,
     "b64_4k": [4 * K] * 64,
 }
-B1_SPLITS = (8, 16, 24, 32, 48, 64, 96, 128)
-WORKQUEUE_SPLITS = (1, 2, 4, 8, 16, 24, 32, 64)
+B1_SPLITS = (16, 24, 32, 48, 64, 96)
+WORKQUEUE_SPLITS = (1, 2, 4, 8, 16, 24, 32)
 BALANCED_WAVES = (1, 2, 4, 8)  # target CTAs = waves x SMs
 FLUSH_BYTES = 512 << 20  # 2x L2 evicts it; the extra gives the host a head start so events time the GPU alone
+
+
+class ReadFlusher:
+    """Evicts L2 by reading a buffer far larger than it (a reduction), leaving clean lines.
+
+    A write-based flush leaves the L2 full of dirty lines, and the timed call then pays for
+    writing ~60 MB back to HBM: about 15 us on an H200, which is most of a B1 8K decode.
+    `--flush write` keeps that behaviour for comparison with figures taken that way.
+    """
+
+    def __init__(self, device, nbytes: int):
+        self.device = torch.device(device)
+        self.buffer = torch.ones(nbytes // 2, dtype=torch.float16, device=self.device)
+
+    def flush(self) -> None:
+        self.buffer.sum(dtype=torch.float32)
 
 
 def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
@@ -54,15 +70,24 @@ def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
 def persistentkv_configs(batch: int, num_sms: int):
     from pkv.schedule import SplitPolicy
 
-    if batch == 1:
-        for s in B1_SPLITS:
-            yield f"bucket:S={s}", dict(route="bucket_exact", bucket_num_splits=s, split_policy=SplitPolicy(num_splits=s))
-        return
-    for s in WORKQUEUE_SPLITS:
-        yield f"workqueue:S={s}", dict(route="workqueue", split_policy=SplitPolicy(kind="fixed", num_splits=s))
-    for waves in BALANCED_WAVES:
-        policy = SplitPolicy(kind="balanced", num_splits=1, max_splits=64, target_ctas=waves * num_sms)
-        yield f"balanced:{waves}w", dict(route="workqueue", split_policy=policy)
+    for stages in (2, 3):
+        if batch == 1:
+            for s in B1_SPLITS:
+                yield f"bucket:S={s}:st{stages}", dict(route="bucket_exact", bucket_num_splits=s, stages=stages,
+                                                       split_policy=SplitPolicy(num_splits=s))
+            for s in (32, 64):
+                yield f"fused:S={s}:st{stages}", dict(route="workqueue", fused_merge=True, stages=stages,
+                                                      split_policy=SplitPolicy(num_splits=s))
+            continue
+        for s in WORKQUEUE_SPLITS:
+            yield f"workqueue:S={s}:st{stages}", dict(route="workqueue", stages=stages,
+                                                      split_policy=SplitPolicy(kind="fixed", num_splits=s))
+        for s in (8, 16):
+            yield f"fused:S={s}:st{stages}", dict(route="workqueue", fused_merge=True, stages=stages,
+                                                  split_policy=SplitPolicy(kind="fixed", num_splits=s))
+        for waves in BALANCED_WAVES:
+            policy = SplitPolicy(kind="balanced", num_splits=1, max_splits=64, target_ctas=waves * num_sms)
+            yield f"balanced:{waves}w:st{stages}", dict(route="workqueue", stages=stages, split_policy=policy)
 
 
 def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
@@ -128,6 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=20260622)
+    parser.add_argument("--flush", choices=("read", "write"), default="read",
+                        help="how L2 is evicted before each timed call (see ReadFlusher)")
     args = parser.parse_args(argv)
     from pkv.provenance import collect_provenance
     from pkv.results import write_json_atomic
@@ -143,12 +170,12 @@ def main(argv=None) -> int:
     shape = ModelShape()
     read_gbps = measure_read_gbps("cuda")
     log(f"read bandwidth {read_gbps:.0f} GB/s")
-    flusher = L2Flusher("cuda", bytes=FLUSH_BYTES)
+    flusher = ReadFlusher("cuda", FLUSH_BYTES) if args.flush == "read" else L2Flusher("cuda", bytes=FLUSH_BYTES)
     start = time.time()
     cases = {name: run_case(name, CASES[name], shape, flusher, read_gbps, args.reps, args.seed, log)
              for name in args.cases}
     record = {"schema": "pkv.kernel_bench/1", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
-              "hole_fraction": 0.5, "reps": args.reps, "seconds": time.time() - start, "cases": cases,
+              "hole_fraction": 0.5, "reps": args.reps, "flush": args.flush, "seconds": time.time() - start, "cases": cases,
               "command": "python -m pkv.kernel_bench " + " ".join(argv or sys.argv[1:]),
               "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps}, seed=args.seed)}
     write_json_atomic(args.out, record)

@@ -8,11 +8,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -m pkv.build --record "$OUT/build.json" 2>&1 | tail -5 | tee "$OUT/build.log" || exit 1
-python3 -m pytest -q -x tests/test_kernels_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -15
+python3 -X faulthandler -m pytest -v -x -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/tests.log" 2>&1
+grep -E "PASSED|FAILED|ERROR|passed|failed|Fatal|File .*pkv|File .*tests" "$OUT/tests.log" | tail -25
 for tool in memcheck racecheck; do
   compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/sanitize_cases.py > "$OUT/$tool.log" 2>&1
   echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
 done
 python3 -m pkv.kernel_bench --out "$OUT/kernel_bench.json" ${BENCH_ARGS:-} 2>"$OUT/bench.err"
 tail -3 "$OUT/bench.err"
-so=$(ls "$PKV_CACHE_DIR"/*/pkv_ext.so 2>/dev/null | head -1); [ -n "$so" ] && cp "$so" "$OUT/" 
+[ -n "${BENCH_WRITE_FLUSH:-}" ] && python3 -m pkv.kernel_bench --flush write --out "$OUT/kernel_bench_writeflush.json" --cases b1_8k b1_32k b8_bimodal 2>/dev/null | tail -4

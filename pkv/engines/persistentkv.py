@@ -47,7 +47,7 @@ class PersistentKVEngine(Engine):
 
     def __init__(self, shape, *, route: str = "workqueue", split_policy: SplitPolicy | None = None,
                  bucket_num_splits: int = 32, fused_merge: bool = False, device: str = "cuda",
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, stages: int = 3):
         if route not in ROUTES:
             raise ValueError(f"persistentkv route must be one of {ROUTES}, got {route!r}")
         from pkv import ops
@@ -60,6 +60,9 @@ class PersistentKVEngine(Engine):
         self.fused_merge = bool(fused_merge)
         self.device = torch.device(device)
         self.cuda_graph = bool(cuda_graph)
+        if stages not in (2, 3):
+            raise ValueError(f"persistentkv stages must be 2 or 3, got {stages!r}")
+        self.stages = int(stages)
         self.implementation = f"cuda:{route}" + ("+fused_merge" if fused_merge else "") + \
             ("+cuda_graph" if cuda_graph else "")
         self._counters = torch.zeros(0, dtype=torch.int32, device=self.device)
@@ -152,7 +155,7 @@ class PersistentKVEngine(Engine):
             fused = self.fused_merge and host.max_splits > 1
             counters = self._pair_counters(plan.batch_size * hkv) if fused else None
             ops.workqueue_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, plan.tasks,
-                                 plan.split_offsets, scale, out, part_m, part_l, part_acc, counters)
+                                 plan.split_offsets, scale, out, part_m, part_l, part_acc, counters, self.stages)
             if host.max_splits > 1 and not fused:
                 ops.merge_states(part_m, part_l, part_acc, None, plan.split_offsets, hkv, 0, out)
             return
@@ -161,7 +164,8 @@ class PersistentKVEngine(Engine):
             s = int(launch.num_splits)
             slots = len(launch.row_indices) * hkv * s
             m, l, acc = part_m[offset:offset + slots], part_l[offset:offset + slots], part_acc[offset:offset + slots]
-            ops.bucket_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, rows, s, scale, out, m, l, acc)
+            ops.bucket_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, rows, s, scale, out, m, l, acc,
+                              self.stages)
             if s > 1:
                 ops.merge_states(m, l, acc, rows, None, hkv, s, out)
             offset += slots
