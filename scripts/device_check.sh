@@ -7,7 +7,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -m pkv.build --record "$OUT/build.json" 2>&1 | tail -5 | tee "$OUT/build.log" || exit 1
+python3 -m pkv.build --record "$OUT/build.json" 2>&1 | tail -5 || exit 1
 python3 -X faulthandler -m pytest -v -x -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/tests.log" 2>&1
 grep -E "PASSED|FAILED|ERROR|passed|failed|Fatal|File .*pkv|File .*tests" "$OUT/tests.log" | tail -25
 for tool in memcheck racecheck; do
