@@ -157,7 +157,9 @@ def test_bad_inputs_name_the_field():
     engine = _engine(shape, route="workqueue")
     step, q, k, v = _case([100, 200], shape, torch.float16, seed=0)
     plan = engine.plan(step)
-    with pytest.raises(RuntimeError, match="q must be"):
+    with pytest.raises(ValueError, match="q must be float16 or bfloat16"):
         engine.run(q.float(), k, v, plan)
-    with pytest.raises(RuntimeError, match="v_pages"):
+    with pytest.raises(ValueError, match="v_pages"):
         engine.run(q, k, v[:, :4], plan)
+    with pytest.raises(ValueError, match="2 rows"):
+        engine.run(q, k, v, engine.plan(_case([100, 200, 300], shape, torch.float16, seed=1)[0]))

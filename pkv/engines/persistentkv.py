@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from pkv.engines.base import Engine, EnginePlan
+from pkv.engines.base import Engine, check_decode_inputs
 from pkv.schedule import SplitPolicy, WorkqueuePlan, plan_buckets, plan_workqueue
 
 ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
@@ -119,7 +119,21 @@ class PersistentKVEngine(Engine):
         return list(torch.split(packed, sizes))
 
     # ---- execution (device) ----------------------------------------------------------------
+    def _check(self, q, k_pages, v_pages, plan: DevicePlan) -> None:
+        """Refuse bad inputs here, with the field named, before any kernel sees them."""
+        check_decode_inputs(q, k_pages, v_pages, self.shape, plan.step.page_size)
+        for label, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+            if t.dtype not in (torch.float16, torch.bfloat16):
+                raise ValueError(f"persistentkv: {label} must be float16 or bfloat16, got {t.dtype}")
+            if t.device.type != "cuda":
+                raise ValueError(f"persistentkv: {label} must be on a CUDA device, got {t.device}")
+        if q.dtype != k_pages.dtype:
+            raise ValueError(f"persistentkv: q is {q.dtype} but the pages are {k_pages.dtype}")
+        if q.shape[0] != plan.batch_size:
+            raise ValueError(f"persistentkv: q has {q.shape[0]} rows, the plan's step has {plan.batch_size}")
+
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DevicePlan) -> torch.Tensor:
+        self._check(q, k_pages, v_pages, plan)
         if self.cuda_graph:
             return self._run_graphed(q, k_pages, v_pages, plan)
         out = torch.empty_like(q)
@@ -128,6 +142,7 @@ class PersistentKVEngine(Engine):
 
     def run_into(self, q, k_pages, v_pages, plan: DevicePlan, out, part_m, part_l, part_acc) -> None:
         """run() with caller-owned output and scratch (tests poison them first)."""
+        self._check(q, k_pages, v_pages, plan)
         self._launch(q, k_pages, v_pages, plan, out, part_m, part_l, part_acc)
 
     def scratch(self, plan: DevicePlan, device, fill: float | None = None):
