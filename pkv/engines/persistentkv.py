@@ -47,7 +47,7 @@ class PersistentKVEngine(Engine):
 
     def __init__(self, shape, *, route: str = "workqueue", split_policy: SplitPolicy | None = None,
                  bucket_num_splits: int = 32, fused_merge: bool = False, device: str = "cuda",
-                 cuda_graph: bool = False, stages: int = 3):
+                 cuda_graph: bool = False, stages: int = 2):
         if route not in ROUTES:
             raise ValueError(f"persistentkv route must be one of {ROUTES}, got {route!r}")
         from pkv import ops
