@@ -41,22 +41,6 @@ BALANCED_WAVES = (1, 2, 4, 8)  # target CTAs = waves x SMs
 FLUSH_BYTES = 512 << 20  # 2x L2 evicts it; the extra gives the host a head start so events time the GPU alone
 
 
-class ReadFlusher:
-    """Evicts L2 by reading a buffer far larger than it (a reduction), leaving clean lines.
-
-    A write-based flush leaves the L2 full of dirty lines, and the timed call then pays for
-    writing ~60 MB back to HBM: about 15 us on an H200, which is most of a B1 8K decode.
-    `--flush write` keeps that behaviour for comparison with figures taken that way.
-    """
-
-    def __init__(self, device, nbytes: int):
-        self.device = torch.device(device)
-        self.buffer = torch.ones(nbytes // 2, dtype=torch.float16, device=self.device)
-
-    def flush(self) -> None:
-        self.buffer.sum(dtype=torch.float32)
-
-
 def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
     """Streaming read bandwidth: a reduction over a buffer far larger than L2."""
     from pkv.timing import time_device_us
@@ -154,7 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=20260622)
     parser.add_argument("--flush", choices=("read", "write"), default="read",
-                        help="how L2 is evicted before each timed call (see ReadFlusher)")
+                        help="how L2 is evicted before each timed call (see pkv.timing.L2Flusher)")
     args = parser.parse_args(argv)
     from pkv.provenance import collect_provenance
     from pkv.results import write_json_atomic
@@ -170,7 +154,7 @@ def main(argv=None) -> int:
     shape = ModelShape()
     read_gbps = measure_read_gbps("cuda")
     log(f"read bandwidth {read_gbps:.0f} GB/s")
-    flusher = ReadFlusher("cuda", FLUSH_BYTES) if args.flush == "read" else L2Flusher("cuda", bytes=FLUSH_BYTES)
+    flusher = L2Flusher("cuda", bytes=FLUSH_BYTES, mode=args.flush)
     start = time.time()
     cases = {name: run_case(name, CASES[name], shape, flusher, read_gbps, args.reps, args.seed, log)
              for name in args.cases}
