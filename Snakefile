@@ -1,0 +1,29 @@
+# PersistentKV artifact: build -> calibrate -> evaluate / ablate / isolated / profile -> tables.
+#
+#   snakemake --cores all                      # the whole DAG; the CPU profile on a machine without a GPU
+#   snakemake --cores all --config gpu=h200    # pick conf/gpu/h200.yaml instead of auto-detecting
+#
+# Axes (seeds, traces, ablation variants) live in config/config.yaml; per-run parameters in conf/.
+# Everything is written under artifacts/<gpu>/.
+
+from snakemake.utils import min_version
+
+min_version("8.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/build.smk"
+include: "workflow/rules/calibrate.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/ablate.smk"
+include: "workflow/rules/profile.smk"
+include: "workflow/rules/tables.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        TABLES,

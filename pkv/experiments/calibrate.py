@@ -1,0 +1,103 @@
+"""The calibration rule: measure beta and lambda, fit C_min and the split operating points.
+
+Only the calibration seed may be used: every held-out result is judged with these constants, so
+fitting on a held-out seed would leak the evaluation into the policy. The output is the JSON that
+pkv.cost_model.load_calibration reads; the raw measurements (sweep totals, fit residual) ride along
+in its provenance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from pathlib import Path
+
+from pkv.config import ConfigError, PkvConfig, load_trace_option
+from pkv.experiments.common import load_requests, model_shape, provenance_for, resolve_settings, trace_name
+
+
+def run(cfg: PkvConfig) -> list[Path]:
+    from pkv.calibration_probe import measure_launch_us, measure_read_gbps, time_steps, trace_steps
+    from pkv.cost_model import (ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, Calibration, fit_c_min,
+                                save_calibration)
+    from pkv.engines import build_engine
+    from pkv.kv_data import make_kv_pages
+
+    exp = cfg.experiment
+    if cfg.seed != exp.calibration_seed:
+        raise ConfigError(f"conf/experiment/calibrate.yaml: field 'seed' = {cfg.seed!r}: calibration runs on "
+                          f"the calibration seed {exp.calibration_seed} only (held-out seeds stay unseen)")
+    if not exp.calibration_traces:
+        raise ConfigError("conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' = []: "
+                          "the split sweep needs at least one trace")
+    settings = resolve_settings(cfg)
+    shape = model_shape(cfg)
+    device, dtype = settings.device, settings.dtype
+    start = Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)")
+
+    read_gbps = measure_read_gbps(device, settings.probe_buffer_mib)
+    launch = measure_launch_us(device, launches=settings.launch_probe_reps)
+    calib = dataclasses.replace(start, beta_gbps=read_gbps, lambda_us=launch["lambda_us"])
+
+    samples, plan_us, sweeps, operating_points, kv_dtype_bytes = [], [], {}, {}, 2
+    for ct in exp.calibration_traces:
+        trace = dataclasses.replace(load_trace_option(ct.trace), max_active=ct.max_active)
+        run_settings = resolve_settings(dataclasses.replace(cfg, trace=trace))
+        requests = load_requests(trace, cfg.seed, run_settings)
+        assignment, steps = trace_steps(
+            requests, page_size=trace.page_size, hole_fraction=trace.hole_fraction,
+            max_active=trace.max_active, num_steps=run_settings.warmup_steps + run_settings.measured_steps,
+            seed=cfg.seed)
+        k_pages, v_pages = make_kv_pages(assignment.num_physical_pages, shape, trace.page_size,
+                                         _torch_dtype(dtype), device, cfg.seed)
+        kv_dtype_bytes = k_pages.element_size()
+        timing = dict(shape=shape, k_pages=k_pages, v_pages=v_pages, dtype=_torch_dtype(dtype),
+                      device=device, seed=cfg.seed, reps=run_settings.reps, flush_l2=exp.flush_l2)
+        bucket = ct.route == "bucket_exact"
+        route = ROUTE_BUCKET if bucket else ROUTE_WORKQUEUE
+        totals = {}
+        for splits in ct.split_candidates:
+            options = {"route": ct.route, "num_splits": splits}
+            if bucket:
+                options["bucket_num_splits"] = splits
+            engine = build_engine("persistentkv", shape=shape, device=device, calib=calib, options=options)
+            timed = time_steps(engine, route, steps, num_splits=splits, **timing)
+            totals[splits] = timed.total_us
+            samples += timed.samples
+        # FlashInfer-role steps at low occupancy are what pins C_min down; its plan() time is a constant too.
+        baseline = build_engine("flashinfer", shape=shape, device=device, calib=calib)
+        timed_fi = time_steps(baseline, ROUTE_FLASHINFER, steps, num_splits=None, **timing)
+        samples += timed_fi.samples
+        plan_us += timed_fi.plan_us
+        best = min(totals, key=totals.get)
+        field = "bucket_num_splits" if bucket else "workqueue_num_splits"
+        operating_points[field] = best
+        sweeps[trace_name(trace)] = {
+            "route": route, "fits": field, "steps": len(steps), "selected_splits": best,
+            "device_us_total_by_splits": {str(s): us for s, us in totals.items()},
+            "flashinfer_device_us_total": timed_fi.total_us,
+        }
+
+    calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(plan_us), **operating_points)
+    fit = fit_c_min(samples, calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
+                    head_dim=shape.head_dim, kv_dtype_bytes=kv_dtype_bytes, refit_lambda=False)
+    calib = dataclasses.replace(
+        calib, c_min=fit.c_min,
+        source=f"calibrate rule: seed {cfg.seed}, profile {settings.profile}"
+               + ("" if settings.performance_result else " (not a performance model)"))
+    prov = provenance_for(cfg, settings, cfg.seed)
+    prov["measurements"] = {
+        "read_gbps": read_gbps, "probe_buffer_mib": settings.probe_buffer_mib,
+        "launch": launch, "launch_probe_reps": settings.launch_probe_reps,
+        "c_min_fit": dataclasses.asdict(fit), "split_sweeps": sweeps,
+        "performance_result": settings.performance_result,
+    }
+    out = Path(cfg.out)
+    save_calibration(out, calib, prov)
+    return [out]
+
+
+def _torch_dtype(name: str):
+    from pkv.kv_data import resolve_dtype
+
+    return resolve_dtype(name)

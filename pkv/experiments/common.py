@@ -1,0 +1,210 @@
+"""What every experiment driver shares: the effective run settings, traces, engines, result files.
+
+A driver turns one validated `PkvConfig` into result files. The CPU profile is applied here, in
+one place, so every driver shrinks the same way and marks its results `performance_result=false`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pkv.config import EXTERNAL_FAMILY, ConfigError, EngineConfig, PkvConfig, TraceConfig
+
+# Engine labels that are one engine role with fixed options: a run can time several schedules of
+# PersistentKV side by side, each written to its own <label>.json.
+ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "persistentkv_exact": ("persistentkv", {"route": "bucket_exact"}),
+    "persistentkv_masked": ("persistentkv", {"route": "bucket_masked"}),
+    "persistentkv_workqueue": ("persistentkv", {"route": "workqueue"}),
+    "persistentkv_workqueue_fused": ("persistentkv", {"route": "workqueue", "fused_merge": True}),
+    "persistentkv_workqueue_graph": ("persistentkv", {"route": "workqueue", "cuda_graph": True}),
+}
+
+# Which EngineConfig fields each role understands; other roles build with their defaults.
+_PKV_OPTIONS = ("route", "num_splits", "split_kind", "bucket_num_splits", "fused_merge", "cuda_graph")
+_ROLE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "persistentkv": _PKV_OPTIONS,
+    "adaptive": _PKV_OPTIONS + ("allow_b4", "use_tensor_cores"),
+    "flashinfer": ("use_tensor_cores",),
+}
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The effective size, precision and device of a run after the profile is applied."""
+
+    profile: str
+    device: str
+    dtype: str
+    length_scale: float
+    num_requests: int
+    warmup_steps: int
+    measured_steps: int
+    check_every: int
+    reps: int
+    probe_buffer_mib: int
+    launch_probe_reps: int
+    performance_result: bool
+
+
+def resolve_settings(cfg: PkvConfig) -> RunSettings:
+    """Apply profile=cpu (shrink, float32, CPU) or check that profile=gpu really has a GPU."""
+    exp, trace = cfg.experiment, cfg.trace
+    if cfg.profile == "cpu":
+        cp = cfg.cpu_profile
+        return RunSettings(
+            profile="cpu", device="cpu", dtype=cp.dtype,
+            length_scale=trace.length_scale * cp.length_scale,
+            num_requests=min(trace.num_requests, cp.max_requests),
+            warmup_steps=min(exp.warmup_steps, cp.warmup_steps),
+            measured_steps=min(exp.measured_steps, cp.measured_steps),
+            check_every=min(exp.check_every, cp.check_every),
+            reps=min(exp.reps, cp.reps),
+            probe_buffer_mib=min(exp.probe_buffer_mib, cp.probe_buffer_mib),
+            launch_probe_reps=min(exp.launch_probe_reps, cp.launch_probe_reps),
+            performance_result=False,
+        )
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"conf/config.yaml (or its override): field 'profile' = {cfg.profile!r}: device=cuda but "
+                "torch sees no CUDA GPU; run with profile=cpu on this machine")
+    return RunSettings(
+        profile=cfg.profile, device=cfg.device, dtype=cfg.dtype, length_scale=trace.length_scale,
+        num_requests=trace.num_requests, warmup_steps=exp.warmup_steps,
+        measured_steps=exp.measured_steps, check_every=exp.check_every, reps=exp.reps,
+        probe_buffer_mib=exp.probe_buffer_mib, launch_probe_reps=exp.launch_probe_reps,
+        # A GPU-profile run on the CPU device is a functional check, not a measurement.
+        performance_result=cfg.device == "cuda",
+    )
+
+
+def model_shape(cfg: PkvConfig):
+    from pkv.shape import ModelShape
+
+    m = cfg.model
+    return ModelShape(num_qo_heads=m.num_qo_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+
+
+def trace_name(trace: TraceConfig) -> str:
+    return trace.name or f"{trace.family}_b{trace.max_active}"
+
+
+def load_requests(trace: TraceConfig, seed: int, settings: RunSettings) -> list:
+    """The trace's requests: a seeded synthetic family or the first num_requests of a file."""
+    if trace.family == EXTERNAL_FAMILY:
+        from pkv.trace_readers import read_trace
+
+        options: dict[str, Any] = {"length_scale": settings.length_scale}
+        for key in ("max_context", "overlong", "step_ms"):
+            if getattr(trace, key) is not None:
+                options[key] = getattr(trace, key)
+        requests = read_trace(trace.path, **options)[: settings.num_requests]
+        if not requests:
+            raise ConfigError(f"conf/trace/external.yaml: field 'trace.path' = {trace.path!r}: no requests")
+        return requests
+    from pkv.traces import synthetic_trace
+
+    options = {"length_scale": settings.length_scale, "decode_len_range": tuple(trace.decode_len_range)}
+    for key in ("arrivals", "arrival_rate"):
+        if getattr(trace, key) is not None:
+            options[key] = getattr(trace, key)
+    return synthetic_trace(trace.family, settings.num_requests, seed, **options)
+
+
+def trace_record(trace: TraceConfig, seed: int, settings: RunSettings, num_requests: int) -> dict:
+    """The `trace` block of a result envelope."""
+    record = {
+        "name": trace_name(trace), "family": trace.family, "seed": seed,
+        "num_requests": num_requests, "max_active": trace.max_active,
+        "measured_steps": settings.measured_steps, "page_size": trace.page_size,
+        "hole_fraction": trace.hole_fraction, "length_scale": settings.length_scale,
+    }
+    if trace.path is not None:
+        record["path"] = trace.path
+    return record
+
+
+def engine_role_and_options(label: str, engine: EngineConfig) -> tuple[str, dict[str, Any]]:
+    """(role for build_engine, options) of an engine label; the label's own options win."""
+    role, fixed = ENGINE_VARIANTS.get(label, (label, {}))
+    allowed = _ROLE_OPTIONS.get(role, ())
+    options = {k: getattr(engine, k) for k in allowed if getattr(engine, k) is not None}
+    # Booleans that are off are the engines' defaults too; passing them keeps the record explicit.
+    options.update(fixed)
+    return role, options
+
+
+def build_engines(labels: Iterable[str], cfg: PkvConfig, shape, device: str, calib) -> tuple[dict, dict]:
+    """({label: Engine}, {label: reason}) for the labels that could and could not be built."""
+    from pkv.engines import build_engine
+    from pkv.engines.base import EngineUnavailable
+
+    from pkv.engines import OPTION_NAMES
+
+    engines, skipped = {}, {}
+    for label in labels:
+        role, options = engine_role_and_options(label, cfg.engine)
+        unsupported = sorted(k for k, v in options.items() if k not in OPTION_NAMES and v)
+        if unsupported:
+            skipped[label] = f"engine option(s) {unsupported} not implemented by pkv.engines"
+            continue
+        options = {k: v for k, v in options.items() if k in OPTION_NAMES}
+        try:
+            engines[label] = build_engine(role, shape=shape, device=device, calib=calib, options=options)
+        except EngineUnavailable as exc:
+            skipped[label] = exc.reason
+    return engines, skipped
+
+
+def load_calibration_for(cfg: PkvConfig):
+    """The frozen calibration JSON when given, else the starting constants of conf/gpu/<gpu>.yaml."""
+    from pkv.cost_model import Calibration, load_calibration
+
+    if cfg.calibration:
+        return load_calibration(cfg.calibration)
+    return Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)")
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def provenance_for(cfg: PkvConfig, settings: RunSettings, seed: int) -> dict:
+    from pkv.provenance import collect_provenance
+
+    return collect_provenance({**dataclasses.asdict(cfg), "effective": dataclasses.asdict(settings)}, seed)
+
+
+def write_all_or_nothing(files: Mapping[str | os.PathLike, Any]) -> list[Path]:
+    """Write every JSON atomically; if one write fails, remove the ones already written.
+
+    A run that times several engines produces one file per engine; a reader (and Snakemake) must
+    never find some engines of a run without the others.
+    """
+    from pkv.results import write_json_atomic
+
+    written: list[Path] = []
+    try:
+        for path, obj in files.items():
+            written.append(write_json_atomic(path, obj))
+    except BaseException:
+        for path in written:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        raise
+    return written
+
+
+def engine_file(out_dir: str | os.PathLike, label: str) -> Path:
+    return Path(out_dir) / f"{label}.json"

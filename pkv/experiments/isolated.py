@@ -1,0 +1,97 @@
+"""Table 1: one isolated B1 decode call per method at one context length, 50% page holes.
+
+FlashInfer is reported as the faster of its tensor-core and CUDA-core paths, PersistentKV as the
+fastest split count of a fixed candidate set ("auto split"); all candidates of a method are timed
+in the same isolated_batch call, on the same pages as every other method.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pkv.config import PkvConfig
+from pkv.experiments.common import (
+    load_calibration_for, model_shape, new_run_id, provenance_for, resolve_settings, trace_record,
+)
+from pkv.results import RESULT_SCHEMA
+
+# Several engines can play one method; the fastest one that runs is the method's number.
+_FLASHINFER_PATHS = ("flashinfer_tc", "flashinfer_cc")
+
+
+def _candidates(method: str, cfg: PkvConfig, shape, device, calib) -> tuple[dict, dict]:
+    """({candidate label: engine}, {candidate label: why it cannot run}) of one method."""
+    from pkv.engines import build_engine
+    from pkv.engines.base import EngineUnavailable
+
+    if method == "persistentkv":
+        wanted = {f"persistentkv_s{s}": ("persistentkv", {"route": cfg.engine.route, "num_splits": s,
+                                                            "bucket_num_splits": s})
+                  for s in cfg.experiment.split_candidates}
+    elif method == "flashinfer":
+        wanted = {label: (label, {}) for label in _FLASHINFER_PATHS}
+    else:
+        wanted = {method: (method, {})}
+    engines, skipped = {}, {}
+    for label, (role, options) in wanted.items():
+        try:
+            engines[label] = build_engine(role, shape=shape, device=device, calib=calib, options=options)
+        except EngineUnavailable as exc:
+            skipped[label] = exc.reason
+    if method == "flashinfer" and not engines:
+        # The CPU profile's FlashInfer role has no tensor-core/CUDA-core paths, only the stand-in.
+        try:
+            engines["flashinfer"] = build_engine("flashinfer", shape=shape, device=device, calib=calib)
+        except EngineUnavailable as exc:
+            skipped["flashinfer"] = exc.reason
+    return engines, skipped
+
+
+def _best(method: str, results: dict, skipped: dict) -> dict:
+    timed = {label: r for label, r in results.items() if "median_us" in r}
+    if not timed:
+        reasons = {**skipped, **{label: r.get("skipped") for label, r in results.items()}}
+        return {"skipped": "; ".join(f"{label}: {why}" for label, why in reasons.items()) or "no engine"}
+    label = min(timed, key=lambda k: timed[k]["median_us"])
+    entry = {**timed[label], "selected": label,
+             "candidates_median_us": {k: r["median_us"] for k, r in timed.items()}}
+    if method == "persistentkv":
+        entry["num_splits"] = int(label.rsplit("_s", 1)[1])
+    return entry
+
+
+def run(cfg: PkvConfig) -> list[Path]:
+    from pkv.isolated import isolated_batch
+    from pkv.results import write_json_atomic
+
+    exp, trace = cfg.experiment, cfg.trace
+    settings = resolve_settings(cfg)
+    shape = model_shape(cfg)
+    calib = load_calibration_for(cfg)
+    # The CPU profile shrinks the context like every trace, so the table keeps its shape.
+    context_len = max(1, round(exp.context_len * settings.length_scale / trace.length_scale))
+    per_method, engines, skipped = {}, {}, {}
+    for method in exp.methods:
+        built, why = _candidates(method, cfg, shape, settings.device, calib)
+        per_method[method] = (list(built), why)
+        engines.update(built)
+        skipped.update(why)
+    results = isolated_batch(
+        [context_len], shape, engines, page_size=trace.page_size, hole_fraction=trace.hole_fraction,
+        dtype=settings.dtype, device=settings.device, seed=cfg.seed, reps=settings.reps,
+        flush_l2=exp.flush_l2, read_gbps=calib.beta_gbps,
+    ) if engines else {}
+    methods = {}
+    for method, (labels, why) in per_method.items():
+        methods[method] = _best(method, {label: results[label] for label in labels}, why)
+    record = {
+        "schema": RESULT_SCHEMA, "experiment": exp.name, "variant": None,
+        "trace": {**trace_record(trace, cfg.seed, settings, 1), "name": f"ctx{exp.context_len}"},
+        "engine": "all", "baseline_engine": None, "run_id": new_run_id(),
+        "performance_result": settings.performance_result,
+        # The result envelope holds exactly one of metrics / skipped; per-method skips sit inside.
+        "metrics": {"methods": methods, "context_len": exp.context_len,
+                    "measured_context_len": context_len, "read_gbps": calib.beta_gbps},
+        "provenance": provenance_for(cfg, settings, cfg.seed),
+    }
+    return [write_json_atomic(cfg.out, record)]

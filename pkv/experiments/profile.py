@@ -1,0 +1,207 @@
+"""Table 5: Nsight Compute counters of FlashInfer and PersistentKV kernels on a short B8 trace.
+
+The driver runs itself twice. The outer run starts `ncu` around `python -m pkv.cli` with the same
+overrides; the inner run (marked by the environment variable below) times the trace with each
+engine's decode calls inside an NVTX range of domain "pkv", which is what ncu's --nvtx-include
+filters on. The outer run then exports the report as CSV and reduces it to ncu_counters.json.
+Range names carry no "/" because ncu reads "/" as nesting; the experiment's engines are
+named flashinfer and persistentkv so the ranges are the ones the table expects.
+
+Without a GPU (or without ncu) the driver writes a record that says why, so the table shows the
+reason instead of a number.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pkv.config import PkvConfig
+from pkv.experiments.common import (
+    build_engines, load_calibration_for, load_requests, model_shape, provenance_for,
+    resolve_settings, trace_name, trace_record,
+)
+
+NCU_SCHEMA = "pkv.ncu/1"
+CHILD_ENV = "PKV_NCU_CHILD"
+NO_GPU_REASON = "no GPU: Nsight Compute needs one"
+
+# Metric -> (result field, how to convert the exported value). Order is the table's column order.
+NCU_METRICS = (
+    ("gpu__time_duration.sum", "time_ms"),
+    ("sm__throughput.avg.pct_of_peak_sustained_elapsed", "sm_throughput_pct"),
+    ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed", "mem_throughput_pct"),
+    ("dram__bytes_read.sum.per_second", "dram_gbps"),
+    ("lts__t_sector_hit_rate.pct", "l2_hit_pct"),
+)
+METRIC_LIST = ",".join(name for name, _ in NCU_METRICS)
+
+_TIME_TO_MS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
+               "second": 1e3, "s": 1e3}
+# ncu prints decimal prefixes for rates.
+_RATE_TO_GBPS = {"byte/second": 1e-9, "kbyte/second": 1e-6, "mbyte/second": 1e-3, "gbyte/second": 1.0,
+                 "tbyte/second": 1e3, "b/s": 1e-9, "kb/s": 1e-6, "mb/s": 1e-3, "gb/s": 1.0, "tb/s": 1e3}
+
+
+class NcuParseError(ValueError):
+    """An ncu CSV export that does not hold the expected columns or values."""
+
+
+def range_name(label: str) -> str:
+    """The NVTX range pkv.harness puts an engine's decode calls in: "<engine label>_decode"."""
+    return f"{label}_decode"
+
+
+def ncu_command(ncu: str, report_base: Path, overrides: Sequence[str], labels: Sequence[str]) -> list[str]:
+    cmd = [ncu, "--clock-control", "none", "--nvtx"]
+    for name in sorted({range_name(label) for label in labels}):
+        cmd += ["--nvtx-include", f"pkv@{name}/"]
+    cmd += ["--metrics", METRIC_LIST, "-f", "-o", str(report_base), sys.executable, "-m", "pkv.cli", *overrides]
+    return cmd
+
+
+def _number(text: str, where: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        raise NcuParseError(f"{where}: value {text!r} is not a number") from None
+
+
+def _convert(field: str, value: float, unit: str, where: str) -> float:
+    unit_key = unit.strip().lower()
+    if field == "time_ms":
+        if unit_key not in _TIME_TO_MS:
+            raise NcuParseError(f"{where}: unknown time unit {unit!r}")
+        return value * _TIME_TO_MS[unit_key]
+    if field == "dram_gbps":
+        if unit_key not in _RATE_TO_GBPS:
+            raise NcuParseError(f"{where}: unknown rate unit {unit!r}")
+        return value * _RATE_TO_GBPS[unit_key]
+    if unit_key not in ("%", ""):
+        raise NcuParseError(f"{where}: expected a percentage, got unit {unit!r}")
+    return value
+
+
+def _engine_of(row: dict[str, str]) -> str | None:
+    # The NVTX columns hold the range stack as text; search every field so column naming across
+    # ncu versions does not matter.
+    text = " ".join(v for k, v in row.items() if k and k != "Kernel Name")
+    for engine in ("persistentkv", "flashinfer"):
+        if f"{engine}_decode" in text:
+            return engine
+    return None
+
+
+def parse_ncu_csv(text: str, source: str = "<ncu csv>") -> list[dict]:
+    """Per kernel name: invocations and the mean of each metric, from `ncu --csv --page raw`."""
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("==")]
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    if len(rows) < 2:
+        raise NcuParseError(f"{source}: no header and unit rows (did ncu capture any kernel?)")
+    header, units = rows[0], rows[1]
+    missing = [name for name, _ in NCU_METRICS if name not in header] + (
+        [] if "Kernel Name" in header else ["Kernel Name"])
+    if missing:
+        raise NcuParseError(f"{source}: missing columns {missing}")
+    kernels: dict[str, dict] = {}
+    for line_no, cells in enumerate(rows[2:], start=3):
+        if len(cells) != len(header):
+            raise NcuParseError(f"{source}: line {line_no} has {len(cells)} fields, header has {len(header)}")
+        row = dict(zip(header, cells))
+        name = row["Kernel Name"]
+        entry = kernels.setdefault(name, {"name": name, "engine": _engine_of(row),
+                                          "samples": {f: [] for _, f in NCU_METRICS}})
+        for metric, field in NCU_METRICS:
+            col = header.index(metric)
+            where = f"{source}: line {line_no}, {metric}"
+            entry["samples"][field].append(_convert(field, _number(cells[col], where), units[col], where))
+    if not kernels:
+        raise NcuParseError(f"{source}: the report holds no kernel inside the NVTX ranges")
+    out = []
+    for entry in kernels.values():
+        samples = entry.pop("samples")
+        engine = entry["engine"]
+        kind = "merge" if "merge" in entry["name"].lower() else "decode"
+        entry["role"] = f"{'PersistentKV' if engine == 'persistentkv' else 'FlashInfer'} {kind}" if engine else None
+        entry["invocations"] = len(samples["time_ms"])
+        entry["total_time_ms"] = sum(samples["time_ms"])
+        for _, field in NCU_METRICS:
+            entry[field] = statistics.fmean(samples[field])
+        out.append(entry)
+    return out
+
+
+def _profiled_trace(cfg: PkvConfig) -> None:
+    """The inner run under ncu; pkv.harness puts each engine's run() in the range "<engine>_decode"."""
+    from pkv.harness import TraceRunSpec, run_trace
+
+    exp, trace = cfg.experiment, cfg.trace
+    settings = resolve_settings(cfg)
+    shape = model_shape(cfg)
+    engines, skipped = build_engines(exp.engines, cfg, shape, settings.device, load_calibration_for(cfg))
+    if skipped:
+        raise RuntimeError(f"profile: engines unavailable: {skipped}")
+    spec = TraceRunSpec(
+        name=trace_name(trace), family=trace.family, seed=cfg.seed,
+        requests=tuple(load_requests(trace, cfg.seed, settings)), page_size=trace.page_size,
+        hole_fraction=trace.hole_fraction, max_active=trace.max_active,
+        warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps,
+        dtype=settings.dtype, device=settings.device, check_every=settings.check_every,
+        mlp_tail=False, flush_l2=exp.flush_l2,
+    )
+    run_trace(spec, shape, engines, baseline=exp.baseline, progress=cfg.progress)
+
+
+def _record(cfg: PkvConfig, settings, **body) -> dict:
+    requests = load_requests(cfg.trace, cfg.seed, settings)
+    return {
+        "schema": NCU_SCHEMA, "experiment": cfg.experiment.name,
+        "trace": trace_record(cfg.trace, cfg.seed, settings, len(requests)),
+        "engines": list(cfg.experiment.engines), "metrics_collected": [m for m, _ in NCU_METRICS],
+        "performance_result": settings.performance_result and "skipped" not in body,
+        **body, "provenance": provenance_for(cfg, settings, cfg.seed),
+    }
+
+
+def run(cfg: PkvConfig, overrides: Sequence[str] = ()) -> list[Path]:
+    """Write cfg.out (ncu_counters.json); `overrides` are the CLI's, replayed for the inner run."""
+    import torch
+
+    from pkv.results import write_json_atomic
+
+    settings = resolve_settings(cfg)
+    if os.environ.get(CHILD_ENV) == "1":
+        _profiled_trace(cfg)
+        return []
+    out = Path(cfg.out)
+    if settings.device != "cuda" or not torch.cuda.is_available():
+        return [write_json_atomic(out, _record(cfg, settings, skipped=NO_GPU_REASON))]
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        return [write_json_atomic(out, _record(cfg, settings, skipped="ncu (Nsight Compute) not on PATH"))]
+
+    report_base = out.parent / "profile"
+    child = [o for o in overrides if not o.startswith(("out=", "hydra.run.dir="))]
+    # Hydra reads "=" inside a value only when quoted.
+    child += [f"out='{out.parent / 'ncu_child'}'", f"hydra.run.dir='{out.parent / 'ncu_child'}'"]
+    env = {**os.environ, CHILD_ENV: "1"}
+    proc = subprocess.run(ncu_command(ncu, report_base, child, cfg.experiment.engines), env=env,
+                          capture_output=True, text=True, check=False)
+    log = out.parent / "ncu.log"
+    log.write_text(proc.stdout + proc.stderr, encoding="utf-8")
+    report = report_base.with_suffix(".ncu-rep")
+    if proc.returncode != 0 or not report.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        reason = f"ncu exited with {proc.returncode}: {' | '.join(tail)} (see {log})"
+        return [write_json_atomic(out, _record(cfg, settings, skipped=reason))]
+    export = subprocess.run([ncu, "--import", str(report), "--csv", "--page", "raw", "--metrics", METRIC_LIST],
+                            capture_output=True, text=True, check=True)
+    kernels = parse_ncu_csv(export.stdout, str(report))
+    return [write_json_atomic(out, _record(cfg, settings, kernels=kernels, report=report.name))]

@@ -1,0 +1,181 @@
+# Helpers shared by the rules: the GPU name and results root, the trace axes, and the one way every
+# rule calls the package's Hydra entry point.
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import yaml
+from snakemake.utils import validate
+
+
+validate(config, "../schemas/config.schema.yaml")
+
+REPO = Path(workflow.basedir)
+# The environment every rule runs in, for --use-conda / --software-deployment-method conda.
+CONDA_ENV = str(REPO / "environment.yml")
+
+
+def _normalized(name):
+    return re.sub(r"[^a-z0-9]", "", name.lower().replace("nvidia", "").replace("geforce", ""))
+
+
+def detect_gpu():
+    """conf/gpu option of the visible GPU: "cpu" when torch sees no CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    device = torch.cuda.get_device_name(0)
+    key = _normalized(device)
+    options = sorted(p.stem for p in (REPO / "conf" / "gpu").glob("*.yaml") if p.stem != "cpu")
+    # "NVIDIA H100 80GB HBM3" -> "h10080gbhbm3" matches option "h100": the longest prefix wins.
+    matches = [o for o in options if key.startswith(_normalized(o))]
+    if not matches:
+        raise WorkflowError(
+            f"GPU {device!r} has no conf/gpu/<name>.yaml among {options}: add one (README, 'A new GPU') "
+            "or pass --config gpu=<name>"
+        )
+    return max(matches, key=len)
+
+
+GPU = detect_gpu() if config["gpu"] == "auto" else config["gpu"]
+if not (REPO / "conf" / "gpu" / f"{GPU}.yaml").is_file():
+    raise WorkflowError(f"config: gpu = {GPU!r}: no such file conf/gpu/{GPU}.yaml")
+ON_GPU = GPU != "cpu"
+PROFILE = "gpu" if ON_GPU else "cpu"
+# Rules that time on the device hold the GPU alone; on the CPU profile they run side by side.
+GPU_SLOTS = 1 if ON_GPU else 0
+ROOT = f"{config['artifacts_root']}/{GPU}"
+LOGS = f"{ROOT}/logs"
+
+CALIBRATION = f"{ROOT}/calibration/calibration.json"
+BUILD_RECORD = f"{ROOT}/build/extension.json"
+HELD_OUT = [int(s) for s in config["held_out_seeds"]]
+TRACE_NAME = re.compile(r"([a-z]+)_b([0-9]+)")
+
+
+def experiment_engines(experiment):
+    """Engine labels of conf/experiment/<experiment>.yaml: one result file each."""
+    path = REPO / "conf" / "experiment" / f"{experiment}.yaml"
+    data = yaml.safe_load(path.read_text())
+    try:
+        return list(data["experiment"]["engines"])
+    except (KeyError, TypeError):
+        raise WorkflowError(f"{path}: field 'experiment.engines' is missing") from None
+
+
+def seeds_of(value):
+    """An ablation's seeds: a list, or "held_out" for every held-out seed."""
+    return HELD_OUT if value == "held_out" else [int(s) for s in value]
+
+
+def trace_overrides(name):
+    """Hydra overrides that select a results trace name: bimodal_b8, or an external trace's name."""
+    external = config.get("external_traces") or {}
+    if name in external:
+        spec = external[name]
+        return [
+            "trace=external",
+            f"trace.path={spec['path']}",
+            f"trace.name={name}",
+            f"trace.max_active={spec['max_active']}",
+        ]
+    m = TRACE_NAME.fullmatch(name)
+    if not m:
+        raise WorkflowError(f"config: trace {name!r} must be <family>_b<max_active> or an external_traces name")
+    return [f"trace={m.group(1)}", f"trace.max_active={m.group(2)}"]
+
+
+def trace_inputs(wildcards):
+    """An external trace's file, so a missing or edited trace file is noticed."""
+    external = config.get("external_traces") or {}
+    return [external[wildcards.trace]["path"]] if wildcards.trace in external else []
+
+
+def hydra_override(word):
+    """key=value with the value quoted for Hydra when it holds "=" (variant dirs such as splits=24)."""
+    key, _, value = word.partition("=")
+    if re.search(r"[=\s,\[\]{}()'\"]", value):
+        return f"{key}='{value}'"
+    return word
+
+
+def pkv_cli(overrides, out, run_dir):
+    """The shell words of one `python -m pkv.cli` call; the checkout's package comes first on the path."""
+    words = [f"gpu={GPU}", f"profile={PROFILE}", *overrides, f"out={out}", f"hydra.run.dir={run_dir}"]
+    return " ".join(shlex.quote(hydra_override(w)) for w in words)
+
+
+# Every rule runs the checkout's package with the interpreter that runs Snakemake, one thread per
+# job on the CPU (Snakemake runs jobs side by side instead).
+PYTHON = (
+    f"PYTHONPATH={shlex.quote(str(REPO))}${{{{PYTHONPATH:+:$PYTHONPATH}}}} OMP_NUM_THREADS={{threads}} "
+    f"{shlex.quote(sys.executable)}"
+)
+
+
+def result_files(folder, experiment):
+    return [f"{folder}/{engine}.json" for engine in experiment_engines(experiment)]
+
+
+def variant_override(variant):
+    return f"variant={variant}"
+
+
+# --- what `rule all` asks for -----------------------------------------------------------------
+
+
+def evaluate_targets():
+    traces = list(config["evaluate_traces"]) + list((config.get("external_traces") or {}))
+    return [
+        f
+        for trace in traces
+        for seed in HELD_OUT
+        for f in result_files(f"{ROOT}/evaluate/{trace}/seed{seed}", "evaluate")
+    ]
+
+
+def mlp_targets():
+    return [
+        f
+        for trace in config["mlp_traces"]
+        for seed in HELD_OUT
+        for f in result_files(f"{ROOT}/mlp/{trace}/seed{seed}", "mlp")
+    ]
+
+
+def ablation_targets():
+    files = []
+    for ablation, spec in config["ablations"].items():
+        for trace, variants in spec["variants"].items():
+            for variant in variants:
+                for seed in seeds_of(spec["seeds"]):
+                    folder = f"{ROOT}/ablate/{ablation}/{variant}/{trace}/seed{seed}"
+                    files += result_files(folder, f"ablate_{ablation}")
+    return files
+
+
+def isolated_targets():
+    return [f"{ROOT}/isolated/ctx{ctx}.json" for ctx in config["isolated_contexts"]]
+
+
+TABLE_IDS = list(range(1, 9))
+TABLES = [f"{ROOT}/tables/table{k}.{ext}" for k in TABLE_IDS for ext in ("md", "tex")]
+RESULTS = (
+    evaluate_targets()
+    + mlp_targets()
+    + ablation_targets()
+    + isolated_targets()
+    + [f"{ROOT}/profile/ncu_counters.json", CALIBRATION, BUILD_RECORD]
+)
+
+
+wildcard_constraints:
+    trace=r"[A-Za-z0-9_]+",
+    seed=r"[0-9]+",
+    variant=r"[A-Za-z0-9_.]+=[A-Za-z0-9_.]+",
+    ctx=r"[0-9]+",
