@@ -23,7 +23,10 @@ include: "workflow/rules/profile.smk"
 include: "workflow/rules/tables.smk"
 
 
+# The results are targets too, not only inputs of the tables: Snakemake treats a missing
+# intermediate file as disposable, so a deleted result is rebuilt only if it is asked for.
 rule all:
     default_target: True
     input:
         TABLES,
+        RESULTS,

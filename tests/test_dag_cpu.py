@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 COPIED = ("Snakefile", "workflow", "config", "conf", "pkv", "csrc", "paper_tables", "traces",
           "pyproject.toml", "environment.yml")
 
+# Snakemake merges this over config/config.yaml key by key: traces not wanted are emptied.
 AXES = """\
 gpu: cpu
 held_out_seeds: [20260623]
@@ -24,11 +25,11 @@ evaluate_traces: [bimodal_b8]
 mlp_traces: [bimodal_b8]
 isolated_contexts: [8192]
 ablations:
-  splits: {seeds: [20260623], variants: {bimodal_b8: [splits=20]}}
+  splits: {seeds: [20260623], variants: {bimodal_b8: [splits=20], bucketed_b1: []}}
   raggedness: {seeds: [20260623], variants: {bimodal_b8: [route=bucket_exact]}}
   gqa: {seeds: [20260623], variants: {bimodal_b8: [G=4]}}
   graph: {seeds: [20260623], variants: {bimodal_b4: [splits=28]}}
-  fused_merge: {seeds: [20260623], variants: {bimodal_b4: [splits=28]}}
+  fused_merge: {seeds: [20260623], variants: {bimodal_b4: [splits=28], bimodal_b8: []}}
   b4: {seeds: [20260623], variants: {bimodal_b4: [splits=28]}}
 """
 

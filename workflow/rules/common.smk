@@ -1,6 +1,7 @@
 # Helpers shared by the rules: the GPU name and results root, the trace axes, and the one way every
 # rule calls the package's Hydra entry point.
 
+import os
 import re
 import shlex
 import sys
@@ -114,7 +115,9 @@ def pkv_cli(overrides, out, run_dir):
 # job on the CPU (Snakemake runs jobs side by side instead).
 PYTHON = (
     f"PYTHONPATH={shlex.quote(str(REPO))}${{{{PYTHONPATH:+:$PYTHONPATH}}}} OMP_NUM_THREADS={{threads}} "
-    f"{shlex.quote(sys.executable)}"
+    # Absolute but not resolved: a virtual environment's python is a symlink to the base
+    # interpreter, and following it would leave the environment's packages behind.
+    f"{shlex.quote(os.path.abspath(sys.executable))}"
 )
 
 
