@@ -26,6 +26,7 @@ struct DecodeArgs {
   int group_size;
   int page_shift;  // page size is 1 << page_shift tokens
   int block_table_stride;
+  int block_table_width;  // entries per row that may be read (page lookups are clamped to it)
   int64_t q_stride_row, q_stride_head;
   int64_t out_stride_row, out_stride_head;
   int64_t kv_stride_page, kv_stride_head;  // token stride is d (pages are contiguous per head)
@@ -37,8 +38,10 @@ struct DecodeArgs {
 // Length-bucket route: grid (num_rows, Hkv, num_splits) over batch rows row_indices[0..num_rows).
 // Split bounds are row-local (seq_lens); splits with no tiles write the neutral state and return.
 // With num_splits == 1 the kernel writes `out` directly.
+// When `pair_counters` is non-null (num_rows * Hkv of them, zero on entry and zero again on exit)
+// the last split of each (row, KV head) merges it in the same launch (fused variant).
 cudaError_t launch_bucket_decode(const DecodeArgs& args, const int32_t* row_indices, int num_rows,
-                                 int num_splits, cudaStream_t stream);
+                                 int num_splits, int32_t* pair_counters, cudaStream_t stream);
 
 // Compact workqueue route: one CTA per task (row, kvh, split, tile_begin, tile_end).
 // split_offsets has B * Hkv + 1 entries. A pair with one split is written to `out` directly.

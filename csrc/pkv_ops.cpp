@@ -53,7 +53,8 @@ pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& 
   TORCH_CHECK(group_size == 1 || group_size == 2 || group_size == 4 || group_size == 8,
               "pkv: group size G = Hq / Hkv must be 1, 2, 4 or 8, got ", group_size);
   check_cuda_tensor(block_table, "block_table", at::kInt);
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && block_table.stride(1) == 1,
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && block_table.size(1) >= 1 &&
+                  block_table.stride(1) == 1,
               "pkv: block_table must be [B, max_pages] with contiguous rows, got ", block_table.sizes());
   check_cuda_tensor(seq_lens, "seq_lens", at::kInt);
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous(),
@@ -85,6 +86,7 @@ pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& 
   a.group_size = static_cast<int>(group_size);
   a.page_shift = __builtin_ctzll(static_cast<unsigned long long>(page_size));
   a.block_table_stride = static_cast<int>(block_table.stride(0));
+  a.block_table_width = static_cast<int>(block_table.size(1));
   a.q_stride_row = q.stride(0);
   a.q_stride_head = q.stride(1);
   a.out_stride_row = out.stride(0);
@@ -98,6 +100,15 @@ pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& 
   return a;
 }
 
+// The fused variant's completion counters: one per (row, KV head) pair of the launch, or none.
+int32_t* pair_counters_of(const std::optional<Tensor>& pair_counters, int64_t num_pairs) {
+  if (!pair_counters.has_value()) return nullptr;
+  check_cuda_tensor(*pair_counters, "pair_counters", at::kInt);
+  TORCH_CHECK(pair_counters->numel() >= num_pairs && pair_counters->is_contiguous(),
+              "pkv: pair_counters must hold ", num_pairs, " contiguous counters, got ", pair_counters->numel());
+  return pair_counters->data_ptr<int32_t>();
+}
+
 void check_launch(cudaError_t status, const char* what) {
   TORCH_CHECK(status == cudaSuccess, "pkv: ", what, " launch failed: ", cudaGetErrorString(status));
 }
@@ -105,7 +116,7 @@ void check_launch(cudaError_t status, const char* what) {
 void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
                    const Tensor& seq_lens, const Tensor& row_indices, int64_t num_splits, double sm_scale,
                    const Tensor& out, const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc,
-                   int64_t stages) {
+                   const std::optional<Tensor>& pair_counters, int64_t stages) {
   const c10::cuda::CUDAGuard guard(q.device());
   auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages);
   check_cuda_tensor(row_indices, "row_indices", at::kInt);
@@ -115,8 +126,10 @@ void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages
   TORCH_CHECK(num_splits == 1 || part_m.size(0) >= num_rows * args.num_kv_heads * num_splits,
               "pkv: partial-state buffers hold ", part_m.size(0), " slots, the launch needs ",
               num_rows * args.num_kv_heads * num_splits);
+  int32_t* counters = num_splits > 1 ? pair_counters_of(pair_counters, num_rows * args.num_kv_heads) : nullptr;
   check_launch(pkv::launch_bucket_decode(args, row_indices.data_ptr<int32_t>(), static_cast<int>(num_rows),
-                                         static_cast<int>(num_splits), c10::cuda::getCurrentCUDAStream().stream()),
+                                         static_cast<int>(num_splits), counters,
+                                         c10::cuda::getCurrentCUDAStream().stream()),
                "bucket_decode");
 }
 
@@ -134,13 +147,7 @@ void workqueue_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pa
                   split_offsets.is_contiguous(),
               "pkv: split_offsets must be [B * Hkv + 1] = [", q.size(0) * args.num_kv_heads + 1, "], got ",
               split_offsets.sizes());
-  int32_t* counters = nullptr;
-  if (pair_counters.has_value()) {
-    check_cuda_tensor(*pair_counters, "pair_counters", at::kInt);
-    TORCH_CHECK(pair_counters->numel() >= q.size(0) * args.num_kv_heads && pair_counters->is_contiguous(),
-                "pkv: pair_counters must hold B * Hkv counters");
-    counters = pair_counters->data_ptr<int32_t>();
-  }
+  int32_t* counters = pair_counters_of(pair_counters, q.size(0) * args.num_kv_heads);
   check_launch(pkv::launch_workqueue_decode(args, tasks.data_ptr<int32_t>(), static_cast<int>(tasks.size(0)),
                                             split_offsets.data_ptr<int32_t>(), counters,
                                             c10::cuda::getCurrentCUDAStream().stream()),
@@ -192,7 +199,7 @@ TORCH_LIBRARY(pkv, m) {
   m.def(
       "bucket_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
       "Tensor row_indices, int num_splits, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
-      "Tensor(c!) part_l, Tensor(d!) part_acc, int stages=3) -> ()");
+      "Tensor(c!) part_l, Tensor(d!) part_acc, Tensor(e!)? pair_counters, int stages=3) -> ()");
   m.def(
       "workqueue_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
       "Tensor tasks, Tensor split_offsets, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "

@@ -12,7 +12,11 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kMergeThreads = 128;
 constexpr int kMergeSlotGroups = 4;  // slots are read by 4 groups of 32 threads, 4 dims (16 bytes) each
 constexpr int kMaxMergeSlots = 1024;  // host code keeps split counts at or under this
-constexpr int kMergeScratchFloats = 8 + kMaxMergeSlots + kMergeSlotGroups * kHeadDim;
+constexpr int kMergeScratchFloats = 8 + 2 * kMaxMergeSlots + kMergeSlotGroups * kHeadDim;
+constexpr int kMaxGroupSize = 8;
+// merge_pair's shared memory: m (then the weight) of every (slot, head), two floats per head and
+// the completion flag; well inside the decode ring it reuses.
+constexpr int kPairMergeScratchFloats = kMaxMergeSlots * kMaxGroupSize + 2 * kMaxGroupSize + 1;
 
 // Per-warp states laid out in (reused) shared memory: acc[warp][g][d], then m[warp][g], l[warp][g].
 template <int G>
@@ -43,37 +47,60 @@ __device__ __forceinline__ float block_reduce(float x, float* red) {
 }
 
 // Merges query head g of one (row, kvh) pair over its slots, with kMergeThreads threads:
-// out = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s. The split weights are computed once
-// into shared memory; then 4 slot groups stream acc with 16-byte loads, so a pair with many
-// splits is read with many loads in flight instead of one dependent chain per slot. Loads
-// bypass L1 (__ldcg): in the fused path other CTAs wrote these slots just before.
+// out = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s. The merge runs after the decode grid,
+// so its cost is its chain of dependent reads: every m and l, and the accumulators of the first
+// kPrefetchSlots slots, are read in one round before any reduction, so a pair of up to 32
+// splits costs a single round of L2 reads. 4 slot groups read acc with 16-byte loads. Loads
+// bypass L1 (__ldcg): another kernel (or, fused, another CTA) wrote these slots just before.
 template <typename T, int G>
 __device__ void merge_head(const DecodeArgs& a, int slot_begin, int num_slots, int row, int kvh, int g,
                            float* scratch) {
+  constexpr int kPrefetch = 8;  // accumulator loads per thread issued before the weights are known
   float* red = scratch;
   float* weight = scratch + 8;
-  float* partial = weight + kMaxMergeSlots;
+  float* lsum = weight + kMaxMergeSlots;
+  float* partial = lsum + kMaxMergeSlots;
   const int t = threadIdx.x;
+  const int lane_dims = (t % 32) * 4;
+  const int group = t / 32;
+  const float* acc_of_slot = a.part_acc + (static_cast<int64_t>(slot_begin) * G + g) * kHeadDim + lane_dims;
+  float4 early[kPrefetch];
+#pragma unroll
+  for (int i = 0; i < kPrefetch; ++i) {
+    const int s = group + i * kMergeSlotGroups;
+    early[i] = s < num_slots ? __ldcg(reinterpret_cast<const float4*>(acc_of_slot + static_cast<int64_t>(s) * G * kHeadDim))
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   float m = -CUDART_INF_F;
-  for (int s = t; s < num_slots; s += kMergeThreads) m = fmaxf(m, __ldcg(a.part_m + (slot_begin + s) * G + g));
+  for (int s = t; s < num_slots; s += kMergeThreads) {
+    const float ms = __ldcg(a.part_m + (slot_begin + s) * G + g);
+    weight[s] = ms;
+    lsum[s] = __ldcg(a.part_l + (slot_begin + s) * G + g);
+    m = fmaxf(m, ms);
+  }
   m = block_reduce<true>(m, red);
   float l = 0.f;
   for (int s = t; s < num_slots; s += kMergeThreads) {
-    const int slot = slot_begin + s;
-    const float ms = __ldcg(a.part_m + slot * G + g);
+    const float ms = weight[s];
     const float w = (ms == -CUDART_INF_F) ? 0.f : __expf(ms - m);  // neutral (empty) splits weigh 0
     weight[s] = w;
-    l += w * __ldcg(a.part_l + slot * G + g);
+    l += w * lsum[s];
   }
   l = block_reduce<false>(l, red);  // its barriers also publish weight[]
-  const int lane_dims = (t % 32) * 4;
-  const int group = t / 32;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int i = 0; i < kPrefetch; ++i) {
+    const int s = group + i * kMergeSlotGroups;
+    const float w = s < num_slots ? weight[s] : 0.f;
+    acc.x += w * early[i].x;
+    acc.y += w * early[i].y;
+    acc.z += w * early[i].z;
+    acc.w += w * early[i].w;
+  }
 #pragma unroll 4
-  for (int s = group; s < num_slots; s += kMergeSlotGroups) {
+  for (int s = group + kPrefetch * kMergeSlotGroups; s < num_slots; s += kMergeSlotGroups) {
     const float w = weight[s];
-    const float4 v = __ldcg(reinterpret_cast<const float4*>(
-        a.part_acc + (static_cast<int64_t>(slot_begin + s) * G + g) * kHeadDim + lane_dims));
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(acc_of_slot + static_cast<int64_t>(s) * G * kHeadDim));
     acc.x += w * v.x;
     acc.y += w * v.y;
     acc.z += w * v.z;
@@ -88,7 +115,57 @@ __device__ void merge_head(const DecodeArgs& a, int slot_begin, int num_slots, i
   const float total = partial[t] + partial[kHeadDim + t] + partial[2 * kHeadDim + t] + partial[3 * kHeadDim + t];
   T* out = static_cast<T*>(a.out) + row * a.out_stride_row + (kvh * G + g) * a.out_stride_head;
   out[t] = Vec8<T>::from_float(total / l);
-  __syncthreads();  // scratch is reused by the next head
+}
+
+// Merges every query head of one (row, kvh) pair at once, with kMergeThreads threads: the fused
+// path's merge, run by the pair's last split. Thread t owns head-dim element t of every head and
+// keeps G * 4 independent loads in flight. `scratch` holds kPairMergeScratchFloats.
+template <typename T, int G>
+__device__ void merge_pair(const DecodeArgs& a, int slot_begin, int num_slots, int row, int kvh, float* scratch) {
+  static_assert(G <= kMaxGroupSize, "merge_pair scratch is sized for G <= kMaxGroupSize");
+  const int n = num_slots * G;  // (slot, head) entries, slot-major like part_m
+  float* weight = scratch;      // m first, overwritten by the normalized weight
+  float* head_m = scratch + kMaxMergeSlots * kMaxGroupSize;
+  float* head_inv_l = head_m + kMaxGroupSize;
+  const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+  for (int i = t; i < n; i += kMergeThreads) weight[i] = __ldcg(a.part_m + slot_begin * G + i);
+  __syncthreads();
+  for (int g = warp; g < G; g += kMergeThreads / 32) {  // one warp per head
+    float m = -CUDART_INF_F;
+    for (int s = lane; s < num_slots; s += 32) m = fmaxf(m, weight[s * G + g]);
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float l = 0.f;
+    for (int s = lane; s < num_slots; s += 32) {
+      const float ms = weight[s * G + g];
+      if (ms != -CUDART_INF_F) l += __expf(ms - m) * __ldcg(a.part_l + (slot_begin + s) * G + g);  // empty: 0
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    if (lane == 0) {
+      head_m[g] = m;
+      head_inv_l[g] = 1.f / l;
+    }
+  }
+  __syncthreads();
+  for (int i = t; i < n; i += kMergeThreads) {
+    const float ms = weight[i];
+    const int g = i % G;
+    weight[i] = (ms == -CUDART_INF_F) ? 0.f : __expf(ms - head_m[g]) * head_inv_l[g];
+  }
+  __syncthreads();
+  const float* acc = a.part_acc + static_cast<int64_t>(slot_begin) * G * kHeadDim + t;
+  float total[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) total[g] = 0.f;
+#pragma unroll 4
+  for (int s = 0; s < num_slots; ++s) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) total[g] += weight[s * G + g] * __ldcg(acc + (s * G + g) * kHeadDim);
+  }
+  T* out = static_cast<T*>(a.out) + row * a.out_stride_row + kvh * G * a.out_stride_head + t;
+#pragma unroll
+  for (int g = 0; g < G; ++g) out[g * a.out_stride_head] = Vec8<T>::from_float(total[g]);
 }
 
 }  // namespace pkv

@@ -29,10 +29,12 @@ constexpr int kStageElems = 2 * kChunkTokens * kHeadDim;  // K rows then V rows
 // per warp; 2 stages (64 KB, 3 CTAs an SM) keep more warps resident. The benchmark picks.
 template <int Stages>
 constexpr int decode_smem_bytes() { return kWarps * Stages * kStageElems * 2; }
+static_assert(decode_smem_bytes<2>() >= kPairMergeScratchFloats * 4, "the fused merge reuses the decode ring");
 constexpr float kLog2e = 1.4426950408889634f;
 
 static_assert(kHeadDim == 128, "fragment layout assumes d = 128");
 static_assert(kCopiesPerLane == 8, "copy layout assumes 8 copies per lane");
+static_assert(kThreads == kMergeThreads && kThreads == kHeadDim, "finish_split and merge_pair give a thread one dim");
 
 // Element offset of 16-byte piece `piece` of row `row` in a staged chunk. The XOR swizzle puts
 // the 8 rows an ldmatrix reads in 8 different bank groups (rows are 256 bytes apart).
@@ -63,10 +65,13 @@ struct CtaDecoder {
   }
 
   // Lane r (< 16) looks up the physical page of token r of chunk j (-1 past the split or row).
+  // The read is clamped into the row instead of predicated on seq_len, so at a split's start the
+  // page-table read does not wait for the seq_lens read: one dependent round trip less.
   __device__ __forceinline__ int lookup(int j) const {
     const int tok = chunk_token(j) + (lane & 15);
+    const int page = __ldg(pages + min(tok >> a.page_shift, a.block_table_width - 1));
     const bool valid = warp + kWarps * j < num_chunks && tok < seq_len;
-    return valid ? __ldg(pages + (tok >> a.page_shift)) : -1;
+    return valid ? page : -1;
   }
 
   __device__ __forceinline__ void issue(int j, int page_of_lane) const {
@@ -251,9 +256,30 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
+// Fused merge: publishes this split's state; the last split of the pair to arrive merges the
+// pair in place and resets the counter, so the launch can be replayed from a CUDA graph.
+template <typename T, int G>
+__device__ void merge_if_last(const DecodeArgs& a, int32_t* counter, int slot_begin, int num_slots, int row,
+                              int kvh, char* smem) {
+  // The flag lives past merge_pair's scratch, in the ring, so the kernel declares no static
+  // shared memory and keeps the ring's occupancy.
+  int& is_last = reinterpret_cast<int*>(smem)[kPairMergeScratchFloats - 1];
+  __threadfence();
+  __syncthreads();  // also: every thread is done with the combine buffer that merge_pair reuses
+  if (threadIdx.x == 0) {
+    const int seen = atomicAdd(counter, 1);
+    is_last = (seen == num_slots - 1);
+    if (is_last) *counter = 0;  // every split of the pair has arrived
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  merge_pair<T, G>(a, slot_begin, num_slots, row, kvh, reinterpret_cast<float*>(smem));
+}
+
 template <typename T, int G, int Stages>
 __global__ void __launch_bounds__(kThreads) bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices,
-                                                                 int num_splits) {
+                                                                 int num_splits, int32_t* pair_counters) {
   extern __shared__ __align__(128) char smem[];
   const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
   const int row = row_indices[r];
@@ -262,15 +288,17 @@ __global__ void __launch_bounds__(kThreads) bucket_decode_kernel(DecodeArgs a, c
   const int per_split = (n_tiles + num_splits - 1) / num_splits;
   const int tb = split * per_split;
   const int te = min(tb + per_split, n_tiles);
-  const int slot = (r * a.num_kv_heads + kvh) * num_splits + split;
+  const int pair = r * a.num_kv_heads + kvh;
+  const int slot = pair * num_splits + split;
   if (tb >= n_tiles) {  // row-local bounds leave this split empty: no Q load, no staging
     write_neutral<G>(a, slot);
-    allow_dependent_launch();
-    return;
+  } else {
+    CtaDecoder<T, G, Stages>(a, row, kvh, seq_len, tb, te, smem).run(smem);
+    finish_split<T, G>(a, smem, row, kvh, num_splits == 1, slot);
   }
-  CtaDecoder<T, G, Stages>(a, row, kvh, seq_len, tb, te, smem).run(smem);
-  finish_split<T, G>(a, smem, row, kvh, num_splits == 1, slot);
   allow_dependent_launch();
+  if (pair_counters != nullptr && num_splits > 1)
+    merge_if_last<T, G>(a, pair_counters + pair, pair * num_splits, num_splits, row, kvh, smem);
 }
 
 template <typename T, int G, int Stages>
@@ -278,7 +306,6 @@ __global__ void __launch_bounds__(kThreads) workqueue_decode_kernel(DecodeArgs a
                                                                     const int32_t* split_offsets,
                                                                     int32_t* pair_counters) {
   extern __shared__ __align__(128) char smem[];
-  __shared__ int is_last;
   const int32_t* task = tasks + blockIdx.x * 5;
   const int row = task[0], kvh = task[1], split = task[2], tb = task[3], te = task[4];
   const int pair = row * a.num_kv_heads + kvh;
@@ -288,21 +315,8 @@ __global__ void __launch_bounds__(kThreads) workqueue_decode_kernel(DecodeArgs a
   CtaDecoder<T, G, Stages>(a, row, kvh, seq_len, tb, te, smem).run(smem);
   finish_split<T, G>(a, smem, row, kvh, num_slots == 1, slot_begin + split);
   allow_dependent_launch();
-  if (pair_counters == nullptr || num_slots == 1) return;
-  // Fused merge: publish this split's state, then the last split of the pair to arrive merges.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int seen = atomicAdd(pair_counters + pair, 1);
-    is_last = (seen == num_slots - 1);
-    if (is_last) pair_counters[pair] = 0;  // every split of the pair has arrived: reset for replay
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  float* scratch = reinterpret_cast<float*>(smem);  // the combine buffer is no longer needed
-#pragma unroll 1
-  for (int g = 0; g < G; ++g) merge_head<T, G>(a, slot_begin, num_slots, row, kvh, g, scratch);
+  if (pair_counters != nullptr && num_slots > 1)
+    merge_if_last<T, G>(a, pair_counters + pair, slot_begin, num_slots, row, kvh, smem);
 }
 
 }  // namespace pkv

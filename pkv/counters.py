@@ -5,8 +5,8 @@ step must read and the partial-state bytes its splits write for the merge.
 
     decode launches   one per bucket launch; one for the workqueue
     merge launches    one per bucket launch with S > 1; workqueue: 1 if any pair has more
-                      than one split (0 for the fused-merge variant, which merges in the
-                      decode kernel)
+                      than one split (0 on either route for the fused-merge variant, which
+                      merges in the decode kernel)
     launches          decode launches + merge launches
     decode CTAs       sum of R * Hkv * S over bucket launches; T tasks for the workqueue
     useful KV bytes   sum_i seq_len_i * Hkv * d * 2 (K and V) * dtype bytes
@@ -60,7 +60,8 @@ def partial_state_bytes(num_slots: int, group_size: int, head_dim: int) -> int:
     return int(num_slots) * int(group_size) * (int(head_dim) + 2) * PARTIAL_STATE_BYTES
 
 
-def counters_for_buckets(plan: BucketPlan, step, num_sms: int, head_dim: int, kv_dtype_bytes: int = 2) -> StepCounters:
+def counters_for_buckets(plan: BucketPlan, step, num_sms: int, head_dim: int, kv_dtype_bytes: int = 2,
+                         fused_merge: bool = False) -> StepCounters:
     _check_common(num_sms, head_dim, kv_dtype_bytes)
     hkv = plan.num_kv_heads
     decode_ctas = 0
@@ -71,7 +72,7 @@ def counters_for_buckets(plan: BucketPlan, step, num_sms: int, head_dim: int, kv
         decode_ctas += slots
         if launch.num_splits > 1:
             merged_slots += slots
-            merge_launches += 1
+            merge_launches += 0 if fused_merge else 1
     return StepCounters(
         launches=len(plan.launches) + merge_launches,
         decode_ctas=decode_ctas,

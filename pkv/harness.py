@@ -105,7 +105,8 @@ def step_counters(plan, step, shape, num_sms: int, kv_dtype_bytes: int, fused_me
         return counters.counters_for_workqueue(schedule, step, num_sms, shape.head_dim,
                                                kv_dtype_bytes, fused_merge=fused_merge)
     if hasattr(schedule, "launches"):
-        return counters.counters_for_buckets(schedule, step, num_sms, shape.head_dim, kv_dtype_bytes)
+        return counters.counters_for_buckets(schedule, step, num_sms, shape.head_dim, kv_dtype_bytes,
+                                             fused_merge=fused_merge)
     return counters.counters_for_flashinfer(step, num_sms, shape.head_dim, kv_dtype_bytes,
                                             num_kv_heads=shape.num_kv_heads)
 

@@ -57,21 +57,49 @@ def persistentkv_configs(batch: int, num_sms: int):
     for stages in (2, 3):
         if batch == 1:
             for s in B1_SPLITS:
-                yield f"bucket:S={s}:st{stages}", dict(route="bucket_exact", bucket_num_splits=s, stages=stages,
-                                                       split_policy=SplitPolicy(num_splits=s))
+                for fused in (False, True):
+                    yield (f"bucket{'+fused' if fused else ''}:S={s}:st{stages}",
+                           dict(route="bucket_exact", bucket_num_splits=s, stages=stages, fused_merge=fused,
+                                split_policy=SplitPolicy(num_splits=s)))
             for s in (32, 64):
-                yield f"fused:S={s}:st{stages}", dict(route="workqueue", fused_merge=True, stages=stages,
-                                                      split_policy=SplitPolicy(num_splits=s))
+                for fused in (False, True):
+                    yield (f"workqueue{'+fused' if fused else ''}:S={s}:st{stages}",
+                           dict(route="workqueue", fused_merge=fused, stages=stages,
+                                split_policy=SplitPolicy(num_splits=s)))
             continue
         for s in WORKQUEUE_SPLITS:
             yield f"workqueue:S={s}:st{stages}", dict(route="workqueue", stages=stages,
                                                       split_policy=SplitPolicy(kind="fixed", num_splits=s))
         for s in (8, 16):
-            yield f"fused:S={s}:st{stages}", dict(route="workqueue", fused_merge=True, stages=stages,
-                                                  split_policy=SplitPolicy(kind="fixed", num_splits=s))
+            yield f"workqueue+fused:S={s}:st{stages}", dict(route="workqueue", fused_merge=True, stages=stages,
+                                                            split_policy=SplitPolicy(kind="fixed", num_splits=s))
         for waves in BALANCED_WAVES:
             policy = SplitPolicy(kind="balanced", num_splits=1, max_splits=64, target_ctas=waves * num_sms)
             yield f"balanced:{waves}w:st{stages}", dict(route="workqueue", stages=stages, split_policy=policy)
+
+
+def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
+    """Where a B1 bucket call's time goes: a one-element kernel (launch and event overhead), the
+    decode launch alone, and decode + separate merge, all with the same L2 flush."""
+    from pkv.timing import time_device_us
+
+    tiny = torch.zeros(1, device=q.device)
+    out = torch.empty_like(q)
+    part_m, part_l, part_acc = engine.scratch(plan, q.device)
+    rows, splits = plan.bucket_rows[0], int(plan.schedule.launches[0].num_splits)
+    ops, scale = engine.ops, engine.shape.sm_scale
+
+    def decode_only():
+        ops.bucket_decode(q, k, v, plan.block_table, plan.seq_lens, rows, splits, scale, out, part_m, part_l,
+                          part_acc, None, engine.stages)
+
+    def decode_and_merge():
+        decode_only()
+        ops.merge_states(part_m, part_l, part_acc, rows, None, engine.shape.num_kv_heads, splits, out)
+
+    timed = {"one_element_kernel_us": lambda: tiny.add_(1), "decode_launch_us": decode_only,
+             "decode_and_merge_us": decode_and_merge}
+    return {label: time_device_us(fn, reps=reps, warmup=3, flusher=flusher).median_us for label, fn in timed.items()}
 
 
 def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
@@ -119,6 +147,12 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
     out = best_engine.run(q, k, v, best_plan)
     torch.cuda.synchronize()
     rows["persistentkv"] = dict(median_us=sweep[best_label], config=best_label, **errors(out))
+    breakdown = None
+    if len(seq_lens) == 1:
+        unfused = min((label for label in sweep if label.startswith("bucket:")), key=sweep.get)
+        options = dict(persistentkv_configs(1, num_sms))[unfused]
+        engine = PersistentKVEngine(shape, device=device, **options)
+        breakdown = dict(config=unfused, **b1_breakdown(engine, engine.plan(step), q, k, v, flusher, reps))
     fi_best = min(rows["flashinfer_tc"]["median_us"], rows["flashinfer_cc"]["median_us"])
     result = dict(
         seq_lens=list(map(int, seq_lens)), kv_bytes=kv_bytes, floor_us=floor_us, engines=rows, sweep_us=sweep,
@@ -126,6 +160,8 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
         pkv_fraction_of_floor=floor_us / rows["persistentkv"]["median_us"],
         flashinfer_fraction_of_floor=floor_us / fi_best,
     )
+    if breakdown is not None:
+        result["b1_breakdown"] = breakdown
     log(f"{name}: floor {floor_us:.1f} us, flashinfer {fi_best:.1f} us, persistentkv {rows['persistentkv']['median_us']:.1f} us"
         f" ({best_label}), x{result['speedup_vs_flashinfer']:.3f}, rel_err {rows['persistentkv']['rel_err']:.2e}")
     return result
@@ -169,6 +205,16 @@ def main(argv=None) -> int:
         print(f"{name:<12}{c['floor_us']:>9.1f}{e['flashinfer_tc']['median_us']:>9.1f}{e['flashinfer_cc']['median_us']:>9.1f}"
               f"{e['persistentkv']['median_us']:>9.1f}{c['speedup_vs_flashinfer']:>8.3f}{c['pkv_fraction_of_floor']:>10.2f}"
               f"{c['flashinfer_fraction_of_floor']:>9.2f}  {e['persistentkv']['config']}")
+    families = ("bucket:", "bucket+fused:", "workqueue:", "workqueue+fused:")
+    for name, c in cases.items():
+        if "b1_breakdown" not in c:
+            continue
+        best = {f: min((us for label, us in c["sweep_us"].items() if label.startswith(f)), default=float("nan"))
+                for f in families}
+        b = c["b1_breakdown"]
+        print(f"{name:<8} best " + " ".join(f"{f[:-1]} {us:.1f}" for f, us in best.items())
+              + f" | 1-elem kernel {b['one_element_kernel_us']:.1f}, decode alone {b['decode_launch_us']:.1f},"
+              f" decode+merge {b['decode_and_merge_us']:.1f} ({b['config']})")
     return 0
 
 

@@ -62,21 +62,25 @@ def _run_poisoned(engine, step, q, k, v):
     return plan, out, scratch
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("route", ["workqueue", "bucket_exact", "bucket_masked"])
-def test_routes_match_float64(route, group, dtype):
+def test_routes_match_float64(route, group, dtype, fused):
     from pkv.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128)
-    rng = np.random.default_rng(group * 7 + (dtype == torch.bfloat16))
+    rng = np.random.default_rng(group * 7 + (dtype == torch.bfloat16) + 100 * fused)
     for trial, splits in enumerate((1, 3, 16, 64)):
         lengths = list(rng.choice(EDGE_LENGTHS, size=int(rng.integers(1, 9))))
-        engine = _engine(shape, route=route, split_policy=SplitPolicy(num_splits=splits), bucket_num_splits=splits)
+        engine = _engine(shape, route=route, split_policy=SplitPolicy(num_splits=splits), bucket_num_splits=splits,
+                         fused_merge=fused)
         step, q, k, v = _case(lengths, shape, dtype, seed=1000 * group + trial)
         _, out, _ = _run_poisoned(engine, step, q, k, v)
         _check(out, _dense(step, q, k, v), dtype)
+        if fused:
+            assert int(engine._counters.abs().sum()) == 0, "fused-merge counters must reset to zero"
 
 
 @pytest.mark.parametrize("kind", ["fixed", "balanced"])
@@ -128,12 +132,30 @@ def test_long_context_b1():
     from pkv.shape import ModelShape
 
     shape = ModelShape()
-    for length, splits in ((32768, 48), (131072 + 17, 64)):
+    for length, splits, fused in ((32768, 48, False), (32768 + 5, 32, True), (131072 + 17, 64, False),
+                                  (131072, 1024, True)):
         engine = _engine(shape, route="bucket_exact", bucket_num_splits=splits,
-                         split_policy=SplitPolicy(num_splits=splits))
+                         split_policy=SplitPolicy(num_splits=splits), fused_merge=fused)
         step, q, k, v = _case([length], shape, torch.float16, seed=length)
         _, out, _ = _run_poisoned(engine, step, q, k, v)
         _check(out, _dense(step, q, k, v), torch.float16)
+
+
+@pytest.mark.parametrize("route", ["bucket_exact", "workqueue"])
+def test_fused_merge_at_the_split_limit_g8(route):
+    """The fused merge's shared-memory scratch at its bound: 1024 slots of G = 8, many of them empty."""
+    from pkv.engines.persistentkv import MAX_MERGE_SPLITS
+    from pkv.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=64, num_kv_heads=8, head_dim=128)
+    policy = SplitPolicy(kind="fixed", num_splits=MAX_MERGE_SPLITS, max_splits=MAX_MERGE_SPLITS)
+    engine = _engine(shape, route=route, bucket_num_splits=MAX_MERGE_SPLITS, split_policy=policy,
+                     fused_merge=True)
+    step, q, k, v = _case([40000 + 3], shape, torch.bfloat16, seed=11)
+    _, out, _ = _run_poisoned(engine, step, q, k, v)
+    _check(out, _dense(step, q, k, v), torch.bfloat16)
+    assert int(engine._counters.abs().sum()) == 0
 
 
 def test_cuda_graph_replay_matches_eager():

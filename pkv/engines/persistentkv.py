@@ -179,9 +179,11 @@ class PersistentKVEngine(Engine):
             s = int(launch.num_splits)
             slots = len(launch.row_indices) * hkv * s
             m, l, acc = part_m[offset:offset + slots], part_l[offset:offset + slots], part_acc[offset:offset + slots]
+            fused = self.fused_merge and s > 1
+            counters = self._pair_counters(len(launch.row_indices) * hkv) if fused else None
             ops.bucket_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, rows, s, scale, out, m, l, acc,
-                              self.stages)
-            if s > 1:
+                              counters, self.stages)
+            if s > 1 and not fused:
                 ops.merge_states(m, l, acc, rows, None, hkv, s, out)
             offset += slots
 
