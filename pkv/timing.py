@@ -65,6 +65,19 @@ class L2Flusher:
         return {"nbytes": self.nbytes, "mode": self.mode}
 
 
+# A GPU-side spin queued before the start event, long enough (about half a millisecond at H200
+# clocks) for the host to queue the timed call's launches behind it.
+HEAD_START_CYCLES = 1_000_000
+
+
+def hold_device(device, cycles: int = HEAD_START_CYCLES) -> None:
+    """Keep the GPU busy while the host queues the next call, so that CUDA events around that
+    call time its device work and not the host's issue latency. Without it, a call whose kernels
+    take less time than Python takes to launch them reports the host's speed. No-op on the CPU."""
+    if _is_cuda(device):
+        torch.cuda._sleep(int(cycles))
+
+
 @dataclass(frozen=True)
 class TimingStats:
     median_us: float
@@ -103,8 +116,9 @@ def time_device_us(fn, *, reps: int = 30, warmup: int = 5, flusher: L2Flusher | 
                    device=None) -> TimingStats:
     """Time ``fn()`` ``reps`` times: CUDA events around each call on CUDA, perf_counter on CPU.
 
-    The L2 flush runs before each repetition, outside the events. ``device`` defaults to
-    CUDA when available and the flusher's device otherwise.
+    The L2 flush runs before each repetition, outside the events, followed on CUDA by
+    ``hold_device`` so the events time the queued device work. ``device`` defaults to CUDA when
+    available and the flusher's device otherwise.
     """
     if reps < 1 or warmup < 0:
         raise ValueError(f"reps must be >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
@@ -121,6 +135,7 @@ def time_device_us(fn, *, reps: int = 30, warmup: int = 5, flusher: L2Flusher | 
         for start, end in zip(starts, ends):
             if flusher is not None:
                 flusher.flush()
+            hold_device(device)
             start.record()
             fn()
             end.record()

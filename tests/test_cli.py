@@ -102,3 +102,16 @@ def test_parse_ncu_csv_converts_units_and_averages():
 def test_parse_ncu_csv_rejects_missing_columns():
     with pytest.raises(NcuParseError, match="lts__t_sector_hit_rate.pct"):
         parse_ncu_csv(NCU_CSV.replace("lts__t_sector_hit_rate.pct", "other"))
+
+
+@pytest.mark.parametrize("unit, gbps", [("Tbyte/s", 3300.0), ("Gbyte/second", 3.3), ("byte/s", 3.3e-9),
+                                        ("Mbyte/s", 3.3e-3)])
+def test_parse_ncu_csv_reads_every_rate_prefix(unit, gbps):
+    """ncu picks the rate prefix per report ("Tbyte/s" on an H200), so every decimal prefix parses."""
+    kernels = {k["name"]: k for k in parse_ncu_csv(NCU_CSV.replace("Tbyte/second", unit))}
+    assert kernels["BatchDecodeKernel"]["dram_gbps"] == pytest.approx(gbps)
+
+
+def test_parse_ncu_csv_rejects_unknown_rate_units():
+    with pytest.raises(NcuParseError, match="furlong/s"):
+        parse_ncu_csv(NCU_CSV.replace("Tbyte/second", "furlong/s"))

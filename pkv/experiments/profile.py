@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -45,9 +46,9 @@ METRIC_LIST = ",".join(name for name, _ in NCU_METRICS)
 
 _TIME_TO_MS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
                "second": 1e3, "s": 1e3}
-# ncu prints decimal prefixes for rates.
-_RATE_TO_GBPS = {"byte/second": 1e-9, "kbyte/second": 1e-6, "mbyte/second": 1e-3, "gbyte/second": 1.0,
-                 "tbyte/second": 1e3, "b/s": 1e-9, "kb/s": 1e-6, "mb/s": 1e-3, "gb/s": 1.0, "tb/s": 1e3}
+# ncu prints rates with a decimal prefix chosen per value ("Gbyte/second", "Tbyte/s", "B/s").
+_RATE_UNIT = re.compile(r"([kmgtp]?)(?:byte|b)/s(?:econd)?")
+_PREFIX_TO_GB = {"": 1e-9, "k": 1e-6, "m": 1e-3, "g": 1.0, "t": 1e3, "p": 1e6}
 
 
 class NcuParseError(ValueError):
@@ -81,9 +82,10 @@ def _convert(field: str, value: float, unit: str, where: str) -> float:
             raise NcuParseError(f"{where}: unknown time unit {unit!r}")
         return value * _TIME_TO_MS[unit_key]
     if field == "dram_gbps":
-        if unit_key not in _RATE_TO_GBPS:
+        rate = _RATE_UNIT.fullmatch(unit_key)
+        if rate is None:
             raise NcuParseError(f"{where}: unknown rate unit {unit!r}")
-        return value * _RATE_TO_GBPS[unit_key]
+        return value * _PREFIX_TO_GB[rate.group(1)]
     if unit_key not in ("%", ""):
         raise NcuParseError(f"{where}: expected a percentage, got unit {unit!r}")
     return value
@@ -203,5 +205,7 @@ def run(cfg: PkvConfig, overrides: Sequence[str] = ()) -> list[Path]:
         return [write_json_atomic(out, _record(cfg, settings, skipped=reason))]
     export = subprocess.run([ncu, "--import", str(report), "--csv", "--page", "raw", "--metrics", METRIC_LIST],
                             capture_output=True, text=True, check=True)
+    # The raw export stays beside the report, so the counters can be re-derived without ncu.
+    (out.parent / "ncu_raw.csv").write_text(export.stdout, encoding="utf-8")
     kernels = parse_ncu_csv(export.stdout, str(report))
     return [write_json_atomic(out, _record(cfg, settings, kernels=kernels, report=report.name))]
