@@ -67,12 +67,6 @@ class PersistentKVEngine(Engine):
             ("+cuda_graph" if cuda_graph else "")
         self._counters = torch.zeros(0, dtype=torch.int32, device=self.device)
         self._graphs: dict[tuple, _GraphedStep] = {}
-        # Reused across steps (kernels on one stream consume them in order): allocating the
-        # partial-state buffers and uploading through pageable memory each step cost tens of
-        # microseconds of host time, as much as a B1 decode kernel on an H200.
-        self._scratch_flat: torch.Tensor | None = None
-        self._staging: torch.Tensor | None = None
-        self._staging_done = None  # event after the last copy out of _staging
 
     # ---- planning (host) -------------------------------------------------------------------
     def plan(self, step) -> DevicePlan:
@@ -118,21 +112,10 @@ class PersistentKVEngine(Engine):
         return plan
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """One asynchronous host-to-device copy for all of a step's int32 metadata, staged
-        through a reused pinned buffer (the kernels that read it are queued after the copy)."""
+        """One host-to-device copy for all of a step's int32 metadata."""
         flat = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in arrays]
         sizes = [a.size for a in flat]
-        total = sum(sizes)
-        if self.device.type != "cuda":
-            return list(torch.split(torch.from_numpy(np.concatenate(flat)).to(self.device), sizes))
-        if self._staging_done is not None:
-            self._staging_done.synchronize()  # the previous step's copy has left the buffer
-        if self._staging is None or self._staging.numel() < total:
-            self._staging = torch.empty(max(total, 1 << 16), dtype=torch.int32, pin_memory=True)
-            self._staging_done = torch.cuda.Event()
-        np.concatenate(flat, out=self._staging[:total].numpy())
-        packed = self._staging[:total].to(self.device, non_blocking=True)
-        self._staging_done.record()
+        packed = torch.from_numpy(np.concatenate(flat)).to(self.device, non_blocking=False)
         return list(torch.split(packed, sizes))
 
     # ---- execution (device) ----------------------------------------------------------------
@@ -154,7 +137,7 @@ class PersistentKVEngine(Engine):
         if self.cuda_graph:
             return self._run_graphed(q, k_pages, v_pages, plan)
         out = torch.empty_like(q)
-        self._launch(q, k_pages, v_pages, plan, out, *self._reused_scratch(plan, q.device))
+        self._launch(q, k_pages, v_pages, plan, out, *self.scratch(plan, q.device))
         return out
 
     def run_into(self, q, k_pages, v_pages, plan: DevicePlan, out, part_m, part_l, part_acc) -> None:
@@ -173,17 +156,6 @@ class PersistentKVEngine(Engine):
             for b in bufs:
                 b.fill_(fill)
         return bufs
-
-    def _reused_scratch(self, plan: DevicePlan, device):
-        """Views of one float32 buffer kept across steps, grown when a plan needs more slots."""
-        g, d = self.shape.group_size, self.shape.head_dim
-        slots = plan.num_slots
-        need = slots * g * (d + 2)
-        if self._scratch_flat is None or self._scratch_flat.numel() < need or self._scratch_flat.device != device:
-            self._scratch_flat = torch.empty(need, dtype=torch.float32, device=device)
-        flat, acc = self._scratch_flat, slots * g * d  # acc first: its float4 rows stay 16-byte aligned
-        return (flat[acc:acc + slots * g].view(slots, g), flat[acc + slots * g:need].view(slots, g),
-                flat[:acc].view(slots, g, d))
 
     def _pair_counters(self, pairs: int) -> torch.Tensor:
         if self._counters.numel() < pairs:  # zero at rest: the kernel resets what it counts
