@@ -20,6 +20,7 @@ include: "workflow/rules/calibrate.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/ablate.smk"
 include: "workflow/rules/profile.smk"
+include: "workflow/rules/benchmark.smk"
 include: "workflow/rules/tables.smk"
 
 

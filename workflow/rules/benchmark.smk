@@ -1,0 +1,19 @@
+# The decode-kernel benchmark: PersistentKV's split points against FlashInfer's tensor-core and
+# CUDA-core decode on the same page tables, L2 flushed, as ratios and fractions of the read floor
+# (docs/performance.md). On a machine without a GPU it records why it did not run.
+
+
+rule kernel_bench:
+    input:
+        build=BUILD_RECORD,
+    output:
+        KERNEL_BENCH,
+    log:
+        f"{LOGS}/kernel_bench.log",
+    threads: 1
+    conda:
+        CONDA_ENV
+    resources:
+        gpu=GPU_SLOTS,
+    shell:
+        f"{PYTHON} -m pkv.kernel_bench --out {{output}} > {{log}} 2>&1"
