@@ -74,7 +74,7 @@ def main() -> None:
             parts = ""
             inner = getattr(engine, "persistent", engine)
             inner_plan = getattr(plan, "inner", plan)
-            if hasattr(inner, "_launch") and not isinstance(inner_plan, type(None)) and hasattr(inner_plan, "bucket_rows"):
+            if hasattr(inner, "_launch") and hasattr(inner_plan, "bucket_rows"):
                 out = torch.empty_like(q)
                 scratch = inner.scratch(inner_plan, q.device)
                 parts = (f"check {host_us(lambda: inner._check(q, k, v, inner_plan)):.1f}"

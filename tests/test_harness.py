@@ -126,3 +126,29 @@ def test_run_trace_rejects_bad_arguments():
 def test_queries_are_fresh_per_step_and_reproducible():
     assert harness.query_seed(1, 2) == harness.query_seed(1, 2)
     assert harness.query_seed(1, 2) != harness.query_seed(1, 3)
+
+
+class CountsCalls(SdpaEngine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plans = 0
+        self.runs = 0
+
+    def plan(self, step):
+        self.plans += 1
+        return super().plan(step)
+
+    def run(self, q, k_pages, v_pages, plan):
+        self.runs += 1
+        return super().run(q, k_pages, v_pages, plan)
+
+
+def test_device_time_comes_from_a_second_run_of_each_measured_step():
+    """The wall pass plans and runs once per step; measured steps run the same plan once more
+    behind the device hold, for the device timer."""
+    spec = tiny_spec(warmup_steps=2, measured_steps=4)
+    engine = CountsCalls(SHAPE, "cpu")
+    results = run_trace(spec, SHAPE, {"sdpa": engine}, "sdpa", progress=False)
+    steps = results["sdpa"]["steps"]
+    assert steps == 4
+    assert engine.plans == 2 + steps and engine.runs == 2 + 2 * steps
