@@ -1,7 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine run: build, kernel tests, compute-sanitizer, kernel benchmark. Logs under $OUT,
-# with the built extension (ext_cache.tgz: unpack it at the repository root and carry .cache to skip
-# the build next time, for the same sources and torch).
+# One GPU-machine run: build, kernel tests, compute-sanitizer, kernel benchmark. Logs under $OUT.
 #   (from the repository root, with the wheels of ../shared/device/wheels.txt in .whl/)
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
@@ -10,7 +8,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -m pkv.build --record "$OUT/build.json" 2>&1 | tail -5 || exit 1
-tar czf "$OUT/ext_cache.tgz" .cache/pkv
 python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/tests.log" 2>&1
 grep -E "FAILED|ERROR|passed|failed|Fatal|^E  " "$OUT/tests.log" | tail -30
 for tool in memcheck racecheck; do
