@@ -4,12 +4,11 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "decode_constants.h"
+
 namespace pkv {
 
 enum class KvDtype : int { kFloat16 = 0, kBFloat16 = 1 };
-
-constexpr int kHeadDim = 128;
-constexpr int kTileTokens = 32;
 
 // What every decode launch reads and writes. Layouts follow docs/architecture.md.
 struct DecodeArgs {

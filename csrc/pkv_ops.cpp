@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include "pkv_launch.h"
+#include "step_plan.h"
 
 namespace {
 
@@ -193,6 +194,90 @@ void merge_states(const Tensor& part_m, const Tensor& part_l, const Tensor& part
                "merge_states");
 }
 
+// One decode step from a packed plan (step_plan.h's layout, already on the device): output and
+// partial-state scratch are allocated here and every launch of the route is issued from C++, so
+// a step costs one dispatcher call instead of a Python loop over launches and allocations.
+// pair_counters selects the fused merge: it is used by each launch with more than one split.
+Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& meta,
+                at::IntArrayRef layout, double sm_scale, int64_t stages, const std::optional<Tensor>& pair_counters) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(layout.size() >= pkv::kLayoutRouteFields + 1, "pkv: plan layout is too short: ", layout);
+  const int64_t route = layout[pkv::kLayoutRoute], batch = layout[pkv::kLayoutBatch];
+  const int64_t width = layout[pkv::kLayoutTableWidth], slots = layout[pkv::kLayoutNumSlots];
+  TORCH_CHECK(route == pkv::kRouteWorkqueue || route == pkv::kRouteBuckets, "pkv: unknown plan route ", route);
+  TORCH_CHECK(q.dim() == 3 && q.size(0) == batch, "pkv: q must be [B=", batch, ", Hq, d], got ", q.sizes());
+  TORCH_CHECK(k_pages.dim() == 4, "pkv: k_pages must be [num_pages, Hkv, P, d], got ", k_pages.sizes());
+  const int64_t hkv = k_pages.size(1);
+  TORCH_CHECK(hkv >= 1 && q.size(1) % hkv == 0, "pkv: Hq=", q.size(1), " is not a multiple of Hkv=", hkv);
+  const int64_t group_size = q.size(1) / hkv;
+  check_cuda_tensor(meta, "plan metadata", at::kInt);
+  TORCH_CHECK(meta.dim() == 1 && meta.is_contiguous(), "pkv: plan metadata must be a contiguous 1-D tensor");
+  const int64_t num_tasks = route == pkv::kRouteWorkqueue ? layout[pkv::kLayoutRouteFields] : 0;
+  const int64_t route_ints = route == pkv::kRouteWorkqueue ? 5 * num_tasks + batch * hkv + 1 : batch;
+  TORCH_CHECK(meta.numel() == batch * width + batch + route_ints, "pkv: plan metadata holds ", meta.numel(),
+              " ints, its layout needs ", batch * width + batch + route_ints, " (plan built for another Hkv?)");
+  TORCH_CHECK(slots >= 0, "pkv: plan layout has ", slots, " slots");
+
+  Tensor out = at::empty_like(q);
+  // acc first: it is read with 16-byte vectors, and m / l after it stay 16-byte aligned too.
+  Tensor scratch = at::empty({slots * group_size * (pkv::kHeadDim + 2)}, q.options().dtype(at::kFloat));
+  Tensor part_acc = scratch.narrow(0, 0, slots * group_size * pkv::kHeadDim).view({slots, group_size, pkv::kHeadDim});
+  Tensor part_m = scratch.narrow(0, slots * group_size * pkv::kHeadDim, slots * group_size).view({slots, group_size});
+  Tensor part_l = scratch.narrow(0, slots * group_size * (pkv::kHeadDim + 1), slots * group_size)
+                      .view({slots, group_size});
+  Tensor block_table = meta.narrow(0, 0, batch * width).view({batch, width});
+  Tensor seq_lens = meta.narrow(0, batch * width, batch);
+  const int32_t* route_data = meta.data_ptr<int32_t>() + batch * width + batch;
+  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+
+  if (route == pkv::kRouteWorkqueue) {
+    const int64_t max_splits = layout[pkv::kLayoutRouteFields + 1];
+    TORCH_CHECK(max_splits <= pkv::kMaxMergeSlots, "pkv: the plan has ", max_splits,
+                " splits for one (row, KV head); the merge takes at most ", pkv::kMaxMergeSlots);
+    const int32_t* split_offsets = route_data + 5 * num_tasks;
+    const bool fused = pair_counters.has_value() && max_splits > 1;
+    int32_t* counters = fused ? pair_counters_of(pair_counters, batch * hkv) : nullptr;
+    check_launch(pkv::launch_workqueue_decode(args, route_data, static_cast<int>(num_tasks), split_offsets, counters,
+                                              stream),
+                 "workqueue_decode");
+    if (max_splits > 1 && !fused) {
+      check_launch(pkv::launch_merge_states(args, nullptr, split_offsets, static_cast<int>(batch * hkv), 0, stream),
+                   "merge_states");
+    }
+    return out;
+  }
+  const int64_t num_launches = layout[pkv::kLayoutRouteFields];
+  TORCH_CHECK(static_cast<int64_t>(layout.size()) == pkv::kLayoutRouteFields + 1 + 2 * num_launches,
+              "pkv: bucket plan layout must list (rows, splits) for each of its ", num_launches, " launches");
+  int64_t row_offset = 0, slot_offset = 0;
+  for (int64_t j = 0; j < num_launches; ++j) {
+    const int64_t rows = layout[pkv::kLayoutRouteFields + 1 + 2 * j];
+    const int64_t splits = layout[pkv::kLayoutRouteFields + 2 + 2 * j];
+    TORCH_CHECK(splits >= 1 && splits <= pkv::kMaxMergeSlots && row_offset + rows <= batch &&
+                    slot_offset + rows * hkv * splits <= slots,
+                "pkv: bucket launch ", j, " (", rows, " rows, ", splits, " splits) does not fit its plan");
+    pkv::DecodeArgs launch = args;  // this launch's slots start after the previous launches'
+    launch.part_m += slot_offset * group_size;
+    launch.part_l += slot_offset * group_size;
+    launch.part_acc += slot_offset * group_size * pkv::kHeadDim;
+    const int32_t* row_indices = route_data + row_offset;
+    const bool fused = pair_counters.has_value() && splits > 1;
+    int32_t* counters = fused ? pair_counters_of(pair_counters, rows * hkv) : nullptr;
+    check_launch(pkv::launch_bucket_decode(launch, row_indices, static_cast<int>(rows), static_cast<int>(splits),
+                                           counters, stream),
+                 "bucket_decode");
+    if (splits > 1 && !fused) {
+      check_launch(pkv::launch_merge_states(launch, row_indices, nullptr, static_cast<int>(rows * hkv),
+                                            static_cast<int>(splits), stream),
+                   "merge_states");
+    }
+    row_offset += rows;
+    slot_offset += rows * hkv * splits;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pkv, m) {
@@ -207,10 +292,14 @@ TORCH_LIBRARY(pkv, m) {
   m.def(
       "merge_states(Tensor part_m, Tensor part_l, Tensor part_acc, Tensor? row_indices, "
       "Tensor? split_offsets, int num_kv_heads, int num_splits, Tensor(a!) out) -> ()");
+  m.def(
+      "run_plan(Tensor q, Tensor k_pages, Tensor v_pages, Tensor meta, int[] layout, float sm_scale, int stages, "
+      "Tensor(a!)? pair_counters) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CUDA, m) {
   m.impl("bucket_decode", &bucket_decode);
   m.impl("workqueue_decode", &workqueue_decode);
   m.impl("merge_states", &merge_states);
+  m.impl("run_plan", &run_plan);
 }

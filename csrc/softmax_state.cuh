@@ -11,7 +11,6 @@ namespace pkv {
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kMergeThreads = 128;
 constexpr int kMergeSlotGroups = 4;  // slots are read by 4 groups of 32 threads, 4 dims (16 bytes) each
-constexpr int kMaxMergeSlots = 1024;  // host code keeps split counts at or under this
 constexpr int kMergeScratchFloats = 8 + 2 * kMaxMergeSlots + kMergeSlotGroups * kHeadDim;
 constexpr int kMaxGroupSize = 8;
 // merge_pair's shared memory: m (then the weight) of every (slot, head), two floats per head and

@@ -27,15 +27,20 @@ CSRC = REPO_ROOT / "csrc"
 KERNEL_SOURCES = ("launch.cu", "launch_fp16.cu", "launch_bf16.cu")
 BINDING_SOURCE = "pkv_ops.cpp"
 LIBRARY_NAME = "pkv_ext"
+# The step planner: part of the CUDA extension, and on its own a CPU-only library where there is
+# no GPU (its ops are the same torch.ops.pkv.plan_* either way; never load both in one process).
+HOST_SOURCES = ("host_ops.cpp", "step_plan.cpp")
+HOST_HEADERS = ("step_plan.h", "decode_constants.h")
+HOST_LIBRARY_NAME = "pkv_host"
 
 
 def csrc_files() -> list[Path]:
     return sorted(p for p in CSRC.iterdir() if p.suffix in {".cu", ".cuh", ".h", ".cpp"})
 
 
-def source_hash() -> str:
+def source_hash(files: list[Path] | None = None) -> str:
     digest = hashlib.sha256()
-    for path in csrc_files():
+    for path in csrc_files() if files is None else files:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -92,21 +97,44 @@ def ensure_built(verbose: bool = False) -> Path:
 
 
 def _compile(target: Path, capability: tuple[int, int], verbose: bool) -> None:
+    _compile_library(target, LIBRARY_NAME, [BINDING_SOURCE, *HOST_SOURCES, *KERNEL_SOURCES], verbose,
+                     extra_cuda_cflags=[*NVCC_FLAGS, gencode_for(capability)])
+
+
+def _compile_library(target: Path, name: str, sources: list[str], verbose: bool, **options) -> None:
     from torch.utils.cpp_extension import load
 
     work = Path(tempfile.mkdtemp(prefix="build-", dir=target))
     load(
-        name=LIBRARY_NAME,
-        sources=[str(CSRC / BINDING_SOURCE)] + [str(CSRC / s) for s in KERNEL_SOURCES],
+        name=name,
+        sources=[str(CSRC / s) for s in sources],
         extra_cflags=["-O3"],
-        extra_cuda_cflags=[*NVCC_FLAGS, gencode_for(capability)],
         build_directory=str(work),
         is_python_module=False,
         verbose=verbose,
+        **options,
     )
-    built = work / f"{LIBRARY_NAME}.so"
-    os.replace(built, target / f"{LIBRARY_NAME}.so")  # atomic: a crash leaves no half library
+    built = work / f"{name}.so"
+    os.replace(built, target / f"{name}.so")  # atomic: a crash leaves no half library
     shutil.rmtree(work, ignore_errors=True)
+
+
+def ensure_host_built(verbose: bool = False) -> Path:
+    """Load the CPU-only step planner into torch.ops.pkv (machines without a GPU), building it
+    first if this key is not cached. On a GPU machine use ensure_built: it holds the planner."""
+    import torch
+
+    files = [CSRC / f for f in (*HOST_SOURCES, *HOST_HEADERS)]
+    key = hashlib.sha256("|".join([source_hash(files), "cpu", torch.__version__]).encode()).hexdigest()[:16]
+    target = cache_root() / f"host-{key}"
+    library = target / f"{HOST_LIBRARY_NAME}.so"
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not library.exists():
+            _compile_library(target, HOST_LIBRARY_NAME, list(HOST_SOURCES), verbose, with_cuda=False)
+    torch.ops.load_library(str(library))
+    return library
 
 
 def check_compile(arches: tuple[str, ...] = ("90a", "80")) -> list[str]:

@@ -34,6 +34,7 @@ PROFILES = ("cpu", "gpu")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 DEVICES = ("cpu", "cuda")
 ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
+PLANNERS = ("native", "numpy")
 # Which module of pkv.experiments runs an experiment; several experiments share a driver.
 DRIVERS = ("evaluate", "isolated", "calibrate", "ablate", "profile")
 
@@ -75,6 +76,7 @@ class EngineConfig:
     allow_b4: bool = False
     use_tensor_cores: Optional[bool] = None
     cuda_graph: bool = False
+    planner: str = "native"
 
 
 @dataclass
@@ -227,6 +229,8 @@ def _check_trace(trace: TraceConfig, where: str, families: Sequence[str]) -> Non
 def _check_engine(engine: EngineConfig, where: str) -> None:
     if engine.route not in ROUTES:
         raise _fail(where, "engine.route", engine.route, f"must be one of {list(ROUTES)}")
+    if engine.planner not in PLANNERS:
+        raise _fail(where, "engine.planner", engine.planner, f"must be one of {list(PLANNERS)}")
     for name in ("num_splits", "bucket_num_splits"):
         value = getattr(engine, name)
         if value is not None and value < 1:

@@ -1,6 +1,6 @@
 """torch.ops.pkv: loads the CUDA extension and registers fake kernels so the ops trace under
-torch.compile. The ops mutate their output and scratch arguments and return nothing, so each
-fake kernel is empty."""
+torch.compile. The launch ops mutate their output and scratch arguments and return nothing, so
+their fake kernels are empty; run_plan returns a new output shaped like q."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ def _register_fakes() -> None:
         return
     for name in ("pkv::bucket_decode", "pkv::workqueue_decode", "pkv::merge_states"):
         register(name)(lambda *args, **kwargs: None)
+    register("pkv::run_plan")(lambda q, *args, **kwargs: torch.empty_like(q))
 
 
 @functools.lru_cache(maxsize=1)
@@ -24,4 +25,16 @@ def load() -> object:
 
     ensure_built()
     _register_fakes()
+    return torch.ops.pkv
+
+
+@functools.lru_cache(maxsize=1)
+def load_planner() -> object:
+    """torch.ops.pkv with the C++ step planner (plan_workqueue, plan_buckets): from the CUDA
+    extension where there is a GPU, from the CPU-only planner library elsewhere."""
+    if torch.cuda.is_available():
+        return load()
+    from pkv.build import ensure_host_built
+
+    ensure_host_built()
     return torch.ops.pkv

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU-machine run: build, kernel tests, compute-sanitizer, kernel benchmark. Logs under $OUT.
+# One GPU-machine run: build, kernel tests, compute-sanitizer, kernel benchmark, host-time split.
+# Logs under $OUT.
 #   (from the repository root, with the wheels of ../shared/device/wheels.txt in .whl/)
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
@@ -17,3 +18,4 @@ done
 python3 -m pkv.kernel_bench --out "$OUT/kernel_bench.json" ${BENCH_ARGS:-} 2>"$OUT/bench.err"
 tail -3 "$OUT/bench.err"
 [ -n "${BENCH_WRITE_FLUSH:-}" ] && python3 -m pkv.kernel_bench --flush write --out "$OUT/kernel_bench_writeflush.json" --cases b1_8k b1_32k b8_bimodal 2>/dev/null | tail -4
+python3 scripts/host_overhead.py > "$OUT/host_overhead.txt" 2>&1; cat "$OUT/host_overhead.txt" | tail -25

@@ -1,5 +1,7 @@
-"""Where the host time of one decode step goes, per engine: plan(), the issue of run() (host time
-until the last launch is queued) and its parts for PersistentKV, and the synchronized wall step.
+"""Where the time of one synchronized wall step goes, per engine: plan(), the issue of run() (host
+time until the last launch is queued), the wait for the GPU after it, their total, and the
+device time of run() alone (L2 flushed). PersistentKV runs with its C++ planner ("native") and
+with the numpy planner it is tested against.
 
     python scripts/host_overhead.py            # on a GPU machine; prints a table (microseconds)
 
@@ -21,6 +23,7 @@ from pkv.kv_data import make_kv_pages, make_queries
 from pkv.pages import assign_pages
 from pkv.shape import ModelShape
 from pkv.step import build_step
+from pkv.timing import L2Flusher, time_device_us
 
 K = 1024
 CASES = {"b1_8k": [8 * K], "b1_32k": [32 * K],
@@ -39,52 +42,53 @@ def host_us(fn, reps=REPS):
     return statistics.median(samples)
 
 
+def wall_split(engine, q, k, v, step, reps=REPS):
+    """Median plan, run-issue, sync-wait and total of synchronized wall steps (microseconds)."""
+    parts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plan = engine.plan(step)
+        t1 = time.perf_counter()
+        engine.run(q, k, v, plan)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        parts.append(((t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6, (t3 - t0) * 1e6))
+    return [statistics.median(column) for column in zip(*parts)]
+
+
 def main() -> None:
     import yaml
 
     shape = ModelShape()
     calib = Calibration.from_mapping(yaml.safe_load(open("conf/gpu/h200.yaml")), "conf/gpu/h200.yaml")
-    print(f"{'case':<11}{'engine':<22}{'plan':>8}{'run issue':>10}{'wall':>8}  parts of run (PersistentKV)")
+    print(f"{'case':<11}{'engine':<24}{'plan':>7}{'issue':>7}{'sync':>7}{'wall':>7}{'device':>8}")
     for name, lens in CASES.items():
         a = assign_pages(lens, 16, 0.0, 1)
         step = build_step(0, np.arange(len(lens)), np.asarray(lens, dtype=np.int32), a.pages, 16)
         k, v = make_kv_pages(a.num_physical_pages, shape, 16, "float16", "cuda", 1)
         q = make_queries(len(lens), shape, "float16", "cuda", 2)
-        engines = {
-            "flashinfer": build_engine("flashinfer", shape=shape, device="cuda", calib=calib),
-            "adaptive": build_engine("adaptive", shape=shape, device="cuda", calib=calib),
-            "pkv_bucket": build_engine("persistentkv", shape=shape, device="cuda", calib=calib,
-                                       options={"route": "bucket_exact"}),
-            "pkv_workqueue": build_engine("persistentkv", shape=shape, device="cuda", calib=calib,
-                                          options={"route": "workqueue"}),
-        }
+        engines = {"flashinfer": build_engine("flashinfer", shape=shape, device="cuda", calib=calib)}
+        for planner in ("native", "numpy"):
+            engines[f"adaptive/{planner}"] = build_engine("adaptive", shape=shape, device="cuda", calib=calib,
+                                                          options={"planner": planner})
+            for route in ("bucket_exact", "workqueue"):
+                engines[f"pkv_{route.split('_')[0]}/{planner}"] = build_engine(
+                    "persistentkv", shape=shape, device="cuda", calib=calib,
+                    options={"route": route, "planner": planner})
         for label, engine in engines.items():
             engine.prepare(step, q, k, v)
-            plan = engine.plan(step)
             for _ in range(5):
                 engine.run(q, k, v, engine.plan(step))
-            plan_us = host_us(lambda: engine.plan(step))
-            run_us = host_us(lambda: engine.run(q, k, v, plan))
-
-            def wall():
-                engine.run(q, k, v, engine.plan(step))
-                torch.cuda.synchronize()
-
-            wall_us = host_us(wall)
-            parts = ""
-            inner = getattr(engine, "persistent", engine)
-            inner_plan = getattr(plan, "inner", plan)
-            if hasattr(inner, "_launch") and hasattr(inner_plan, "bucket_rows"):
-                out = torch.empty_like(q)
-                scratch = inner.scratch(inner_plan, q.device)
-                parts = (f"check {host_us(lambda: inner._check(q, k, v, inner_plan)):.1f}"
-                         f" | alloc {host_us(lambda: (torch.empty_like(q), inner.scratch(inner_plan, q.device))):.1f}"
-                         f" | launches {host_us(lambda: inner._launch(q, k, v, inner_plan, out, *scratch)):.1f}"
-                         f" ({inner_plan.route})")
-            print(f"{name:<11}{label:<22}{plan_us:>8.1f}{run_us:>10.1f}{wall_us:>8.1f}  {parts}")
+            plan_us, issue_us, sync_us, wall_us = wall_split(engine, q, k, v, step)
+            plan = engine.plan(step)
+            device_us = time_device_us(lambda: engine.run(q, k, v, plan), flusher=FLUSH).median_us
+            print(f"{name:<11}{label:<24}{plan_us:>7.1f}{issue_us:>7.1f}{sync_us:>7.1f}{wall_us:>7.1f}{device_us:>8.1f}")
     x = torch.zeros(1, device="cuda")
     print(f"one torch op (x.add_(1)) issue: {host_us(lambda: x.add_(1)):.1f} us")
 
 
 if __name__ == "__main__":
+    FLUSH = L2Flusher("cuda")
     main()

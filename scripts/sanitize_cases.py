@@ -29,7 +29,8 @@ def main() -> None:
                         dict(route="workqueue", split_policy=SplitPolicy(num_splits=8), fused_merge=True),
                         dict(route="bucket_masked", bucket_num_splits=16),
                         dict(route="bucket_masked", bucket_num_splits=16, fused_merge=True),
-                        dict(route="bucket_exact", bucket_num_splits=1)):
+                        dict(route="bucket_exact", bucket_num_splits=1),
+                        dict(route="bucket_exact", bucket_num_splits=8)):
             engine = PersistentKVEngine(shape, **options)
             out = engine.run(q, k, v, engine.plan(step))
             torch.cuda.synchronize()

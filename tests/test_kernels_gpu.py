@@ -158,13 +158,43 @@ def test_fused_merge_at_the_split_limit_g8(route):
     assert int(engine._counters.abs().sum()) == 0
 
 
-def test_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("route", ["workqueue", "bucket_exact", "bucket_masked"])
+def test_run_plan_matches_per_op_launches(route, group, fused):
+    """run() plans in C++ and issues every launch from C++ (run_plan, scratch allocated there):
+    its output equals the per-op launches of the numpy plan bit for bit, and float64."""
+    from pkv.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128)
+    rng = np.random.default_rng(31 * group + fused)
+    for trial, splits in enumerate((1, 5, 32)):
+        lengths = list(rng.choice(EDGE_LENGTHS, size=int(rng.integers(1, 9))))
+        kwargs = dict(route=route, split_policy=SplitPolicy(num_splits=splits), bucket_num_splits=splits,
+                      fused_merge=fused)
+        native, spec = _engine(shape, planner="native", **kwargs), _engine(shape, planner="numpy", **kwargs)
+        step, q, k, v = _case(lengths, shape, torch.float16, seed=77 * group + trial)
+        native_plan, spec_plan = native.plan(step), spec.plan(step)
+        assert native_plan.layout == spec_plan.layout
+        assert torch.equal(native_plan.meta, spec_plan.meta)
+        _, expected, _ = _run_poisoned(spec, step, q, k, v)
+        out = native.run(q, k, v, native_plan)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), (route, lengths, splits)
+        _check(out, _dense(step, q, k, v), torch.float16)
+        if fused:
+            assert int(native._counters.abs().sum()) == 0, "fused-merge counters must reset to zero"
+
+
+@pytest.mark.parametrize("route", ["workqueue", "bucket_exact"])
+def test_cuda_graph_replay_matches_eager(route):
     from pkv.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape()
-    eager = _engine(shape, route="workqueue", split_policy=SplitPolicy(num_splits=20))
-    graphed = _engine(shape, route="workqueue", split_policy=SplitPolicy(num_splits=20), cuda_graph=True)
+    eager = _engine(shape, route=route, split_policy=SplitPolicy(num_splits=20))
+    graphed = _engine(shape, route=route, split_policy=SplitPolicy(num_splits=20), cuda_graph=True)
     for seed in range(3):
         step, q, k, v = _case([4000, 9000, 100, 30000], shape, torch.float16, seed=seed)
         ref = eager.run(q, k, v, eager.plan(step))

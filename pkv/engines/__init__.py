@@ -14,9 +14,9 @@ from pkv.engines.base import Engine, EnginePlan, EngineUnavailable
 ENGINE_NAMES = ("persistentkv", "adaptive", "flashinfer", "flashinfer_tc", "flashinfer_cc",
                 "reference", "sdpa", "vllm", "trtllm")
 OPTION_NAMES = ("route", "num_splits", "split_kind", "bucket_num_splits", "fused_merge",
-                "cuda_graph", "allow_b4", "use_tensor_cores", "page_size")
+                "cuda_graph", "planner", "allow_b4", "use_tensor_cores", "page_size")
 _PERSISTENT_OPTIONS = ("route", "num_splits", "split_kind", "bucket_num_splits", "fused_merge",
-                       "cuda_graph")
+                       "cuda_graph", "planner")
 
 __all__ = ["Engine", "EnginePlan", "EngineUnavailable", "ENGINE_NAMES", "OPTION_NAMES",
            "build_engine"]
@@ -50,7 +50,8 @@ def build_engine(name: str, *, shape, device, calib=None, options: dict | None =
     """Construct the engine for a role name on ``device``.
 
     Options: route, num_splits, split_kind, bucket_num_splits, fused_merge (PersistentKV and
-    reference); cuda_graph (the CUDA PersistentKV engine only); allow_b4 (adaptive);
+    reference); cuda_graph and planner ("native" C++ or "numpy", the CUDA PersistentKV engine
+    only; the reference engine always plans with pkv.schedule); allow_b4 (adaptive);
     use_tensor_cores, page_size (FlashInfer). Unset split
     options come from ``calib`` when given. Raises EngineUnavailable when the role cannot run
     here, ValueError for unknown names or options.
@@ -72,6 +73,8 @@ def build_engine(name: str, *, shape, device, calib=None, options: dict | None =
 
             if cuda_graph:
                 kwargs["cuda_graph"] = True
+            if "planner" in options:
+                kwargs["planner"] = str(options["planner"])
             engine = PersistentKVEngine(shape, device=device, **kwargs)
         else:
             if cuda_graph:

@@ -75,11 +75,12 @@ class FlashInferEngine(Engine):
     def plan(self, step) -> EnginePlan:
         if step.page_size != self.page_size:
             raise ValueError(f"step.page_size={step.page_size}, engine was built for {self.page_size}")
+        # Host tensors, as FlashInfer's plan() expects: it plans from host copies and uploads
+        # them itself without blocking. Device tensors would cost it two device-to-host syncs.
         tensors = {
-            "indptr": torch.as_tensor(np.asarray(step.kv_indptr, dtype=np.int32)).to(self.device),
-            "indices": torch.as_tensor(np.asarray(step.kv_indices, dtype=np.int32)).to(self.device),
-            "last_page_len": torch.as_tensor(
-                np.asarray(step.kv_last_page_len, dtype=np.int32)).to(self.device),
+            "indptr": torch.from_numpy(np.ascontiguousarray(step.kv_indptr, dtype=np.int32)),
+            "indices": torch.from_numpy(np.ascontiguousarray(step.kv_indices, dtype=np.int32)),
+            "last_page_len": torch.from_numpy(np.ascontiguousarray(step.kv_last_page_len, dtype=np.int32)),
         }
         plan = EnginePlan(route="flashinfer", step=step, tensors=tensors,
                           extra={"use_tensor_cores": self._variant_for(step), "planned": None})

@@ -7,20 +7,44 @@ plans in torch; the GPU tests compare the two on every route.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import torch
 
 from pkv.engines.base import Engine, check_decode_inputs
-from pkv.schedule import SplitPolicy, WorkqueuePlan, plan_buckets, plan_workqueue
+from pkv.schedule import BucketLaunch, BucketPlan, SplitPolicy, WorkqueuePlan, plan_buckets, plan_workqueue
 
 ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
-MAX_MERGE_SPLITS = 1024  # kMaxMergeSlots in csrc/softmax_state.cuh
+# native: the C++ planner of the extension (csrc/step_plan.cpp); numpy: pkv.schedule, the
+# specification it is tested against (and the path to compare host time with).
+PLANNERS = ("native", "numpy")
+MAX_MERGE_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
+
+
+def _int32(array) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.int32)
+
+
+def _pack(arrays: list) -> torch.Tensor:
+    """The int32 arrays of a plan, concatenated in one host tensor (one upload)."""
+    return torch.from_numpy(np.concatenate([_int32(a).reshape(-1) for a in arrays]))
+
+
+# Packed plan layout (csrc/step_plan.h): route code, then fields of the int list.
+_ROUTE_CODES = {"persistentkv_workqueue": 0, "persistentkv_bucket": 1}
+_ROUTE_FIELDS = 4  # [route, batch, table_width, num_slots] come first
 
 
 @dataclasses.dataclass
 class DevicePlan:
-    """A step's plan with its int32 metadata on the device (uploaded in one copy).
+    """A step's plan, packed into one int32 buffer and uploaded in one copy.
+
+    ``meta`` (device) holds [block_table B*W][seq_lens B] then the route's data: the workqueue's
+    tasks [T, 5] and split_offsets [B*Hkv + 1], or the bucket launches' row indices [B].
+    ``layout`` is the int list of csrc/step_plan.h that ``torch.ops.pkv.run_plan`` reads.
+    Views of ``meta`` and the numpy schedule (for counters and the reference engine) are built
+    on first use, off the per-step path.
 
     Bucket slots follow pkv.engines.reference: launch j owns R_j * Hkv * S_j slots after launch
     j-1's, so partial states compare slot by slot (single-split launches write `out` instead).
@@ -28,18 +52,81 @@ class DevicePlan:
 
     route: str
     step: object
-    schedule: object
     num_splits: int
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    tasks: torch.Tensor | None = None
-    split_offsets: torch.Tensor | None = None
-    bucket_rows: list = dataclasses.field(default_factory=list)
-    num_slots: int = 0
+    meta: torch.Tensor
+    layout: list
+    host_meta: torch.Tensor
+    num_kv_heads: int
+    group_size: int
+    bucket_mode: str = "exact"
+    _schedule: object = None
 
     @property
     def batch_size(self) -> int:
-        return int(self.seq_lens.shape[0])
+        return int(self.layout[1])
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.layout[3])
+
+    @property
+    def widest_split(self) -> int:
+        """Most splits of any (row, KV head): above 1 the step needs a merge."""
+        if self.route == "persistentkv_workqueue":
+            return int(self.layout[_ROUTE_FIELDS + 1])
+        return max(self.launch_shapes()[1], default=1)
+
+    def launch_shapes(self) -> tuple[list[int], list[int]]:
+        """Bucket launches' (row counts, split counts)."""
+        pairs = self.layout[_ROUTE_FIELDS + 1:]
+        return list(pairs[0::2]), list(pairs[1::2])
+
+    def _parts(self, meta: torch.Tensor) -> list:
+        batch, width = self.batch_size, int(self.layout[2])
+        if self.route == "persistentkv_workqueue":
+            sizes = [batch * width, batch, 5 * int(self.layout[_ROUTE_FIELDS]), batch * self.num_kv_heads + 1]
+        else:
+            sizes = [batch * width, batch, *self.launch_shapes()[0]]
+        return list(torch.split(meta, sizes))
+
+    @functools.cached_property
+    def views(self) -> list:
+        return self._parts(self.meta)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.views[0].view(self.batch_size, int(self.layout[2]))
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.views[1]
+
+    @property
+    def tasks(self) -> torch.Tensor | None:
+        return self.views[2].view(-1, 5) if self.route == "persistentkv_workqueue" else None
+
+    @property
+    def split_offsets(self) -> torch.Tensor | None:
+        return self.views[3] if self.route == "persistentkv_workqueue" else None
+
+    @property
+    def bucket_rows(self) -> list:
+        return self.views[2:] if self.route == "persistentkv_bucket" else []
+
+    @property
+    def schedule(self):
+        """The numpy plan (WorkqueuePlan or BucketPlan) this packed plan holds."""
+        if self._schedule is None:
+            host = [part.numpy() for part in self._parts(self.host_meta)]
+            if self.route == "persistentkv_workqueue":
+                self._schedule = WorkqueuePlan(host[2].reshape(-1, 5), host[3], self.num_kv_heads, self.group_size,
+                                               self.widest_split)
+            else:
+                lens = host[1]
+                launches = tuple(BucketLaunch(rows, splits, int(lens[rows].max()))
+                                 for rows, splits in zip(host[2:], self.launch_shapes()[1]))
+                self._schedule = BucketPlan(launches, self.num_kv_heads, self.group_size, self.bucket_mode)
+        return self._schedule
 
 
 class PersistentKVEngine(Engine):
@@ -47,9 +134,11 @@ class PersistentKVEngine(Engine):
 
     def __init__(self, shape, *, route: str = "workqueue", split_policy: SplitPolicy | None = None,
                  bucket_num_splits: int = 32, fused_merge: bool = False, device: str = "cuda",
-                 cuda_graph: bool = False, stages: int = 2):
+                 cuda_graph: bool = False, stages: int = 2, planner: str = "native"):
         if route not in ROUTES:
             raise ValueError(f"persistentkv route must be one of {ROUTES}, got {route!r}")
+        if planner not in PLANNERS:
+            raise ValueError(f"persistentkv planner must be one of {PLANNERS}, got {planner!r}")
         from pkv import ops
 
         self.ops = ops.load()
@@ -63,10 +152,12 @@ class PersistentKVEngine(Engine):
         if stages not in (2, 3):
             raise ValueError(f"persistentkv stages must be 2 or 3, got {stages!r}")
         self.stages = int(stages)
+        self.planner = planner
         self.implementation = f"cuda:{route}" + ("+fused_merge" if fused_merge else "") + \
             ("+cuda_graph" if cuda_graph else "")
         self._counters = torch.zeros(0, dtype=torch.int32, device=self.device)
         self._graphs: dict[tuple, _GraphedStep] = {}
+        self._checked: set = set()
 
     # ---- planning (host) -------------------------------------------------------------------
     def plan(self, step) -> DevicePlan:
@@ -87,40 +178,60 @@ class PersistentKVEngine(Engine):
             policy = self.split_policy
             if num_splits is not None and num_splits != policy.num_splits:
                 policy = dataclasses.replace(policy, num_splits=int(num_splits))
-            host = plan_workqueue(step, hkv, g, policy)
-            parts = [step.block_table, step.seq_lens, host.tasks, host.split_offsets]
-            splits = int(policy.num_splits) if policy.kind == "fixed" else int(host.max_splits)
+            host_meta, layout, schedule = self._pack_workqueue(step, policy)
+            splits = int(policy.num_splits) if policy.kind == "fixed" else int(layout[_ROUTE_FIELDS + 1])
+            mode = "exact"
         else:
             splits = self.bucket_num_splits if num_splits is None else int(num_splits)
-            host = plan_buckets(step, hkv, g, splits, mode="exact" if route == "bucket_exact" else "masked")
-            parts = [step.block_table, step.seq_lens] + [launch.row_indices for launch in host.launches]
-        widest = int(host.max_splits) if route == "workqueue" else max(int(l.num_splits) for l in host.launches)
-        if widest > MAX_MERGE_SPLITS:
-            raise ValueError(f"persistentkv merges at most {MAX_MERGE_SPLITS} splits per (row, KV head), "
-                             f"the plan has {widest}")
-        views = self._upload(parts)
+            mode = "exact" if route == "bucket_exact" else "masked"
+            host_meta, layout, schedule = self._pack_buckets(step, splits, mode)
+        # A pageable source is staged by cudaMemcpyAsync before it returns, so this upload
+        # neither waits for the GPU nor races the release of the host buffer.
         plan = DevicePlan(route="persistentkv_workqueue" if route == "workqueue" else "persistentkv_bucket",
-                          step=step, schedule=host, num_splits=splits,
-                          block_table=views[0].view(step.block_table.shape), seq_lens=views[1])
-        if route == "workqueue":
-            plan.tasks = views[2].view(-1, 5)
-            plan.split_offsets = views[3]
-            plan.num_slots = int(host.split_offsets[-1])
-        else:
-            plan.bucket_rows = views[2:]
-            plan.num_slots = sum(len(l.row_indices) * hkv * l.num_splits for l in host.launches)
+                          step=step, num_splits=splits, meta=host_meta.to(self.device, non_blocking=True),
+                          layout=layout, host_meta=host_meta, num_kv_heads=hkv, group_size=g, bucket_mode=mode,
+                          _schedule=schedule)
+        if plan.widest_split > MAX_MERGE_SPLITS:
+            raise ValueError(f"persistentkv merges at most {MAX_MERGE_SPLITS} splits per (row, KV head), "
+                             f"the plan has {plan.widest_split}")
         return plan
 
-    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """One host-to-device copy for all of a step's int32 metadata."""
-        flat = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in arrays]
-        sizes = [a.size for a in flat]
-        packed = torch.from_numpy(np.concatenate(flat)).to(self.device, non_blocking=False)
-        return list(torch.split(packed, sizes))
+    def _pack_workqueue(self, step, policy: SplitPolicy):
+        hkv = self.shape.num_kv_heads
+        if self.planner == "native":
+            meta, layout = self.ops.plan_workqueue(
+                torch.from_numpy(_int32(step.seq_lens)), torch.from_numpy(_int32(step.block_table)), hkv,
+                policy.kind == "balanced", policy.num_splits, policy.max_splits, policy.target_ctas,
+                policy.min_tiles_per_split)
+            return meta, list(layout), None
+        host = plan_workqueue(step, hkv, self.shape.group_size, policy)
+        layout = [_ROUTE_CODES["persistentkv_workqueue"], step.batch_size, step.block_table.shape[1],
+                  host.num_slots, host.num_tasks, host.max_splits]
+        return _pack([step.block_table, step.seq_lens, host.tasks, host.split_offsets]), layout, host
+
+    def _pack_buckets(self, step, num_splits: int, mode: str):
+        hkv = self.shape.num_kv_heads
+        if self.planner == "native":
+            meta, layout = self.ops.plan_buckets(
+                torch.from_numpy(_int32(step.seq_lens)), torch.from_numpy(_int32(step.block_table)), hkv,
+                num_splits, mode == "exact")
+            return meta, list(layout), None
+        host = plan_buckets(step, hkv, self.shape.group_size, num_splits, mode=mode)
+        layout = [_ROUTE_CODES["persistentkv_bucket"], step.batch_size, step.block_table.shape[1],
+                  sum(launch.num_slots(hkv) for launch in host.launches), len(host.launches)]
+        for launch in host.launches:
+            layout += [launch.num_rows, int(launch.num_splits)]
+        rows = [launch.row_indices for launch in host.launches]
+        return _pack([step.block_table, step.seq_lens, *rows]), layout, host
 
     # ---- execution (device) ----------------------------------------------------------------
     def _check(self, q, k_pages, v_pages, plan: DevicePlan) -> None:
-        """Refuse bad inputs here, with the field named, before any kernel sees them."""
+        """Refuse bad inputs here, with the field named, before any kernel sees them. A serving
+        loop passes the same tensors step after step, so an accepted signature is remembered."""
+        key = (q.shape, q.dtype, q.device, k_pages.shape, k_pages.dtype, k_pages.device, v_pages.shape,
+               v_pages.dtype, v_pages.device, plan.step.page_size, plan.batch_size)
+        if key in self._checked:
+            return
         check_decode_inputs(q, k_pages, v_pages, self.shape, plan.step.page_size)
         for label, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
             if t.dtype not in (torch.float16, torch.bfloat16):
@@ -131,14 +242,16 @@ class PersistentKVEngine(Engine):
             raise ValueError(f"persistentkv: q is {q.dtype} but the pages are {k_pages.dtype}")
         if q.shape[0] != plan.batch_size:
             raise ValueError(f"persistentkv: q has {q.shape[0]} rows, the plan's step has {plan.batch_size}")
+        self._checked.add(key)
 
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DevicePlan) -> torch.Tensor:
         self._check(q, k_pages, v_pages, plan)
         if self.cuda_graph:
             return self._run_graphed(q, k_pages, v_pages, plan)
-        out = torch.empty_like(q)
-        self._launch(q, k_pages, v_pages, plan, out, *self.scratch(plan, q.device))
-        return out
+        fused = self.fused_merge and plan.widest_split > 1
+        counters = self._pair_counters(plan.batch_size * self.shape.num_kv_heads) if fused else None
+        return self.ops.run_plan(q, k_pages, v_pages, plan.meta, plan.layout, self.shape.sm_scale, self.stages,
+                                 counters)
 
     def run_into(self, q, k_pages, v_pages, plan: DevicePlan, out, part_m, part_l, part_acc) -> None:
         """run() with caller-owned output and scratch (tests poison them first)."""
@@ -165,22 +278,22 @@ class PersistentKVEngine(Engine):
     def _launch(self, q, k_pages, v_pages, plan: DevicePlan, out, part_m, part_l, part_acc) -> None:
         ops, scale = self.ops, self.shape.sm_scale
         hkv = self.shape.num_kv_heads
+        """The step's launches one custom op at a time, into caller-owned buffers (run_into and
+        CUDA graph capture; run() issues the same launches from C++ through run_plan)."""
         if plan.tasks is not None:
-            host: WorkqueuePlan = plan.schedule
-            fused = self.fused_merge and host.max_splits > 1
+            fused = self.fused_merge and plan.widest_split > 1
             counters = self._pair_counters(plan.batch_size * hkv) if fused else None
             ops.workqueue_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, plan.tasks,
                                  plan.split_offsets, scale, out, part_m, part_l, part_acc, counters, self.stages)
-            if host.max_splits > 1 and not fused:
+            if plan.widest_split > 1 and not fused:
                 ops.merge_states(part_m, part_l, part_acc, None, plan.split_offsets, hkv, 0, out)
             return
         offset = 0
-        for launch, rows in zip(plan.schedule.launches, plan.bucket_rows):
-            s = int(launch.num_splits)
-            slots = len(launch.row_indices) * hkv * s
+        for rows, s in zip(plan.bucket_rows, plan.launch_shapes()[1]):
+            slots = rows.numel() * hkv * s
             m, l, acc = part_m[offset:offset + slots], part_l[offset:offset + slots], part_acc[offset:offset + slots]
             fused = self.fused_merge and s > 1
-            counters = self._pair_counters(len(launch.row_indices) * hkv) if fused else None
+            counters = self._pair_counters(rows.numel() * hkv) if fused else None
             ops.bucket_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, rows, s, scale, out, m, l, acc,
                               counters, self.stages)
             if s > 1 and not fused:
@@ -190,13 +303,9 @@ class PersistentKVEngine(Engine):
     # ---- CUDA graph replay (ablation) --------------------------------------------------------
     def _run_graphed(self, q, k_pages, v_pages, plan: DevicePlan) -> torch.Tensor:
         """Replays a captured decode(+merge) whose shapes match this step; the per-step metadata
-        is copied into the graph's static buffers. Returns the graph's static output tensor,
+        is copied into the graph's static buffer. Returns the graph's static output tensor,
         valid until the next run with the same shapes."""
-        key = (plan.route, tuple(q.shape), q.dtype, k_pages.data_ptr(), v_pages.data_ptr(),
-               tuple(plan.block_table.shape), plan.num_slots,
-               None if plan.tasks is None else tuple(plan.tasks.shape),
-               tuple((l.num_splits, len(l.row_indices)) for l in getattr(plan.schedule, "launches", ())),
-               getattr(plan.schedule, "max_splits", 0))
+        key = (tuple(q.shape), q.dtype, k_pages.data_ptr(), v_pages.data_ptr(), tuple(plan.layout))
         graphed = self._graphs.get(key)
         if graphed is None:
             graphed = _GraphedStep(self, q, k_pages, v_pages, plan)
@@ -207,13 +316,7 @@ class PersistentKVEngine(Engine):
 class _GraphedStep:
     def __init__(self, engine: PersistentKVEngine, q, k_pages, v_pages, plan: DevicePlan):
         self.q = q.clone()
-        self.plan = dataclasses.replace(plan)
-        self.plan.block_table = plan.block_table.clone()
-        self.plan.seq_lens = plan.seq_lens.clone()
-        if plan.tasks is not None:
-            self.plan.tasks = plan.tasks.clone()
-            self.plan.split_offsets = plan.split_offsets.clone()
-        self.plan.bucket_rows = [r.clone() for r in plan.bucket_rows]
+        self.plan = dataclasses.replace(plan, meta=plan.meta.clone())
         self.out = torch.empty_like(q)
         scratch = engine.scratch(plan, q.device)
         stream = torch.cuda.Stream()
@@ -228,12 +331,6 @@ class _GraphedStep:
 
     def replay(self, q, plan: DevicePlan) -> torch.Tensor:
         self.q.copy_(q)
-        self.plan.block_table.copy_(plan.block_table)
-        self.plan.seq_lens.copy_(plan.seq_lens)
-        if plan.tasks is not None:
-            self.plan.tasks.copy_(plan.tasks)
-            self.plan.split_offsets.copy_(plan.split_offsets)
-        for static, rows in zip(self.plan.bucket_rows, plan.bucket_rows):
-            static.copy_(rows)
+        self.plan.meta.copy_(plan.meta)
         self.graph.replay()
         return self.out

@@ -27,7 +27,7 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 # Which EngineConfig fields each role understands; other roles build with their defaults.
-_PKV_OPTIONS = ("route", "num_splits", "split_kind", "bucket_num_splits", "fused_merge", "cuda_graph")
+_PKV_OPTIONS = ("route", "num_splits", "split_kind", "bucket_num_splits", "fused_merge", "cuda_graph", "planner")
 _ROLE_OPTIONS: dict[str, tuple[str, ...]] = {
     "persistentkv": _PKV_OPTIONS,
     "adaptive": _PKV_OPTIONS + ("allow_b4", "use_tensor_cores"),

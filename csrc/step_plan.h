@@ -1,0 +1,58 @@
+// Host-side decode-step planning in C++: the same plans as pkv/schedule.py (which stays the
+// specification; tests compare the two element by element), produced in a few microseconds
+// instead of the tens that numpy's per-call overhead costs on a fast GPU's decode step.
+//
+// Every plan is written into one packed int32 buffer, so a step's metadata reaches the device in
+// a single copy:
+//   [block_table B*W][seq_lens B][route data]
+// workqueue route data: [tasks T*5][split_offsets B*Hkv+1]
+// bucket route data:    [row_indices B] (rows of launch 0, then launch 1, ...)
+// Framework-free: plain pointers and sizes; the torch binding (host_ops.cpp) owns allocation.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace pkv {
+
+// The int list that travels with a packed plan (host_ops.cpp writes it, pkv_ops.cpp reads it):
+//   [route, batch, table_width, num_slots, then
+//    workqueue: num_tasks, max_splits | buckets: num_launches, (num_rows, num_splits) per launch]
+enum PlanRoute : int64_t { kRouteWorkqueue = 0, kRouteBuckets = 1 };
+enum PlanLayoutField : int { kLayoutRoute = 0, kLayoutBatch, kLayoutTableWidth, kLayoutNumSlots, kLayoutRouteFields };
+
+// Mirrors pkv.schedule.SplitPolicy.
+struct SplitPolicyArgs {
+  bool balanced;
+  int64_t num_splits;
+  int64_t max_splits;
+  int64_t target_ctas;  // 0: batch * Hkv * num_splits
+  int64_t min_tiles_per_split;
+};
+
+// Non-empty splits of each row (the same for every KV head), written to row_splits[0..batch).
+// Returns the largest of them (0 for an empty batch).
+int64_t workqueue_row_splits(const int32_t* seq_lens, int64_t batch, int64_t num_kv_heads,
+                             const SplitPolicyArgs& policy, int32_t* row_splits);
+
+// Task count of a workqueue whose rows have row_splits splits each: sum(row_splits) * Hkv.
+int64_t workqueue_num_tasks(const int32_t* row_splits, int64_t batch, int64_t num_kv_heads);
+
+// Tasks (row, kvh, split, tile_begin, tile_end), longest first and ties by slot, exactly as
+// pkv.schedule.plan_workqueue orders them, and split_offsets [B * Hkv + 1].
+void fill_workqueue(const int32_t* seq_lens, const int32_t* row_splits, int64_t batch, int64_t num_kv_heads,
+                    int32_t* tasks, int32_t* split_offsets);
+
+// One bucket launch: `num_rows` consecutive entries of the row-index array, `num_splits` splits.
+struct BucketLaunchShape {
+  int64_t num_rows;
+  int64_t num_splits;
+  int64_t route_len;
+};
+
+// pkv.schedule.plan_buckets: exact mode makes one launch per distinct length, longest first
+// (rows of one launch in ascending order); masked mode one launch over every row at the longest
+// length. Writes the rows to row_indices[0..batch) and returns the launches.
+std::vector<BucketLaunchShape> plan_bucket_launches(const int32_t* seq_lens, int64_t batch, int64_t num_splits,
+                                                    bool exact, int32_t* row_indices);
+
+}  // namespace pkv

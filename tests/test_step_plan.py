@@ -1,0 +1,109 @@
+"""The C++ step planner (csrc/step_plan.cpp) against pkv.schedule, its specification.
+
+Runs on the CPU: where there is no GPU the planner is built on its own as a CPU library. Every
+array of the packed plan must equal the numpy plan's, element by element, for random batches,
+edge lengths and every split policy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pkv.schedule import SplitPolicy, plan_buckets, plan_workqueue
+from pkv.step import build_step
+
+EDGE_LENGTHS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 639, 640, 641, 4097, 65536]
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from pkv import ops
+
+    return ops.load_planner()
+
+
+def make_step(seq_lens):
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    pages = -(-lens // PAGE)
+    starts = np.concatenate(([0], np.cumsum(pages)[:-1]))
+    page_lists = [np.arange(s, s + n, dtype=np.int32)[::-1].copy() for s, n in zip(starts, pages)]
+    return build_step(0, np.arange(lens.size), lens, page_lists, PAGE)
+
+
+def tensors(step):
+    return torch.from_numpy(step.seq_lens.astype(np.int32)), torch.from_numpy(step.block_table.astype(np.int32))
+
+
+def split_packed(packed, step, route_sizes):
+    flat = packed.numpy()
+    sizes = [step.block_table.size, step.batch_size, *route_sizes]
+    assert flat.size == sum(sizes)
+    return np.split(flat, np.cumsum(sizes)[:-1])
+
+
+def random_batches(seed, count):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        batch = int(rng.choice([1, 2, 3, 8, 17, 64]))
+        if rng.random() < 0.5:
+            yield [int(x) for x in rng.choice(EDGE_LENGTHS, size=batch)]
+        else:
+            yield [int(x) for x in rng.integers(1, 20000, size=batch)]
+
+
+POLICIES = [SplitPolicy(num_splits=1), SplitPolicy(num_splits=3), SplitPolicy(num_splits=20),
+            SplitPolicy(num_splits=64, max_splits=64),
+            SplitPolicy(kind="balanced", num_splits=20, max_splits=64),
+            SplitPolicy(kind="balanced", num_splits=4, max_splits=8, target_ctas=300, min_tiles_per_split=4)]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.kind}-S{p.num_splits}")
+@pytest.mark.parametrize("num_kv_heads", [1, 8])
+def test_workqueue_equals_numpy_plan(ops, policy, num_kv_heads):
+    for lengths in random_batches(seed=policy.num_splits * 10 + num_kv_heads, count=12):
+        step = make_step(lengths)
+        expected = plan_workqueue(step, num_kv_heads, 4, policy)
+        packed, layout = ops.plan_workqueue(*tensors(step), num_kv_heads, policy.kind == "balanced",
+                                            policy.num_splits, policy.max_splits, policy.target_ctas,
+                                            policy.min_tiles_per_split)
+        table, lens, tasks, offsets = split_packed(packed, step, [5 * expected.num_tasks, expected.num_pairs + 1])
+        assert np.array_equal(table, step.block_table.reshape(-1))
+        assert np.array_equal(lens, step.seq_lens)
+        assert np.array_equal(tasks.reshape(-1, 5), expected.tasks), lengths
+        assert np.array_equal(offsets, expected.split_offsets)
+        assert list(layout) == [0, step.batch_size, step.block_table.shape[1], expected.num_slots,
+                                expected.num_tasks, expected.max_splits]
+
+
+@pytest.mark.parametrize("mode", ["exact", "masked"])
+@pytest.mark.parametrize("num_splits", [1, 7, 32, 1024])
+def test_buckets_equal_numpy_plan(ops, mode, num_splits):
+    for lengths in random_batches(seed=num_splits + (mode == "exact"), count=12):
+        if mode == "exact" and len(lengths) > 2:
+            lengths[1] = lengths[0]  # at least one bucket of several rows
+        step = make_step(lengths)
+        expected = plan_buckets(step, 8, 4, num_splits, mode=mode)
+        packed, layout = ops.plan_buckets(*tensors(step), 8, num_splits, mode == "exact")
+        _, _, rows = split_packed(packed, step, [step.batch_size])
+        assert np.array_equal(rows, np.concatenate([launch.row_indices for launch in expected.launches]))
+        slots = sum(launch.num_slots(8) for launch in expected.launches)
+        shapes = [x for launch in expected.launches for x in (launch.num_rows, launch.num_splits)]
+        assert list(layout) == [1, step.batch_size, step.block_table.shape[1], slots, len(expected.launches), *shapes]
+
+
+def test_bad_inputs_name_the_field(ops):
+    step = make_step([40, 7])
+    lens, table = tensors(step)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] must be >= 0, got -3"):
+        ops.plan_workqueue(torch.tensor([5, -3], dtype=torch.int32), table, 8, False, 4, 64, 0, 1)
+    with pytest.raises(RuntimeError, match="seq_lens must be a contiguous int32"):
+        ops.plan_workqueue(lens.long(), table, 8, False, 4, 64, 0, 1)
+    with pytest.raises(RuntimeError, match="block_table must be"):
+        ops.plan_buckets(lens, table[:1], 8, 4, True)
+    with pytest.raises(RuntimeError, match="num_splits must be >= 1, got 0"):
+        ops.plan_buckets(lens, table, 8, 0, True)
+    with pytest.raises(RuntimeError, match=r"seq_lens >= 1, seq_lens\[0\] is 0"):
+        ops.plan_buckets(torch.tensor([0, 7], dtype=torch.int32), table, 8, 4, True)
