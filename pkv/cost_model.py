@@ -2,8 +2,11 @@
 
 For route r on one decode step:
 
-    T_r = KVBytes / beta * max(1, C_min / C_r) + L_r * lambda + MergeBytes_r / beta
-          (+ flashinfer_plan_us for FlashInfer)
+    T_r = KVBytes / beta * max(1, C_min / C_r) + L_r * lambda + MergeBytes_r / beta + Plan_r
+
+Plan_r is the route's measured host planning per step (flashinfer_plan_us, persistentkv_plan_us):
+on a GPU whose kernels take tens of microseconds it decides as many steps as the kernels do.
+C_min and lambda are fitted to device times, so the fit leaves Plan_r out.
 
 beta is measured streaming read bandwidth, C_r the decode CTAs per SM of the route's plan,
 C_min the occupancy below which a step cannot reach bandwidth, L_r the route's launches and
@@ -65,6 +68,7 @@ class Calibration:
     workqueue_num_splits: int = 20
     workqueue_split_kind: str = "fixed"
     flashinfer_plan_us: float = 0.0
+    persistentkv_plan_us: float = 0.0
     flashinfer_ctas_per_row_head: float = 1.0
     source: str = "config"
 
@@ -74,7 +78,7 @@ class Calibration:
             _check_type(f.name, value)
         object.__setattr__(self, "supported_group_sizes", tuple(int(g) for g in self.supported_group_sizes))
         for name in ("beta_gbps", "lambda_us", "c_min", "b8_margin", "b4_margin", "flashinfer_plan_us",
-                     "flashinfer_ctas_per_row_head"):
+                     "persistentkv_plan_us", "flashinfer_ctas_per_row_head"):
             object.__setattr__(self, name, float(getattr(self, name)))
         checks = (
             ("gpu", bool(self.gpu), "a non-empty name"),
@@ -90,6 +94,8 @@ class Calibration:
             ("workqueue_num_splits", self.workqueue_num_splits >= 1, ">= 1"),
             ("workqueue_split_kind", self.workqueue_split_kind in SPLIT_KINDS, f"one of {SPLIT_KINDS}"),
             ("flashinfer_plan_us", math.isfinite(self.flashinfer_plan_us) and self.flashinfer_plan_us >= 0,
+             "finite and >= 0"),
+            ("persistentkv_plan_us", math.isfinite(self.persistentkv_plan_us) and self.persistentkv_plan_us >= 0,
              "finite and >= 0"),
             ("flashinfer_ctas_per_row_head",
              math.isfinite(self.flashinfer_ctas_per_row_head) and self.flashinfer_ctas_per_row_head > 0,
@@ -135,7 +141,7 @@ _FIELD_TYPES = {
     "gpu": str, "source": str, "workqueue_split_kind": str,
     "num_sms": int, "min_context_tokens": int, "bucket_num_splits": int, "workqueue_num_splits": int,
     "beta_gbps": float, "lambda_us": float, "c_min": float, "b8_margin": float, "b4_margin": float,
-    "flashinfer_plan_us": float, "flashinfer_ctas_per_row_head": float,
+    "flashinfer_plan_us": float, "persistentkv_plan_us": float, "flashinfer_ctas_per_row_head": float,
     "supported_group_sizes": tuple,
 }
 
@@ -214,8 +220,13 @@ class RouteEstimate:
     kv_us: float  # KVBytes / beta * occupancy_factor
     launch_us: float  # L_r * lambda
     merge_us: float  # MergeBytes_r / beta
-    plan_us: float  # host planning charged to the route (FlashInfer's plan call)
+    plan_us: float  # host planning charged to the route (its engine's measured plan call)
     total_us: float
+
+
+def host_plan_us(route: str, calib: Calibration) -> float:
+    """The measured host planning per step charged to a route."""
+    return calib.flashinfer_plan_us if route == ROUTE_FLASHINFER else calib.persistentkv_plan_us
 
 
 def _bytes_to_us(num_bytes: int, beta_gbps: float) -> float:
@@ -260,7 +271,7 @@ def _estimate_from_counters(
     kv_us = _bytes_to_us(counters.useful_kv_bytes, calib.beta_gbps) * occupancy
     launch_us = counters.launches * lambda_us
     merge_us = _bytes_to_us(counters.merge_bytes, calib.beta_gbps)
-    plan_us = calib.flashinfer_plan_us if route == ROUTE_FLASHINFER else 0.0
+    plan_us = host_plan_us(route, calib)
     return RouteEstimate(
         route=route, num_splits=splits, kv_bytes=counters.useful_kv_bytes,
         ctas_per_sm=counters.decode_ctas_per_sm, occupancy_factor=occupancy, launches=counters.launches,
@@ -322,7 +333,7 @@ class RouteEstimator:
                     if s > 1:
                         launches += 1
                         merged += rows * hkv * s
-                out[route] = self._total(kv_us, ctas, launches, merged)
+                out[route] = self._total(kv_us, ctas, launches, merged) + self.calib.persistentkv_plan_us
             elif route == ROUTE_WORKQUEUE:
                 policy = workqueue_split_policy(self.calib, num_splits)
                 tiles = [-(-length // TILE_TOKENS) for length in lens]
@@ -335,7 +346,8 @@ class RouteEstimator:
                 splits = [-(-n // -(-n // s)) for n, s in zip(tiles, requested)]
                 tasks = hkv * sum(splits)
                 merged = hkv * sum(k for k in splits if k > 1)
-                out[route] = self._total(kv_us, tasks, 2 if merged else 1, merged)
+                out[route] = (self._total(kv_us, tasks, 2 if merged else 1, merged)
+                              + self.calib.persistentkv_plan_us)
             else:
                 raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         return out
@@ -374,12 +386,12 @@ def _sample_terms(samples, calib, num_kv_heads, group_size, head_dim, kv_dtype_b
             sample.route, sample.step, calib, num_kv_heads=num_kv_heads, group_size=group_size,
             head_dim=head_dim, kv_dtype_bytes=kv_dtype_bytes, num_splits=sample.num_splits,
         )
-        plan_us = calib.flashinfer_plan_us if sample.route == ROUTE_FLASHINFER else 0.0
+        # measured_us is device time (CUDA events): no host planning term on this side either.
         rows.append((
             _bytes_to_us(counters.useful_kv_bytes, calib.beta_gbps),
             counters.decode_ctas_per_sm,
             counters.launches,
-            _bytes_to_us(counters.merge_bytes, calib.beta_gbps) + plan_us,
+            _bytes_to_us(counters.merge_bytes, calib.beta_gbps),
             measured,
         ))
     if not rows:

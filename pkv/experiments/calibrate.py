@@ -39,7 +39,7 @@ def run(cfg: PkvConfig) -> list[Path]:
     launch = measure_launch_us(device, launches=settings.launch_probe_reps)
     calib = dataclasses.replace(start, beta_gbps=read_gbps, lambda_us=launch["lambda_us"])
 
-    samples, plan_us, sweeps, operating_points, kv_dtype_bytes = [], [], {}, {}, 2
+    samples, plan_us, pkv_plan_us, sweeps, operating_points, kv_dtype_bytes = [], [], [], {}, {}, 2
     for ct in exp.calibration_traces:
         trace = dataclasses.replace(load_trace_option(ct.trace), max_active=ct.max_active)
         run_settings = resolve_settings(dataclasses.replace(cfg, trace=trace))
@@ -64,6 +64,7 @@ def run(cfg: PkvConfig) -> list[Path]:
             timed = time_steps(engine, route, steps, num_splits=splits, **timing)
             totals[splits] = timed.total_us
             samples += timed.samples
+            pkv_plan_us += timed.plan_us
         # FlashInfer-role steps at low occupancy are what pins C_min down; its plan() time is a constant too.
         baseline = build_engine("flashinfer", shape=shape, device=device, calib=calib)
         timed_fi = time_steps(baseline, ROUTE_FLASHINFER, steps, num_splits=None, **timing)
@@ -78,7 +79,8 @@ def run(cfg: PkvConfig) -> list[Path]:
             "flashinfer_device_us_total": timed_fi.total_us,
         }
 
-    calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(plan_us), **operating_points)
+    calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(plan_us),
+                                persistentkv_plan_us=statistics.median(pkv_plan_us), **operating_points)
     fit = fit_c_min(samples, calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
                     head_dim=shape.head_dim, kv_dtype_bytes=kv_dtype_bytes, refit_lambda=False)
     calib = dataclasses.replace(
