@@ -120,6 +120,8 @@ class _EngineRecord:
         self.steps = 0
         self.decode_tokens = 0
         self.wall_us = 0.0
+        self.plan_us = 0.0
+        self.issue_us = 0.0
         self.cuda_us = 0.0
         self.max_abs_err = 0.0
         self.abs_err_sum = 0.0
@@ -141,6 +143,10 @@ class _EngineRecord:
             "wall_ms_total": self.wall_us / 1e3,
             "cuda_ms_per_step": self.cuda_us / 1e3 / self.steps,
             "wall_ms_per_step": self.wall_us / 1e3 / self.steps,
+            # Where the wall step goes on the host: plan(), then run() until its last launch is
+            # queued; the rest of wall_ms_per_step is the wait for the device.
+            "plan_ms_per_step": self.plan_us / 1e3 / self.steps,
+            "issue_ms_per_step": self.issue_us / 1e3 / self.steps,
             "cuda_tok_s": self.decode_tokens / (self.cuda_us / 1e6) if self.cuda_us > 0 else math.inf,
             "wall_tok_s": self.decode_tokens / (self.wall_us / 1e6) if self.wall_us > 0 else math.inf,
             "max_abs_err": self.max_abs_err,
@@ -217,8 +223,10 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
             with WallTimer(device) as wall:
                 with nvtx_range(f"{name}_plan"):
                     plan = engine.plan(step)
+                planned = time.perf_counter()
                 with nvtx_range(f"{name}_decode"):
                     out = engine.run(q, k_pages, v_pages, plan)
+                issued = time.perf_counter()
                 if mlp is not None:
                     with nvtx_range(f"{name}_mlp_tail"):
                         mlp(out)
@@ -239,6 +247,8 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
                 record.steps += 1
                 record.decode_tokens += step.batch_size
                 record.wall_us += wall.elapsed_us
+                record.plan_us += (planned - wall.started) * 1e6
+                record.issue_us += (issued - planned) * 1e6
                 record.cuda_us += device_timer.elapsed_us
                 route = getattr(plan, "route", None)
                 if route is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import functools
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -61,6 +62,31 @@ def _git_state() -> tuple[str, bool | None]:
     status = _run(["git", "-C", str(_SOURCE_DIR), "status", "--porcelain", "--untracked-files=no"])
     dirty = None if status is None else bool(status.strip())
     return head.strip(), dirty
+
+
+# What decides a result: the package, kernels, workflow and configs. Their digest identifies the
+# tree that ran even where git metadata is missing or describes another commit (a copied tree).
+_DIGESTED = ("pkv", "csrc", "workflow", "conf", "config", "Snakefile")
+_DIGESTED_SUFFIXES = {".py", ".cu", ".cuh", ".h", ".cpp", ".smk", ".yaml", ""}
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 over the relative paths and bytes of the source files that decide a result.
+
+    ``python -m pkv.provenance`` prints it for a checkout, so a result can be matched to a commit.
+    """
+    digest = hashlib.sha256()
+    files = []
+    for name in _DIGESTED:
+        root = _SOURCE_DIR / name
+        candidates = [root] if root.is_file() else sorted(root.rglob("*")) if root.is_dir() else []
+        files += [p for p in candidates
+                  if p.is_file() and p.suffix in _DIGESTED_SUFFIXES and "__pycache__" not in p.parts]
+    for path in files:
+        digest.update(str(path.relative_to(_SOURCE_DIR)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=1)
@@ -155,6 +181,7 @@ def collect_provenance(config: Any = None, seed: int | None = None) -> dict:
     return {
         "git_commit": commit,
         "git_dirty": dirty,
+        "source_digest": source_digest(),
         "host": socket.gethostname() or UNKNOWN,
         "gpu_name": gpu_name,
         "driver_version": driver,
@@ -167,3 +194,7 @@ def collect_provenance(config: Any = None, seed: int | None = None) -> dict:
         "config": plain_config,
         "seed": seed,
     }
+
+
+if __name__ == "__main__":
+    print(source_digest())

@@ -162,16 +162,16 @@ class WallTimer:
     def __init__(self, device) -> None:
         self.device = torch.device(device)
         self.elapsed_us = float("nan")
-        self._t0 = 0.0
+        self.started = 0.0  # perf_counter() at the start of the block, after the first sync
 
     def __enter__(self) -> "WallTimer":
         synchronize(self.device)
-        self._t0 = time.perf_counter()
+        self.started = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         synchronize(self.device)
-        self.elapsed_us = (time.perf_counter() - self._t0) * 1e6
+        self.elapsed_us = (time.perf_counter() - self.started) * 1e6
 
 
 class DeviceTimer:

@@ -18,7 +18,7 @@ pytest.importorskip("pkv.counters")
 SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
 METRIC_KEYS = {
     "steps", "decode_tokens", "cuda_ms_total", "wall_ms_total", "cuda_ms_per_step",
-    "wall_ms_per_step", "cuda_tok_s", "wall_tok_s", "max_abs_err", "mean_abs_err",
+    "wall_ms_per_step", "plan_ms_per_step", "issue_ms_per_step", "cuda_tok_s", "wall_tok_s", "max_abs_err", "mean_abs_err",
     "ref_max_rel_err", "routes", "selected_route", "num_splits", "counters", "implementation",
 }
 COUNTER_KEYS = {"launches_per_step", "decode_ctas_per_sm", "useful_kv_mib", "merge_mib",
@@ -65,6 +65,7 @@ def test_run_trace_returns_the_contract_metrics_for_every_engine():
         assert set(metrics["counters"]) == COUNTER_KEYS
         assert metrics["steps"] == steps and metrics["decode_tokens"] == tokens
         assert metrics["wall_ms_total"] >= metrics["cuda_ms_total"] > 0
+        assert 0 < metrics["plan_ms_per_step"] + metrics["issue_ms_per_step"] <= metrics["wall_ms_per_step"]
         assert metrics["wall_tok_s"] == pytest.approx(tokens / (metrics["wall_ms_total"] / 1e3))
         assert metrics["ref_max_rel_err"] < 1e-4
         assert sum(metrics["routes"].values()) == steps

@@ -7,7 +7,7 @@ import pytest
 from pkv import provenance
 from pkv.provenance import collect_provenance
 
-KEYS = {"git_commit", "git_dirty", "host", "gpu_name", "driver_version", "cuda_version", "torch", "flashinfer",
+KEYS = {"git_commit", "git_dirty", "source_digest", "host", "gpu_name", "driver_version", "cuda_version", "torch", "flashinfer",
         "python", "platform", "timestamp_utc", "config", "seed"}
 
 
