@@ -23,9 +23,9 @@ void check_aligned(const Tensor& t, const char* name) {
               " must be 16-byte aligned for vector loads");
 }
 
-pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
-                          const Tensor& seq_lens, double sm_scale, const Tensor& out, const Tensor& part_m,
-                          const Tensor& part_l, const Tensor& part_acc, int64_t stages) {
+// q, the pages, out and the scalars: what every decode launch shares, checked once.
+pkv::DecodeArgs make_core_args(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, double sm_scale,
+                               const Tensor& out, int64_t stages) {
   TORCH_CHECK(q.dim() == 3, "pkv: q must be [B, Hq, d], got ", q.sizes());
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "pkv: q must be float16 or bfloat16, got ", q.scalar_type());
@@ -53,41 +53,19 @@ pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& 
   const int64_t group_size = q.size(1) / num_kv_heads;
   TORCH_CHECK(group_size == 1 || group_size == 2 || group_size == 4 || group_size == 8,
               "pkv: group size G = Hq / Hkv must be 1, 2, 4 or 8, got ", group_size);
-  check_cuda_tensor(block_table, "block_table", at::kInt);
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && block_table.size(1) >= 1 &&
-                  block_table.stride(1) == 1,
-              "pkv: block_table must be [B, max_pages] with contiguous rows, got ", block_table.sizes());
-  check_cuda_tensor(seq_lens, "seq_lens", at::kInt);
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous(),
-              "pkv: seq_lens must be contiguous [B], got ", seq_lens.sizes());
   check_cuda_tensor(out, "out", dtype);
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1, "pkv: out must be [B, Hq, d] like q, got ",
               out.sizes());
-  for (const auto* t : {&part_m, &part_l, &part_acc}) {
-    check_cuda_tensor(*t, "partial state", at::kFloat);
-    TORCH_CHECK(t->is_contiguous(), "pkv: partial-state tensors must be contiguous");
-  }
-  TORCH_CHECK(part_m.dim() == 2 && part_m.size(1) == group_size && part_l.sizes() == part_m.sizes(),
-              "pkv: part_m and part_l must be [num_slots, G], got ", part_m.sizes(), " and ", part_l.sizes());
-  TORCH_CHECK(part_acc.dim() == 3 && part_acc.size(0) == part_m.size(0) && part_acc.size(1) == group_size &&
-                  part_acc.size(2) == pkv::kHeadDim,
-              "pkv: part_acc must be [num_slots, G, d], got ", part_acc.sizes());
+  TORCH_CHECK(stages == 2 || stages == 3, "pkv: stages must be 2 or 3, got ", stages);
 
   pkv::DecodeArgs a{};
   a.q = q.data_ptr();
   a.k_pages = k_pages.data_ptr();
   a.v_pages = v_pages.data_ptr();
-  a.block_table = block_table.data_ptr<int32_t>();
-  a.seq_lens = seq_lens.data_ptr<int32_t>();
   a.out = out.data_ptr();
-  a.part_m = part_m.data_ptr<float>();
-  a.part_l = part_l.data_ptr<float>();
-  a.part_acc = part_acc.data_ptr<float>();
   a.num_kv_heads = static_cast<int>(num_kv_heads);
   a.group_size = static_cast<int>(group_size);
   a.page_shift = __builtin_ctzll(static_cast<unsigned long long>(page_size));
-  a.block_table_stride = static_cast<int>(block_table.stride(0));
-  a.block_table_width = static_cast<int>(block_table.size(1));
   a.q_stride_row = q.stride(0);
   a.q_stride_head = q.stride(1);
   a.out_stride_row = out.stride(0);
@@ -96,8 +74,37 @@ pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& 
   a.kv_stride_head = k_pages.stride(1);
   a.sm_scale = static_cast<float>(sm_scale);
   a.dtype = dtype == at::kHalf ? pkv::KvDtype::kFloat16 : pkv::KvDtype::kBFloat16;
-  TORCH_CHECK(stages == 2 || stages == 3, "pkv: stages must be 2 or 3, got ", stages);
   a.stages = static_cast<int>(stages);
+  return a;
+}
+
+pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
+                          const Tensor& seq_lens, double sm_scale, const Tensor& out, const Tensor& part_m,
+                          const Tensor& part_l, const Tensor& part_acc, int64_t stages) {
+  pkv::DecodeArgs a = make_core_args(q, k_pages, v_pages, sm_scale, out, stages);
+  check_cuda_tensor(block_table, "block_table", at::kInt);
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && block_table.size(1) >= 1 &&
+                  block_table.stride(1) == 1,
+              "pkv: block_table must be [B, max_pages] with contiguous rows, got ", block_table.sizes());
+  check_cuda_tensor(seq_lens, "seq_lens", at::kInt);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous(),
+              "pkv: seq_lens must be contiguous [B], got ", seq_lens.sizes());
+  for (const auto* t : {&part_m, &part_l, &part_acc}) {
+    check_cuda_tensor(*t, "partial state", at::kFloat);
+    TORCH_CHECK(t->is_contiguous(), "pkv: partial-state tensors must be contiguous");
+  }
+  TORCH_CHECK(part_m.dim() == 2 && part_m.size(1) == a.group_size && part_l.sizes() == part_m.sizes(),
+              "pkv: part_m and part_l must be [num_slots, G], got ", part_m.sizes(), " and ", part_l.sizes());
+  TORCH_CHECK(part_acc.dim() == 3 && part_acc.size(0) == part_m.size(0) && part_acc.size(1) == a.group_size &&
+                  part_acc.size(2) == pkv::kHeadDim,
+              "pkv: part_acc must be [num_slots, G, d], got ", part_acc.sizes());
+  a.block_table = block_table.data_ptr<int32_t>();
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.block_table_stride = static_cast<int>(block_table.stride(0));
+  a.block_table_width = static_cast<int>(block_table.size(1));
+  a.part_m = part_m.data_ptr<float>();
+  a.part_l = part_l.data_ptr<float>();
+  a.part_acc = part_acc.data_ptr<float>();
   return a;
 }
 
@@ -219,16 +226,20 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
   TORCH_CHECK(slots >= 0, "pkv: plan layout has ", slots, " slots");
 
   Tensor out = at::empty_like(q);
-  // acc first: it is read with 16-byte vectors, and m / l after it stay 16-byte aligned too.
-  Tensor scratch = at::empty({slots * group_size * (pkv::kHeadDim + 2)}, q.options().dtype(at::kFloat));
-  Tensor part_acc = scratch.narrow(0, 0, slots * group_size * pkv::kHeadDim).view({slots, group_size, pkv::kHeadDim});
-  Tensor part_m = scratch.narrow(0, slots * group_size * pkv::kHeadDim, slots * group_size).view({slots, group_size});
-  Tensor part_l = scratch.narrow(0, slots * group_size * (pkv::kHeadDim + 1), slots * group_size)
-                      .view({slots, group_size});
-  Tensor block_table = meta.narrow(0, 0, batch * width).view({batch, width});
-  Tensor seq_lens = meta.narrow(0, batch * width, batch);
-  const int32_t* route_data = meta.data_ptr<int32_t>() + batch * width + batch;
-  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages);
+  auto args = make_core_args(q, k_pages, v_pages, sm_scale, out, stages);
+  // One scratch allocation, carved by pointer (no view tensors on the per-step path): acc, then m
+  // and l, each starting on a 16-byte boundary like a buffer of its own.
+  const int64_t states = slots * group_size, states_padded = (states + 3) / 4 * 4;
+  Tensor scratch = at::empty({states * pkv::kHeadDim + 2 * states_padded}, q.options().dtype(at::kFloat));
+  args.part_acc = scratch.data_ptr<float>();
+  args.part_m = args.part_acc + states * pkv::kHeadDim;
+  args.part_l = args.part_m + states_padded;
+  TORCH_CHECK(width >= 1 && width <= INT32_MAX, "pkv: plan layout has block-table width ", width);
+  args.block_table = meta.data_ptr<int32_t>();
+  args.block_table_stride = static_cast<int>(width);
+  args.block_table_width = static_cast<int>(width);
+  args.seq_lens = args.block_table + batch * width;
+  const int32_t* route_data = args.seq_lens + batch;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
 
   if (route == pkv::kRouteWorkqueue) {

@@ -188,6 +188,25 @@ def test_run_plan_matches_per_op_launches(route, group, fused):
 
 
 @pytest.mark.parametrize("route", ["workqueue", "bucket_exact"])
+def test_run_plan_scratch_alignment_with_odd_head_counts(route):
+    """Hkv = 3, G = 2: slot counts that are not multiples of 4, so run_plan's padding between the
+    m and l regions of its one scratch buffer is exercised."""
+    from pkv.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=6, num_kv_heads=3, head_dim=128)
+    for splits, lengths in ((3, [33, 1000, 17]), (5, [4097]), (7, [65, 1, 2500, 700, 31])):
+        kwargs = dict(route=route, split_policy=SplitPolicy(num_splits=splits), bucket_num_splits=splits)
+        native, spec = _engine(shape, **kwargs), _engine(shape, planner="numpy", **kwargs)
+        step, q, k, v = _case(lengths, shape, torch.float16, seed=splits)
+        _, expected, _ = _run_poisoned(spec, step, q, k, v)
+        out = native.run(q, k, v, native.plan(step))
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), (route, lengths, splits)
+        _check(out, _dense(step, q, k, v), torch.float16)
+
+
+@pytest.mark.parametrize("route", ["workqueue", "bucket_exact"])
 def test_cuda_graph_replay_matches_eager(route):
     from pkv.schedule import SplitPolicy
     from pkv.shape import ModelShape
