@@ -20,4 +20,6 @@ if [ -z "${SKIP_BENCH:-}" ]; then  # SKIP_BENCH=1: checks and host times only
   tail -3 "$OUT/bench.err"
 fi
 [ -n "${BENCH_WRITE_FLUSH:-}" ] && python3 -m pkv.kernel_bench --flush write --out "$OUT/kernel_bench_writeflush.json" --cases b1_8k b1_32k b8_bimodal 2>/dev/null | tail -4
-python3 scripts/host_overhead.py > "$OUT/host_overhead.txt" 2>&1; cat "$OUT/host_overhead.txt" | tail -25
+if [ -z "${SKIP_HOST:-}" ]; then  # SKIP_HOST=1: no host-time split
+  python3 scripts/host_overhead.py > "$OUT/host_overhead.txt" 2>&1; tail -25 "$OUT/host_overhead.txt"
+fi
