@@ -80,8 +80,6 @@ std::tuple<Tensor, std::vector<int64_t>> plan_buckets(const Tensor& seq_lens, co
   for (const auto& launch : launches) {
     layout.push_back(launch.num_rows);
     layout.push_back(launch.num_splits);
-    layout.push_back(exact ? launch.route_len : 0);
-    layout.push_back(launch.rows_are_identity ? 1 : 0);
     slots += launch.num_rows * num_kv_heads * launch.num_splits;
   }
   layout[pkv::kLayoutNumSlots] = slots;

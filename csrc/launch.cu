@@ -7,19 +7,18 @@
 namespace pkv {
 
 template <typename T>
-cudaError_t bucket_decode_typed(const DecodeArgs&, const int32_t*, int, int, int, int32_t*, cudaStream_t);
+cudaError_t bucket_decode_typed(const DecodeArgs&, const int32_t*, int, int, int32_t*, cudaStream_t);
 template <typename T>
 cudaError_t workqueue_decode_typed(const DecodeArgs&, const int32_t*, int, const int32_t*, int32_t*, cudaStream_t);
 template <typename T>
 cudaError_t merge_states_typed(const DecodeArgs&, const int32_t*, const int32_t*, int, int, cudaStream_t);
 
 cudaError_t launch_bucket_decode(const DecodeArgs& args, const int32_t* row_indices, int num_rows, int num_splits,
-                                 int route_len, int32_t* pair_counters, cudaStream_t stream) {
+                                 int32_t* pair_counters, cudaStream_t stream) {
   if (num_rows == 0) return cudaSuccess;
   return args.dtype == KvDtype::kFloat16
-             ? bucket_decode_typed<__half>(args, row_indices, num_rows, num_splits, route_len, pair_counters, stream)
-             : bucket_decode_typed<__nv_bfloat16>(args, row_indices, num_rows, num_splits, route_len, pair_counters,
-                                                  stream);
+             ? bucket_decode_typed<__half>(args, row_indices, num_rows, num_splits, pair_counters, stream)
+             : bucket_decode_typed<__nv_bfloat16>(args, row_indices, num_rows, num_splits, pair_counters, stream);
 }
 
 cudaError_t launch_workqueue_decode(const DecodeArgs& args, const int32_t* tasks, int num_tasks,

@@ -19,8 +19,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(DecodeArgs 
   const int g = blockIdx.y;
   const int kvh = pair % a.num_kv_heads;
   if (split_offsets == nullptr) {  // uniform bucket layout
-    const int r = pair / a.num_kv_heads;  // no row_indices: the launch's rows are 0..R-1
-    merge_head<T, G>(a, pair * num_splits, num_splits, row_indices != nullptr ? row_indices[r] : r, kvh, g, scratch);
+    merge_head<T, G>(a, pair * num_splits, num_splits, row_indices[pair / a.num_kv_heads], kvh, g, scratch);
     return;
   }
   const int slot_begin = split_offsets[pair];

@@ -34,15 +34,13 @@ struct DecodeArgs {
   int stages;  // cp.async ring depth per warp: 2 or 3
 };
 
-// Length-bucket route: grid (num_rows, Hkv, num_splits) over batch rows row_indices[0..num_rows)
-// (row_indices == nullptr: rows 0..num_rows-1). Split bounds are row-local: from seq_lens, or
-// route_len when it is > 0 (an exact-length launch, whose rows all have that length). Splits
-// with no tiles write the neutral state and return.
+// Length-bucket route: grid (num_rows, Hkv, num_splits) over batch rows row_indices[0..num_rows).
+// Split bounds are row-local (seq_lens); splits with no tiles write the neutral state and return.
 // With num_splits == 1 the kernel writes `out` directly.
 // When `pair_counters` is non-null (num_rows * Hkv of them, zero on entry and zero again on exit)
 // the last split of each (row, KV head) merges it in the same launch (fused variant).
 cudaError_t launch_bucket_decode(const DecodeArgs& args, const int32_t* row_indices, int num_rows,
-                                 int num_splits, int route_len, int32_t* pair_counters, cudaStream_t stream);
+                                 int num_splits, int32_t* pair_counters, cudaStream_t stream);
 
 // Compact workqueue route: one CTA per task (row, kvh, split, tile_begin, tile_end).
 // split_offsets has B * Hkv + 1 entries. A pair with one split is written to `out` directly.
@@ -54,7 +52,7 @@ cudaError_t launch_workqueue_decode(const DecodeArgs& args, const int32_t* tasks
 
 // Exact merge of split states into `out`, one CTA per (row, kvh) pair.
 // Uniform mode (split_offsets == nullptr): pair p owns slots [p * num_splits, (p + 1) * num_splits)
-// and its batch row is row_indices[p / Hkv] (p / Hkv when row_indices is nullptr). Segmented mode: pair p = row * Hkv + kvh owns
+// and its batch row is row_indices[p / Hkv]. Segmented mode: pair p = row * Hkv + kvh owns
 // slots [split_offsets[p], split_offsets[p + 1]); pairs with one slot are skipped.
 cudaError_t launch_merge_states(const DecodeArgs& args, const int32_t* row_indices,
                                 const int32_t* split_offsets, int num_pairs, int num_splits,

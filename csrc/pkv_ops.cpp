@@ -135,9 +135,8 @@ void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages
               "pkv: partial-state buffers hold ", part_m.size(0), " slots, the launch needs ",
               num_rows * args.num_kv_heads * num_splits);
   int32_t* counters = num_splits > 1 ? pair_counters_of(pair_counters, num_rows * args.num_kv_heads) : nullptr;
-  // route_len 0: split bounds from seq_lens, so this op serves exact and masked launches alike.
   check_launch(pkv::launch_bucket_decode(args, row_indices.data_ptr<int32_t>(), static_cast<int>(num_rows),
-                                         static_cast<int>(num_splits), 0, counters,
+                                         static_cast<int>(num_splits), counters,
                                          c10::cuda::getCurrentCUDAStream().stream()),
                "bucket_decode");
 }
@@ -260,28 +259,24 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
     return out;
   }
   const int64_t num_launches = layout[pkv::kLayoutRouteFields];
-  TORCH_CHECK(static_cast<int64_t>(layout.size()) ==
-                  pkv::kLayoutRouteFields + 1 + pkv::kLayoutPerBucketLaunch * num_launches,
-              "pkv: bucket plan layout must list (rows, splits, exact_len, rows_are_identity) for each of its ",
-              num_launches, " launches");
+  TORCH_CHECK(static_cast<int64_t>(layout.size()) == pkv::kLayoutRouteFields + 1 + 2 * num_launches,
+              "pkv: bucket plan layout must list (rows, splits) for each of its ", num_launches, " launches");
   int64_t row_offset = 0, slot_offset = 0;
   for (int64_t j = 0; j < num_launches; ++j) {
-    const int64_t* fields = layout.data() + pkv::kLayoutRouteFields + 1 + pkv::kLayoutPerBucketLaunch * j;
-    const int64_t rows = fields[0], splits = fields[1], exact_len = fields[2];
-    const bool rows_are_identity = fields[3] != 0;
+    const int64_t rows = layout[pkv::kLayoutRouteFields + 1 + 2 * j];
+    const int64_t splits = layout[pkv::kLayoutRouteFields + 2 + 2 * j];
     TORCH_CHECK(splits >= 1 && splits <= pkv::kMaxMergeSlots && row_offset + rows <= batch &&
-                    slot_offset + rows * hkv * splits <= slots && exact_len >= 0 && exact_len <= INT32_MAX,
-                "pkv: bucket launch ", j, " (", rows, " rows, ", splits, " splits, length ", exact_len,
-                ") does not fit its plan");
+                    slot_offset + rows * hkv * splits <= slots,
+                "pkv: bucket launch ", j, " (", rows, " rows, ", splits, " splits) does not fit its plan");
     pkv::DecodeArgs launch = args;  // this launch's slots start after the previous launches'
     launch.part_m += slot_offset * group_size;
     launch.part_l += slot_offset * group_size;
     launch.part_acc += slot_offset * group_size * pkv::kHeadDim;
-    const int32_t* row_indices = rows_are_identity ? nullptr : route_data + row_offset;
+    const int32_t* row_indices = route_data + row_offset;
     const bool fused = pair_counters.has_value() && splits > 1;
     int32_t* counters = fused ? pair_counters_of(pair_counters, rows * hkv) : nullptr;
     check_launch(pkv::launch_bucket_decode(launch, row_indices, static_cast<int>(rows), static_cast<int>(splits),
-                                           static_cast<int>(exact_len), counters, stream),
+                                           counters, stream),
                  "bucket_decode");
     if (splits > 1 && !fused) {
       check_launch(pkv::launch_merge_states(launch, row_indices, nullptr, static_cast<int>(rows * hkv),

@@ -248,12 +248,8 @@ __device__ void write_neutral(const DecodeArgs& a, int slot) {
   }
 }
 
-// Lets a dependent launch (the merge, launched with programmatic stream serialization) be
-// scheduled once every CTA of this grid has started, so its CTAs are resident and waiting when
-// the last split finishes instead of being dispatched after it. griddepcontrol.wait in the merge
-// still waits for this whole grid to complete and its writes to be visible, so triggering at the
-// start is safe; and since a CTA that has not started has not triggered, the merge never takes
-// SM slots from decode CTAs still waiting to run.
+// Lets a dependent launch (the merge, launched with programmatic stream serialization) start
+// its prologue while this grid drains; the merge waits for our writes in griddepcontrol.wait.
 __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::);
@@ -283,15 +279,11 @@ __device__ void merge_if_last(const DecodeArgs& a, int32_t* counter, int slot_be
 
 template <typename T, int G, int Stages>
 __global__ void __launch_bounds__(kThreads) bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices,
-                                                                 int num_splits, int route_len, int32_t* pair_counters) {
+                                                                 int num_splits, int32_t* pair_counters) {
   extern __shared__ __align__(128) char smem[];
-  allow_dependent_launch();
   const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
-  // An exact-length launch passes its rows' length, and no row_indices when its rows are 0..R-1:
-  // the split's first page-table read then waits on no other global read (two round trips less
-  // before the first K/V bytes arrive, which is most of a short B1 call's fixed cost).
-  const int row = row_indices != nullptr ? row_indices[r] : r;
-  const int seq_len = route_len > 0 ? route_len : a.seq_lens[row];
+  const int row = row_indices[r];
+  const int seq_len = a.seq_lens[row];
   const int n_tiles = (seq_len + kTileTokens - 1) / kTileTokens;
   const int per_split = (n_tiles + num_splits - 1) / num_splits;
   const int tb = split * per_split;
@@ -304,6 +296,7 @@ __global__ void __launch_bounds__(kThreads) bucket_decode_kernel(DecodeArgs a, c
     CtaDecoder<T, G, Stages>(a, row, kvh, seq_len, tb, te, smem).run(smem);
     finish_split<T, G>(a, smem, row, kvh, num_splits == 1, slot);
   }
+  allow_dependent_launch();
   if (pair_counters != nullptr && num_splits > 1)
     merge_if_last<T, G>(a, pair_counters + pair, pair * num_splits, num_splits, row, kvh, smem);
 }
@@ -313,7 +306,6 @@ __global__ void __launch_bounds__(kThreads) workqueue_decode_kernel(DecodeArgs a
                                                                     const int32_t* split_offsets,
                                                                     int32_t* pair_counters) {
   extern __shared__ __align__(128) char smem[];
-  allow_dependent_launch();
   const int32_t* task = tasks + blockIdx.x * 5;
   const int row = task[0], kvh = task[1], split = task[2], tb = task[3], te = task[4];
   const int pair = row * a.num_kv_heads + kvh;
@@ -322,6 +314,7 @@ __global__ void __launch_bounds__(kThreads) workqueue_decode_kernel(DecodeArgs a
   const int seq_len = a.seq_lens[row];
   CtaDecoder<T, G, Stages>(a, row, kvh, seq_len, tb, te, smem).run(smem);
   finish_split<T, G>(a, smem, row, kvh, num_slots == 1, slot_begin + split);
+  allow_dependent_launch();
   if (pair_counters != nullptr && num_slots > 1)
     merge_if_last<T, G>(a, pair_counters + pair, slot_begin, num_slots, row, kvh, smem);
 }

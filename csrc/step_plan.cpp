@@ -102,7 +102,7 @@ std::vector<BucketLaunchShape> plan_bucket_launches(const int32_t* seq_lens, int
   std::iota(row_indices, row_indices + batch, 0);
   if (!exact) {
     const int32_t route_len = *std::max_element(seq_lens, seq_lens + batch);
-    launches.push_back({batch, std::min(num_splits, row_tiles(route_len)), route_len, true});
+    launches.push_back({batch, std::min(num_splits, row_tiles(route_len)), route_len});
     return launches;
   }
   // Longest first; stable, so the rows of one length stay in ascending order.
@@ -112,9 +112,7 @@ std::vector<BucketLaunchShape> plan_bucket_launches(const int32_t* seq_lens, int
     const int32_t route_len = seq_lens[row_indices[start]];
     int64_t end = start + 1;
     while (end < batch && seq_lens[row_indices[end]] == route_len) ++end;
-    bool identity = true;
-    for (int64_t i = start; i < end; ++i) identity = identity && row_indices[i] == i - start;
-    launches.push_back({end - start, std::min(num_splits, row_tiles(route_len)), route_len, identity});
+    launches.push_back({end - start, std::min(num_splits, row_tiles(route_len)), route_len});
     start = end;
   }
   return launches;

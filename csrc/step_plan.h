@@ -16,14 +16,9 @@ namespace pkv {
 
 // The int list that travels with a packed plan (host_ops.cpp writes it, pkv_ops.cpp reads it):
 //   [route, batch, table_width, num_slots, then
-//    workqueue: num_tasks, max_splits |
-//    buckets: num_launches, then per launch (num_rows, num_splits, exact_len, rows_are_identity)]
-// exact_len is the launch's length in exact mode (every row has it) and 0 in masked mode;
-// rows_are_identity is 1 when the launch's rows are 0..num_rows-1. The kernels use both to skip
-// reads (pkv_launch.h); the row indices are packed either way.
+//    workqueue: num_tasks, max_splits | buckets: num_launches, (num_rows, num_splits) per launch]
 enum PlanRoute : int64_t { kRouteWorkqueue = 0, kRouteBuckets = 1 };
 enum PlanLayoutField : int { kLayoutRoute = 0, kLayoutBatch, kLayoutTableWidth, kLayoutNumSlots, kLayoutRouteFields };
-constexpr int kLayoutPerBucketLaunch = 4;
 
 // Mirrors pkv.schedule.SplitPolicy.
 struct SplitPolicyArgs {
@@ -51,8 +46,7 @@ void fill_workqueue(const int32_t* seq_lens, const int32_t* row_splits, int64_t 
 struct BucketLaunchShape {
   int64_t num_rows;
   int64_t num_splits;
-  int64_t route_len;  // the longest row of the launch (every row's length in exact mode)
-  bool rows_are_identity;  // its rows are 0..num_rows-1
+  int64_t route_len;
 };
 
 // pkv.schedule.plan_buckets: exact mode makes one launch per distinct length, longest first

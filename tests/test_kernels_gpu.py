@@ -187,31 +187,6 @@ def test_run_plan_matches_per_op_launches(route, group, fused):
             assert int(native._counters.abs().sum()) == 0, "fused-merge counters must reset to zero"
 
 
-@pytest.mark.parametrize("lengths", [[32768 + 5], [1], [4097], [100, 5000, 5000], [5000, 100, 100, 7]],
-                         ids=["b1_32k", "b1_len1", "b1_4097", "rows_1_2_then_0", "rows_0_then_1_2_then_3"])
-def test_exact_launches_skip_reads(lengths):
-    """run_plan gives exact-length launches their length and drops row_indices when a launch's
-    rows are 0..R-1; the per-op path reads both. The outputs must agree bit for bit."""
-    from pkv.schedule import SplitPolicy
-    from pkv.shape import ModelShape
-
-    shape = ModelShape()
-    kwargs = dict(route="bucket_exact", bucket_num_splits=32, split_policy=SplitPolicy(num_splits=32))
-    native, spec = _engine(shape, **kwargs), _engine(shape, planner="numpy", **kwargs)
-    step, q, k, v = _case(lengths, shape, torch.float16, seed=len(lengths))
-    plan = native.plan(step)
-    launches = [plan.layout[5 + 4 * j:9 + 4 * j] for j in range(plan.layout[4])]
-    for (rows, _, exact_len, identity), launch in zip(launches, spec.plan(step).schedule.launches):
-        assert exact_len == launch.route_len
-        assert identity == int(launch.row_indices.tolist() == list(range(rows)))
-    assert len(lengths) > 1 or launches[0][3] == 1, "a single row is its launch's row 0"
-    _, expected, _ = _run_poisoned(spec, step, q, k, v)
-    out = native.run(q, k, v, plan)
-    torch.cuda.synchronize()
-    assert torch.equal(out, expected)
-    _check(out, _dense(step, q, k, v), torch.float16)
-
-
 @pytest.mark.parametrize("route", ["workqueue", "bucket_exact"])
 def test_run_plan_scratch_alignment_with_odd_head_counts(route):
     """Hkv = 3, G = 2: slot counts that are not multiples of 4, so run_plan's padding between the

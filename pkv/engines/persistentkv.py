@@ -34,7 +34,6 @@ def _pack(arrays: list) -> torch.Tensor:
 # Packed plan layout (csrc/step_plan.h): route code, then fields of the int list.
 _ROUTE_CODES = {"persistentkv_workqueue": 0, "persistentkv_bucket": 1}
 _ROUTE_FIELDS = 4  # [route, batch, table_width, num_slots] come first
-_PER_BUCKET_LAUNCH = 4  # (num_rows, num_splits, exact_len, rows_are_identity)
 
 
 @dataclasses.dataclass
@@ -79,8 +78,8 @@ class DevicePlan:
 
     def launch_shapes(self) -> tuple[list[int], list[int]]:
         """Bucket launches' (row counts, split counts)."""
-        fields = self.layout[_ROUTE_FIELDS + 1:]
-        return list(fields[0::_PER_BUCKET_LAUNCH]), list(fields[1::_PER_BUCKET_LAUNCH])
+        pairs = self.layout[_ROUTE_FIELDS + 1:]
+        return list(pairs[0::2]), list(pairs[1::2])
 
     def _parts(self, meta: torch.Tensor) -> list:
         batch, width = self.batch_size, int(self.layout[2])
@@ -221,9 +220,7 @@ class PersistentKVEngine(Engine):
         layout = [_ROUTE_CODES["persistentkv_bucket"], step.batch_size, step.block_table.shape[1],
                   sum(launch.num_slots(hkv) for launch in host.launches), len(host.launches)]
         for launch in host.launches:
-            identity = bool(np.array_equal(launch.row_indices, np.arange(launch.num_rows)))
-            layout += [launch.num_rows, int(launch.num_splits), int(launch.route_len) if mode == "exact" else 0,
-                       int(identity)]
+            layout += [launch.num_rows, int(launch.num_splits)]
         rows = [launch.row_indices for launch in host.launches]
         return _pack([step.block_table, step.seq_lens, *rows]), layout, host
 
