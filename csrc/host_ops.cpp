@@ -3,6 +3,10 @@
 // planner is tested against pkv/schedule.py everywhere.
 #include <torch/library.h>
 
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
 #include <ATen/ATen.h>
 
 #include "step_plan.h"

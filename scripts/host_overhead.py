@@ -65,6 +65,7 @@ def main() -> None:
     import yaml
 
     shape = ModelShape()
+    flusher = L2Flusher("cuda")
     calib = Calibration.from_mapping(yaml.safe_load(open("conf/gpu/h200.yaml")), "conf/gpu/h200.yaml")
     print(f"{'case':<11}{'engine':<24}{'plan':>7}{'issue':>7}{'sync':>7}{'wall':>7}{'device':>8}"
           f"  | after flush + hold: {'plan':>7}{'issue':>7}{'wall':>7}")
@@ -87,10 +88,10 @@ def main() -> None:
                 engine.run(q, k, v, engine.plan(step))
             plan_us, issue_us, sync_us, wall_us = wall_split(engine, q, k, v, step)
             plan = engine.plan(step)
-            device_us = time_device_us(lambda: engine.run(q, k, v, plan), flusher=FLUSH).median_us
+            device_us = time_device_us(lambda: engine.run(q, k, v, plan), flusher=flusher).median_us
             # The harness's order: flush L2, then a half-millisecond GPU hold the host waits out.
             busy_plan, busy_issue, _, busy_wall = wall_split(
-                engine, q, k, v, step, between=lambda: (FLUSH.flush(), hold_device("cuda")))
+                engine, q, k, v, step, between=lambda: (flusher.flush(), hold_device("cuda")))
             print(f"{name:<11}{label:<24}{plan_us:>7.1f}{issue_us:>7.1f}{sync_us:>7.1f}{wall_us:>7.1f}{device_us:>8.1f}"
                   f"  | {'':>20}{busy_plan:>7.1f}{busy_issue:>7.1f}{busy_wall:>7.1f}")
     x = torch.zeros(1, device="cuda")
@@ -98,5 +99,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    FLUSH = L2Flusher("cuda")
     main()
