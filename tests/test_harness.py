@@ -64,7 +64,9 @@ def test_run_trace_returns_the_contract_metrics_for_every_engine():
         assert set(metrics) == METRIC_KEYS, name
         assert set(metrics["counters"]) == COUNTER_KEYS
         assert metrics["steps"] == steps and metrics["decode_tokens"] == tokens
-        assert metrics["wall_ms_total"] >= metrics["cuda_ms_total"] > 0
+        # Device time comes from a second run of each step, so it is not bounded by the wall
+        # time of the first; the host parts are timed inside the wall step and are.
+        assert metrics["wall_ms_total"] > 0 and metrics["cuda_ms_total"] > 0
         assert 0 < metrics["plan_ms_per_step"] + metrics["issue_ms_per_step"] <= metrics["wall_ms_per_step"]
         assert metrics["wall_tok_s"] == pytest.approx(tokens / (metrics["wall_ms_total"] / 1e3))
         assert metrics["ref_max_rel_err"] < 1e-4
