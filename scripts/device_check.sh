@@ -21,5 +21,5 @@ if [ -z "${SKIP_BENCH:-}" ]; then  # SKIP_BENCH=1: checks and host times only
 fi
 [ -n "${BENCH_WRITE_FLUSH:-}" ] && python3 -m pkv.kernel_bench --flush write --out "$OUT/kernel_bench_writeflush.json" --cases b1_8k b1_32k b8_bimodal 2>/dev/null | tail -4
 if [ -z "${SKIP_HOST:-}" ]; then  # SKIP_HOST=1: no host-time split
-  python3 scripts/host_overhead.py > "$OUT/host_overhead.txt" 2>&1; tail -25 "$OUT/host_overhead.txt"
+  python3 -m pkv.host_bench --calibration conf/gpu/h200.yaml --out "$OUT/host_bench.json" 2>&1 | tail -25
 fi

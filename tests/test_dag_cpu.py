@@ -77,6 +77,14 @@ def test_all_eight_tables_are_rendered(finished_dag):
     assert (logs / "calibrate.log").is_file() and (logs / "tables.log").is_file()
 
 
+def test_gpu_benchmarks_record_why_they_did_not_run(finished_dag):
+    import json
+
+    for name in ("kernel_bench/decode.json", "host_bench/host.json"):
+        record = json.loads((finished_dag / "artifacts" / "cpu" / name).read_text())
+        assert record["skipped"] == "no GPU" and record["provenance"]["git_commit"], name
+
+
 def test_second_run_has_nothing_to_do(finished_dag):
     proc = _snakemake(finished_dag, "-n")
     assert proc.returncode == 0, proc.stderr[-3000:]

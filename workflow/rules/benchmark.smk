@@ -1,6 +1,7 @@
 # The decode-kernel benchmark: PersistentKV's split points against FlashInfer's tensor-core and
-# CUDA-core decode on the same page tables, L2 flushed, as ratios and fractions of the read floor
-# (docs/performance.md). On a machine without a GPU it records why it did not run.
+# CUDA-core decode on the same page tables, L2 flushed, as ratios and fractions of the read floor;
+# and the host-time split of one serving step per engine (docs/performance.md). On a machine
+# without a GPU each records why it did not run.
 
 
 rule kernel_bench:
@@ -17,3 +18,20 @@ rule kernel_bench:
         gpu=GPU_SLOTS,
     shell:
         f"{PYTHON} -m pkv.kernel_bench --out {{output}} > {{log}} 2>&1"
+
+
+rule host_bench:
+    input:
+        build=BUILD_RECORD,
+        calibration=CALIBRATION,
+    output:
+        HOST_BENCH,
+    log:
+        f"{LOGS}/host_bench.log",
+    threads: 1
+    conda:
+        CONDA_ENV
+    resources:
+        gpu=GPU_SLOTS,
+    shell:
+        f"{PYTHON} -m pkv.host_bench --calibration {{input.calibration}} --out {{output}} > {{log}} 2>&1"

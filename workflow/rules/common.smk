@@ -56,6 +56,7 @@ LOGS = f"{ROOT}/logs"
 CALIBRATION = f"{ROOT}/calibration/calibration.json"
 BUILD_RECORD = f"{ROOT}/build/extension.json"
 KERNEL_BENCH = f"{ROOT}/kernel_bench/decode.json"
+HOST_BENCH = f"{ROOT}/host_bench/host.json"
 HELD_OUT = [int(s) for s in config["held_out_seeds"]]
 TRACE_NAME = re.compile(r"([a-z]+)_b([0-9]+)")
 
@@ -174,7 +175,7 @@ RESULTS = (
     + mlp_targets()
     + ablation_targets()
     + isolated_targets()
-    + [f"{ROOT}/profile/ncu_counters.json", KERNEL_BENCH, CALIBRATION, BUILD_RECORD]
+    + [f"{ROOT}/profile/ncu_counters.json", KERNEL_BENCH, HOST_BENCH, CALIBRATION, BUILD_RECORD]
 )
 
 

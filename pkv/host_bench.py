@@ -1,0 +1,155 @@
+"""Where the time of one synchronized decode step goes, per engine (a DAG rule and a script).
+
+For each case and engine: plan() host time, the issue of run() (host time until the last launch is
+queued), the wait for the GPU after it, their total (the synchronized wall step), and run()'s
+device time alone (L2 flushed). Every step is timed twice: in a tight loop, and right after an L2
+flush and a GPU hold the host waits out, as the serving harness times its steps. PersistentKV runs
+with its C++ planner ("native") and with the numpy planner it is tested against.
+
+    python -m pkv.host_bench --calibration artifacts/h200/calibration/calibration.json \\
+        --out artifacts/h200/host_bench/host.json
+    python -m pkv.host_bench --calibration conf/gpu/h200.yaml --out /tmp/host.json
+
+Decode kernels of a few tens of microseconds on a fast GPU make the host path a large part of a
+serving step, so this is measured, not guessed. On a machine without a GPU it records why it did
+not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+K = 1024
+CASES: dict[str, list[int]] = {
+    "b1_8k": [8 * K],
+    "b1_32k": [32 * K],
+    "b8_bimodal": [64 * K, 64 * K, 4 * K, 5632, 7 * K, 8704, 10 * K, 12 * K],
+}
+PLANNERS = ("native", "numpy")
+COLUMNS = ("plan_us", "issue_us", "wait_us", "wall_us")
+
+
+def engine_specs() -> dict[str, tuple[str, dict]]:
+    """label -> (engine role, build_engine options)."""
+    specs = {"flashinfer": ("flashinfer", {})}
+    for planner in PLANNERS:
+        specs[f"adaptive/{planner}"] = ("adaptive", {"planner": planner})
+        for route in ("bucket_exact", "workqueue"):
+            specs[f"persistentkv_{route}/{planner}"] = ("persistentkv", {"route": route, "planner": planner})
+    return specs
+
+
+def wall_split(engine, q, k, v, step, reps: int, between=None) -> dict[str, float]:
+    """Medians of plan, run issue, wait for the GPU and the whole synchronized step (us).
+    ``between`` runs before each step, outside the timing."""
+    samples = []
+    for _ in range(reps):
+        if between is not None:
+            between()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plan = engine.plan(step)
+        t1 = time.perf_counter()
+        engine.run(q, k, v, plan)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        samples.append(((t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6, (t3 - t0) * 1e6))
+    return {name: statistics.median(column) for name, column in zip(COLUMNS, zip(*samples))}
+
+
+def torch_op_issue_us(reps: int) -> float:
+    """Host time to issue one plain torch op: how fast this host is, to compare runs across machines."""
+    tiny = torch.zeros(1, device="cuda")
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tiny.add_(1)
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log) -> dict:
+    from pkv.engines import build_engine
+    from pkv.kv_data import make_kv_pages, make_queries
+    from pkv.pages import assign_pages
+    from pkv.step import build_step
+    from pkv.timing import hold_device, time_device_us
+
+    assignment = assign_pages(seq_lens, 16, 0.0, seed)
+    step = build_step(0, np.arange(len(seq_lens)), np.asarray(seq_lens, dtype=np.int32), assignment.pages, 16)
+    k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, "float16", "cuda", seed)
+    q = make_queries(len(seq_lens), shape, "float16", "cuda", seed + 1)
+    rows = {}
+    for label, (role, options) in engine_specs().items():
+        engine = build_engine(role, shape=shape, device="cuda", calib=calib, options=options)
+        engine.prepare(step, q, k, v)
+        for _ in range(5):
+            engine.run(q, k, v, engine.plan(step))
+        plan = engine.plan(step)
+        rows[label] = {
+            "tight": wall_split(engine, q, k, v, step, reps),
+            "after_flush_and_hold": wall_split(engine, q, k, v, step, reps,
+                                               between=lambda: (flusher.flush(), hold_device("cuda"))),
+            "device_us": time_device_us(lambda: engine.run(q, k, v, plan), flusher=flusher).median_us,
+            "route": getattr(plan, "route", None),
+        }
+        tight = rows[label]["tight"]
+        log(f"{name:<11}{label:<34}" + "".join(f"{tight[c]:>8.1f}" for c in COLUMNS)
+            + f"{rows[label]['device_us']:>8.1f}  | after flush + hold: wall "
+            + f"{rows[label]['after_flush_and_hold']['wall_us']:.1f}")
+    return {"seq_lens": list(map(int, seq_lens)), "engines": rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--calibration", type=Path, required=True,
+                        help="the calibrate rule's JSON, or a conf/gpu/<gpu>.yaml for its starting constants")
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    import yaml
+
+    from pkv.cost_model import Calibration, load_calibration
+    from pkv.provenance import collect_provenance
+    from pkv.results import write_json_atomic
+    from pkv.shape import ModelShape
+    from pkv.timing import L2Flusher
+
+    config = {"cases": args.cases, "reps": args.reps, "calibration": str(args.calibration)}
+    if not torch.cuda.is_available():
+        write_json_atomic(args.out, {"schema": "pkv.host_bench/1", "skipped": "no GPU",
+                                     "provenance": collect_provenance(config=config, seed=args.seed)})
+        print("skipped: no GPU")
+        return 0
+    calib = load_calibration(args.calibration) if args.calibration.suffix == ".json" else \
+        Calibration.from_mapping(yaml.safe_load(args.calibration.read_text()), str(args.calibration))
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"{'case':<11}{'engine':<34}" + "".join(f"{c[:-3]:>8}" for c in COLUMNS) + f"{'device':>8}  (us)")
+    flusher = L2Flusher("cuda")
+    start = time.time()
+    cases = {name: run_case(name, CASES[name], ModelShape(), calib, flusher, args.reps, args.seed, log)
+             for name in args.cases}
+    op_issue_us = torch_op_issue_us(args.reps)
+    log(f"one torch op (x.add_(1)) issue: {op_issue_us:.1f} us")
+    record = {"schema": "pkv.host_bench/1", "seconds": time.time() - start, "reps": args.reps,
+              "torch_op_issue_us": op_issue_us, "cases": cases,
+              "command": "python -m pkv.host_bench " + " ".join(argv or sys.argv[1:]),
+              "provenance": collect_provenance(config=config, seed=args.seed)}
+    write_json_atomic(args.out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
