@@ -107,3 +107,49 @@ def test_bad_inputs_name_the_field(ops):
         ops.plan_buckets(lens, table, 8, 0, True)
     with pytest.raises(RuntimeError, match=r"seq_lens >= 1, seq_lens\[0\] is 0"):
         ops.plan_buckets(torch.tensor([0, 7], dtype=torch.int32), table, 8, 4, True)
+
+
+@pytest.mark.parametrize("route", ["workqueue", "bucket_exact", "bucket_masked"])
+def test_engine_plans_read_back_as_the_numpy_plan(ops, route):
+    """The CUDA engine's packed plan (planned on the CPU here) holds the numpy plan: both planners
+    give the same buffer and layout, and its views and schedule read back exactly."""
+    from pkv.engines.persistentkv import PersistentKVEngine
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    policy = SplitPolicy(num_splits=7)
+    engines = {planner: PersistentKVEngine(shape, route=route, split_policy=policy, bucket_num_splits=7,
+                                           device="cpu", planner=planner) for planner in ("native", "numpy")}
+    for lengths in random_batches(seed=11, count=8):
+        step = make_step(lengths)
+        native, spec = engines["native"].plan(step), engines["numpy"].plan(step)
+        assert native.layout == spec.layout and torch.equal(native.meta, spec.meta)
+        assert torch.equal(native.block_table, torch.from_numpy(step.block_table))
+        assert torch.equal(native.seq_lens, torch.from_numpy(step.seq_lens))
+        if route == "workqueue":
+            expected = plan_workqueue(step, 8, 4, policy)
+            assert np.array_equal(native.schedule.tasks, expected.tasks)
+            assert np.array_equal(native.tasks.numpy(), expected.tasks)
+            assert np.array_equal(native.split_offsets.numpy(), expected.split_offsets)
+            assert native.widest_split == expected.max_splits and native.num_slots == expected.num_slots
+        else:
+            expected = plan_buckets(step, 8, 4, 7, mode=route.split("_")[1])
+            got = native.schedule.launches
+            assert [(x.row_indices.tolist(), x.num_splits, x.route_len) for x in got] == \
+                [(x.row_indices.tolist(), x.num_splits, x.route_len) for x in expected.launches]
+            assert [r.tolist() for r in native.bucket_rows] == [x.row_indices.tolist() for x in expected.launches]
+            assert native.widest_split == max(x.num_splits for x in expected.launches)
+            assert native.num_slots == sum(x.num_slots(8) for x in expected.launches)
+
+
+def test_engine_refuses_to_run_off_the_gpu(ops):
+    from pkv.engines.persistentkv import PersistentKVEngine
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    engine = PersistentKVEngine(shape, device="cpu")
+    step = make_step([40, 7])
+    q = torch.zeros(2, 32, 128, dtype=torch.float16)
+    pages = torch.zeros(4, 8, PAGE, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        engine.run(q, pages, pages, engine.plan(step))

@@ -141,13 +141,14 @@ class PersistentKVEngine(Engine):
             raise ValueError(f"persistentkv planner must be one of {PLANNERS}, got {planner!r}")
         from pkv import ops
 
-        self.ops = ops.load()
+        self.device = torch.device(device)
+        # On the CPU the engine plans (tests read its packed plans back) but cannot run.
+        self.ops = ops.load() if self.device.type == "cuda" else ops.load_planner()
         self.shape = shape
         self.route = route
         self.split_policy = split_policy or SplitPolicy()
         self.bucket_num_splits = int(bucket_num_splits)
         self.fused_merge = bool(fused_merge)
-        self.device = torch.device(device)
         self.cuda_graph = bool(cuda_graph)
         if stages not in (2, 3):
             raise ValueError(f"persistentkv stages must be 2 or 3, got {stages!r}")
