@@ -84,14 +84,21 @@ def ensure_built(verbose: bool = False) -> Path:
     if not torch.cuda.is_available():
         raise RuntimeError("the PersistentKV CUDA extension needs a CUDA GPU; none is visible to torch")
     capability = torch.cuda.get_device_capability()
-    key = build_key(capability)
-    target = cache_root() / key
-    library = target / f"{LIBRARY_NAME}.so"
+    return _load_cached(cache_root() / build_key(capability), LIBRARY_NAME,
+                        lambda target: _compile(target, capability, verbose))
+
+
+def _load_cached(target: Path, name: str, compile_into) -> Path:
+    """Load target/<name>.so into torch.ops, compiling it first (under a file lock, so two
+    processes never build the same key at once) when it is not cached."""
+    import torch
+
+    library = target / f"{name}.so"
     target.mkdir(parents=True, exist_ok=True)
     with open(target / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not library.exists():
-            _compile(target, capability, verbose)
+            compile_into(target)
     torch.ops.load_library(str(library))
     return library
 
@@ -126,15 +133,9 @@ def ensure_host_built(verbose: bool = False) -> Path:
 
     files = [CSRC / f for f in (*HOST_SOURCES, *HOST_HEADERS)]
     key = hashlib.sha256("|".join([source_hash(files), "cpu", torch.__version__]).encode()).hexdigest()[:16]
-    target = cache_root() / f"host-{key}"
-    library = target / f"{HOST_LIBRARY_NAME}.so"
-    target.mkdir(parents=True, exist_ok=True)
-    with open(target / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not library.exists():
-            _compile_library(target, HOST_LIBRARY_NAME, list(HOST_SOURCES), verbose, with_cuda=False)
-    torch.ops.load_library(str(library))
-    return library
+    return _load_cached(cache_root() / f"host-{key}", HOST_LIBRARY_NAME,
+                        lambda target: _compile_library(target, HOST_LIBRARY_NAME, list(HOST_SOURCES), verbose,
+                                                        with_cuda=False))
 
 
 def check_compile(arches: tuple[str, ...] = ("90a", "80")) -> list[str]:

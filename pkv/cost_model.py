@@ -322,7 +322,7 @@ class RouteEstimator:
         for route, num_splits in routes.items():
             if route == ROUTE_FLASHINFER:
                 ctas = max(1, math.ceil(len(lens) * hkv * self.calib.flashinfer_ctas_per_row_head))
-                out[route] = self._total(kv_us, ctas, 1, 0) + self.calib.flashinfer_plan_us
+                out[route] = self._total(kv_us, ctas, 1, 0)
             elif route == ROUTE_BUCKET:
                 splits = self.calib.bucket_num_splits if num_splits is None else int(num_splits)
                 ctas = launches = merged = 0
@@ -333,7 +333,7 @@ class RouteEstimator:
                     if s > 1:
                         launches += 1
                         merged += rows * hkv * s
-                out[route] = self._total(kv_us, ctas, launches, merged) + self.calib.persistentkv_plan_us
+                out[route] = self._total(kv_us, ctas, launches, merged)
             elif route == ROUTE_WORKQUEUE:
                 policy = workqueue_split_policy(self.calib, num_splits)
                 tiles = [-(-length // TILE_TOKENS) for length in lens]
@@ -346,10 +346,10 @@ class RouteEstimator:
                 splits = [-(-n // -(-n // s)) for n, s in zip(tiles, requested)]
                 tasks = hkv * sum(splits)
                 merged = hkv * sum(k for k in splits if k > 1)
-                out[route] = (self._total(kv_us, tasks, 2 if merged else 1, merged)
-                              + self.calib.persistentkv_plan_us)
+                out[route] = self._total(kv_us, tasks, 2 if merged else 1, merged)
             else:
                 raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+            out[route] += host_plan_us(route, self.calib)
         return out
 
 

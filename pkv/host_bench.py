@@ -49,33 +49,20 @@ def engine_specs() -> dict[str, tuple[str, dict]]:
 def wall_split(engine, q, k, v, step, reps: int, between=None) -> dict[str, float]:
     """Medians of plan, run issue, wait for the GPU and the whole synchronized step (us).
     ``between`` runs before each step, outside the timing."""
+    from pkv.timing import WallTimer
+
     samples = []
     for _ in range(reps):
         if between is not None:
             between()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        plan = engine.plan(step)
-        t1 = time.perf_counter()
-        engine.run(q, k, v, plan)
-        t2 = time.perf_counter()
-        torch.cuda.synchronize()
-        t3 = time.perf_counter()
-        samples.append(((t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6, (t3 - t0) * 1e6))
+        with WallTimer("cuda") as wall:  # the harness's timer and split
+            plan = engine.plan(step)
+            planned = time.perf_counter()
+            engine.run(q, k, v, plan)
+            issued = time.perf_counter()
+        plan_us, issue_us = (planned - wall.started) * 1e6, (issued - planned) * 1e6
+        samples.append((plan_us, issue_us, wall.elapsed_us - plan_us - issue_us, wall.elapsed_us))
     return {name: statistics.median(column) for name, column in zip(COLUMNS, zip(*samples))}
-
-
-def torch_op_issue_us(reps: int) -> float:
-    """Host time to issue one plain torch op: how fast this host is, to compare runs across machines."""
-    tiny = torch.zeros(1, device="cuda")
-    samples = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        tiny.add_(1)
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log) -> dict:
@@ -121,6 +108,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import yaml
 
+    from pkv.calibration_probe import measure_launch_us
     from pkv.cost_model import Calibration, load_calibration
     from pkv.provenance import collect_provenance
     from pkv.results import write_json_atomic
@@ -141,7 +129,8 @@ def main(argv=None) -> int:
     start = time.time()
     cases = {name: run_case(name, CASES[name], ModelShape(), calib, flusher, args.reps, args.seed, log)
              for name in args.cases}
-    op_issue_us = torch_op_issue_us(args.reps)
+    # How fast this host issues a plain torch op, to compare runs on different machines.
+    op_issue_us = measure_launch_us("cuda")["host_us"]
     log(f"one torch op (x.add_(1)) issue: {op_issue_us:.1f} us")
     record = {"schema": "pkv.host_bench/1", "seconds": time.time() - start, "reps": args.reps,
               "torch_op_issue_us": op_issue_us, "cases": cases,

@@ -26,6 +26,11 @@ def _int32(array) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
+def _step_tensors(step) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's seq_lens and block table as the int32 host tensors the C++ planner reads."""
+    return torch.from_numpy(_int32(step.seq_lens)), torch.from_numpy(_int32(step.block_table))
+
+
 def _pack(arrays: list) -> torch.Tensor:
     """The int32 arrays of a plan, concatenated in one host tensor (one upload)."""
     return torch.from_numpy(np.concatenate([_int32(a).reshape(-1) for a in arrays]))
@@ -201,8 +206,7 @@ class PersistentKVEngine(Engine):
         hkv = self.shape.num_kv_heads
         if self.planner == "native":
             meta, layout = self.ops.plan_workqueue(
-                torch.from_numpy(_int32(step.seq_lens)), torch.from_numpy(_int32(step.block_table)), hkv,
-                policy.kind == "balanced", policy.num_splits, policy.max_splits, policy.target_ctas,
+                *_step_tensors(step), hkv, policy.kind == "balanced", policy.num_splits, policy.max_splits, policy.target_ctas,
                 policy.min_tiles_per_split)
             return meta, list(layout), None
         host = plan_workqueue(step, hkv, self.shape.group_size, policy)
@@ -213,9 +217,7 @@ class PersistentKVEngine(Engine):
     def _pack_buckets(self, step, num_splits: int, mode: str):
         hkv = self.shape.num_kv_heads
         if self.planner == "native":
-            meta, layout = self.ops.plan_buckets(
-                torch.from_numpy(_int32(step.seq_lens)), torch.from_numpy(_int32(step.block_table)), hkv,
-                num_splits, mode == "exact")
+            meta, layout = self.ops.plan_buckets(*_step_tensors(step), hkv, num_splits, mode == "exact")
             return meta, list(layout), None
         host = plan_buckets(step, hkv, self.shape.group_size, num_splits, mode=mode)
         layout = [_ROUTE_CODES["persistentkv_bucket"], step.batch_size, step.block_table.shape[1],
