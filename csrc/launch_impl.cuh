@@ -21,6 +21,7 @@ cudaError_t dispatch_stages(int stages, F&& launch) {
   switch (stages) {
     case 2: return launch(std::integral_constant<int, 2>{});
     case 3: return launch(std::integral_constant<int, 3>{});
+    case 4: return launch(std::integral_constant<int, 4>{});
     default: return cudaErrorInvalidValue;
   }
 }

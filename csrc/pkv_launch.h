@@ -31,7 +31,7 @@ struct DecodeArgs {
   int64_t kv_stride_page, kv_stride_head;  // token stride is d (pages are contiguous per head)
   float sm_scale;
   KvDtype dtype;
-  int stages;  // cp.async ring depth per warp: 2 or 3
+  int stages;  // cp.async ring depth per warp: 2, 3 or 4
 };
 
 // Length-bucket route: grid (num_rows, Hkv, num_splits) over batch rows row_indices[0..num_rows).

@@ -56,7 +56,7 @@ pkv::DecodeArgs make_core_args(const Tensor& q, const Tensor& k_pages, const Ten
   check_cuda_tensor(out, "out", dtype);
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1, "pkv: out must be [B, Hq, d] like q, got ",
               out.sizes());
-  TORCH_CHECK(stages == 2 || stages == 3, "pkv: stages must be 2 or 3, got ", stages);
+  TORCH_CHECK(stages >= 2 && stages <= 4, "pkv: stages must be 2, 3 or 4, got ", stages);
 
   pkv::DecodeArgs a{};
   a.q = q.data_ptr();

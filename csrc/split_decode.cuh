@@ -25,11 +25,17 @@ constexpr int kChunksPerTile = kTileTokens / kChunkTokens;
 constexpr int kRowChunks = kHeadDim * 2 / 16;          // 16-byte pieces of one K or V row
 constexpr int kCopiesPerLane = kChunkTokens * kRowChunks / 32;  // per K (and per V) per chunk
 constexpr int kStageElems = 2 * kChunkTokens * kHeadDim;  // K rows then V rows
-// cp.async ring depth per warp. 3 stages (96 KB a CTA, 2 CTAs an SM) keep more bytes in flight
-// per warp; 2 stages (64 KB, 3 CTAs an SM) keep more warps resident. The benchmark picks.
+// cp.async ring depth per warp. Deeper rings (3 stages: 96 KB a CTA, 2 CTAs an SM; 4 stages:
+// 128 KB, 1 CTA an SM) keep more bytes in flight per warp; 2 stages (64 KB, 3 CTAs an SM) keep
+// more warps resident. The benchmark picks.
 template <int Stages>
 constexpr int decode_smem_bytes() { return kWarps * Stages * kStageElems * 2; }
+// CTAs an SM holds by shared memory (228 KB an SM, 1 KB reserved a CTA). The kernels promise
+// the compiler this many in __launch_bounds__, so registers never become the tighter limit.
+template <int Stages>
+constexpr int decode_ctas_per_sm() { return (228 * 1024) / (decode_smem_bytes<Stages>() + 1024); }
 static_assert(decode_smem_bytes<2>() >= kPairMergeScratchFloats * 4, "the fused merge reuses the decode ring");
+constexpr int kPageLookahead = 4;  // chunks between a page-table read and the copy that uses it
 constexpr float kLog2e = 1.4426950408889634f;
 
 static_assert(kHeadDim == 128, "fragment layout assumes d = 128");
@@ -174,15 +180,27 @@ struct CtaDecoder {
       issue(j, lookup(j));
       cp_async_commit();
     }
-    int next_page = lookup(kStages - 1);
-    for (int j = 0; j < n; ++j) {
-      issue(j + kStages - 1, next_page);
-      cp_async_commit();
-      next_page = lookup(j + kStages);  // the page-table read overlaps this chunk's math
-      cp_async_wait<kStages - 1>();
-      __syncwarp();
-      compute(j, qa, m, l, o);
-      __syncwarp();  // the next issue overwrites the stage just read
+    // Page-table reads run kPageLookahead chunks ahead of the copies that use them. With the
+    // read one chunk ahead, every iteration waited for it (an L2 or DRAM round trip) whatever
+    // the ring depth, so a deeper ring bought nothing. pages[u] serves iterations j = u mod D;
+    // the inner loop is unrolled so each slot stays a register and no value is moved (a move
+    // would wait for the load just as a use does).
+    int pages[kPageLookahead];
+#pragma unroll
+    for (int u = 0; u < kPageLookahead; ++u) pages[u] = lookup(kStages - 1 + u);
+    for (int j0 = 0; j0 < n; j0 += kPageLookahead) {
+#pragma unroll
+      for (int u = 0; u < kPageLookahead; ++u) {
+        const int j = j0 + u;
+        if (j >= n) break;
+        issue(j + kStages - 1, pages[u]);
+        cp_async_commit();
+        pages[u] = lookup(j + kStages - 1 + kPageLookahead);
+        cp_async_wait<kStages - 1>();
+        __syncwarp();
+        compute(j, qa, m, l, o);
+        __syncwarp();  // the next issue overwrites the stage just read
+      }
     }
     cp_async_wait<0>();
     l += __shfl_xor_sync(0xffffffffu, l, 1);
@@ -278,7 +296,7 @@ __device__ void merge_if_last(const DecodeArgs& a, int32_t* counter, int slot_be
 }
 
 template <typename T, int G, int Stages>
-__global__ void __launch_bounds__(kThreads) bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices,
+__global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>()) bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices,
                                                                  int num_splits, int32_t* pair_counters) {
   extern __shared__ __align__(128) char smem[];
   const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
@@ -302,7 +320,7 @@ __global__ void __launch_bounds__(kThreads) bucket_decode_kernel(DecodeArgs a, c
 }
 
 template <typename T, int G, int Stages>
-__global__ void __launch_bounds__(kThreads) workqueue_decode_kernel(DecodeArgs a, const int32_t* tasks,
+__global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>()) workqueue_decode_kernel(DecodeArgs a, const int32_t* tasks,
                                                                     const int32_t* split_offsets,
                                                                     int32_t* pair_counters) {
   extern __shared__ __align__(128) char smem[];

@@ -51,9 +51,10 @@ def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
 
 
 def persistentkv_configs(batch: int, num_sms: int):
+    from pkv.engines.persistentkv import RING_STAGES
     from pkv.schedule import SplitPolicy
 
-    for stages in (2, 3):
+    for stages in RING_STAGES:
         if batch == 1:
             for s in B1_SPLITS:
                 for fused in (False, True):

@@ -30,7 +30,9 @@ def main() -> None:
                         dict(route="bucket_masked", bucket_num_splits=16),
                         dict(route="bucket_masked", bucket_num_splits=16, fused_merge=True),
                         dict(route="bucket_exact", bucket_num_splits=1),
-                        dict(route="bucket_exact", bucket_num_splits=8)):
+                        dict(route="bucket_exact", bucket_num_splits=8),
+                        dict(route="bucket_exact", bucket_num_splits=1, stages=3),
+                        dict(route="workqueue", split_policy=SplitPolicy(num_splits=2), stages=4)):
             engine = PersistentKVEngine(shape, **options)
             out = engine.run(q, k, v, engine.plan(step))
             torch.cuda.synchronize()

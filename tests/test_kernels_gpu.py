@@ -83,6 +83,25 @@ def test_routes_match_float64(route, group, dtype, fused):
             assert int(engine._counters.abs().sum()) == 0, "fused-merge counters must reset to zero"
 
 
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("route", ["workqueue", "bucket_exact"])
+def test_ring_depths_match_float64(route, group, stages):
+    """Every cp.async ring depth, with warps that own fewer chunks than the page-table lookahead
+    (short splits) and many more (long single splits)."""
+    from pkv.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128)
+    for trial, (lengths, splits) in enumerate(((EDGE_LENGTHS[:6], 1), ([4097, 65, 1000], 1),
+                                               ([9000, 33, 2048 + 16], 3), ([20000], 16))):
+        engine = _engine(shape, route=route, split_policy=SplitPolicy(num_splits=splits), bucket_num_splits=splits,
+                         stages=stages)
+        step, q, k, v = _case(lengths, shape, torch.float16, seed=300 * stages + 10 * group + trial)
+        _, out, _ = _run_poisoned(engine, step, q, k, v)
+        _check(out, _dense(step, q, k, v), torch.float16)
+
+
 @pytest.mark.parametrize("kind", ["fixed", "balanced"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_workqueue_random_batches(kind, fused):

@@ -19,6 +19,7 @@ ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
 # native: the C++ planner of the extension (csrc/step_plan.cpp); numpy: pkv.schedule, the
 # specification it is tested against (and the path to compare host time with).
 PLANNERS = ("native", "numpy")
+RING_STAGES = (2, 3, 4)  # cp.async ring depths the decode kernels are built for (csrc/launch_impl.cuh)
 MAX_MERGE_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
 
 
@@ -155,8 +156,8 @@ class PersistentKVEngine(Engine):
         self.bucket_num_splits = int(bucket_num_splits)
         self.fused_merge = bool(fused_merge)
         self.cuda_graph = bool(cuda_graph)
-        if stages not in (2, 3):
-            raise ValueError(f"persistentkv stages must be 2 or 3, got {stages!r}")
+        if stages not in RING_STAGES:
+            raise ValueError(f"persistentkv stages must be one of {RING_STAGES}, got {stages!r}")
         self.stages = int(stages)
         self.planner = planner
         self.implementation = f"cuda:{route}" + ("+fused_merge" if fused_merge else "") + \

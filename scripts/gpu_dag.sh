@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One GPU-machine run of the DAG after the kernel tests. Logs and a tarball of artifacts/<gpu>/
+# land under $OUT. Needs the wheels of ../shared/device/wheels.txt in .whl/.
+#   DAG_CONFIG=config/gpu_smoke.yaml (default): the reduced DAG (calibration seed, one held-out
+#     seed, every trace family and ablation, the Nsight profile), about 5 minutes on an H200;
+#   DAG_CONFIG=config/config.yaml: the full DAG (five held-out seeds), about 15 minutes.
+#   DAG_TIMEOUT=<s>: stop the DAG after this long; RESUME=1 continues a stopped run on the same
+#     machine (finished results are kept; only missing and incomplete ones run, whatever the
+#     file times of the copied tree say). SKIP_TESTS=1 skips the kernel tests.
+set -uo pipefail
+OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
+GPU_NAME=${GPU_NAME:-h200}
+DAG_CONFIG=${DAG_CONFIG:-config/gpu_smoke.yaml}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
+export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ -z "${SKIP_TESTS:-}" ]; then
+  python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/tests.log" 2>&1; tail -2 "$OUT/tests.log"
+fi
+triggers=()
+[ -n "${RESUME:-}" ] && triggers=(--rerun-triggers params input code)
+timeout "${DAG_TIMEOUT:-420}" python3 -m snakemake --cores 16 --scheduler greedy --configfile "$DAG_CONFIG" \
+  --config gpu="$GPU_NAME" "${triggers[@]}" > "$OUT/dag.log" 2>&1
+echo "dag rc=$?"
+tar czf "$OUT/artifacts.tgz" "artifacts/$GPU_NAME" 2>/dev/null
+grep -E "Finished jobid|Error in rule|steps done" "$OUT/dag.log" | tail -12
+for t in 2 4 5; do head -30 "artifacts/$GPU_NAME/tables/table$t.md" 2>/dev/null; done
