@@ -7,6 +7,7 @@
 #   DAG_TIMEOUT=<s>: stop the DAG after this long; RESUME=1 continues a stopped run on the same
 #     machine (finished results are kept; only missing and incomplete ones run, whatever the
 #     file times of the copied tree say). SKIP_TESTS=1 skips the kernel tests.
+#   DAG_TARGETS="tables ...": build only these targets (default: everything).
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 GPU_NAME=${GPU_NAME:-h200}
@@ -21,7 +22,7 @@ fi
 triggers=()
 [ -n "${RESUME:-}" ] && triggers=(--rerun-triggers params input code)
 timeout "${DAG_TIMEOUT:-420}" python3 -m snakemake --cores 16 --scheduler greedy --configfile "$DAG_CONFIG" \
-  --config gpu="$GPU_NAME" "${triggers[@]}" > "$OUT/dag.log" 2>&1
+  --config gpu="$GPU_NAME" "${triggers[@]}" ${DAG_TARGETS:-} > "$OUT/dag.log" 2>&1
 echo "dag rc=$?"
 tar czf "$OUT/artifacts.tgz" "artifacts/$GPU_NAME" 2>/dev/null
 grep -E "Finished jobid|Error in rule|steps done" "$OUT/dag.log" | tail -12
