@@ -4,10 +4,11 @@
 #   DAG_CONFIG=config/gpu_smoke.yaml (default): the reduced DAG (calibration seed, one held-out
 #     seed, every trace family and ablation, the Nsight profile), about 5 minutes on an H200;
 #   DAG_CONFIG=config/config.yaml: the full DAG (five held-out seeds), about 15 minutes.
-#   DAG_TIMEOUT=<s>: stop the DAG after this long; RESUME=1 continues a stopped run on the same
-#     machine (finished results are kept; only missing and incomplete ones run, whatever the
-#     file times of the copied tree say). SKIP_TESTS=1 skips the kernel tests.
-#   DAG_TARGETS="tables ...": build only these targets (default: everything).
+#   DAG_TIMEOUT=<s>: stop the DAG after this long. RESUME=1 continues a stopped run whose
+#     artifacts/<gpu>/ is in place (left on the machine, or unpacked from artifacts.tgz, which
+#     keeps file times): the copied tree's files are dated back so that only missing and
+#     incomplete results run. Use it only with the tree that produced those results.
+#   SKIP_TESTS=1 skips the kernel tests. DAG_TARGETS="tables ...": build only these targets.
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 GPU_NAME=${GPU_NAME:-h200}
@@ -19,10 +20,11 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/tests.log" 2>&1; tail -2 "$OUT/tests.log"
 fi
-triggers=()
-[ -n "${RESUME:-}" ] && triggers=(--rerun-triggers params input code)
-timeout "${DAG_TIMEOUT:-420}" python3 -m snakemake --cores 16 --scheduler greedy --configfile "$DAG_CONFIG" \
-  --config gpu="$GPU_NAME" "${triggers[@]}" ${DAG_TARGETS:-} > "$OUT/dag.log" 2>&1
+if [ -n "${RESUME:-}" ]; then
+  find Snakefile workflow config conf csrc pkv scripts traces -type f -exec touch -d 2000-01-01 {} +
+fi
+timeout "${DAG_TIMEOUT:-420}" python3 -m snakemake ${DAG_TARGETS:-} --cores 16 --scheduler greedy \
+  --configfile "$DAG_CONFIG" --config gpu="$GPU_NAME" > "$OUT/dag.log" 2>&1
 echo "dag rc=$?"
 tar czf "$OUT/artifacts.tgz" "artifacts/$GPU_NAME" 2>/dev/null
 grep -E "Finished jobid|Error in rule|steps done" "$OUT/dag.log" | tail -12
