@@ -130,6 +130,18 @@ class _EngineRecord:
         self.routes: Counter = Counter()
         self.splits: Counter = Counter()
         self.counters: list = []
+        self.per_step: list[dict] = []
+
+    def add_step(self, step, route, plan_us: float, issue_us: float, wall_us: float, cuda_us: float) -> None:
+        self.steps += 1
+        self.decode_tokens += step.batch_size
+        self.wall_us += wall_us
+        self.plan_us += plan_us
+        self.issue_us += issue_us
+        self.cuda_us += cuda_us
+        self.per_step.append({
+            "step": int(step.step), "batch": int(step.batch_size), "max_len": int(max(step.seq_lens)),
+            "route": route, "plan_us": plan_us, "issue_us": issue_us, "wall_us": wall_us, "cuda_us": cuda_us})
 
     def metrics(self, implementation: str) -> dict:
         selected = self.routes.most_common(1)[0][0] if self.routes else None
@@ -157,6 +169,8 @@ class _EngineRecord:
             "num_splits": splits,
             "counters": counters.summarize(self.counters),
             "implementation": implementation,
+            # One entry per measured step, so a ratio can be traced to the steps behind it.
+            "per_step": self.per_step,
         }
 
 
@@ -244,13 +258,10 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
                         mlp(again)
             if measured:
                 record = records[name]
-                record.steps += 1
-                record.decode_tokens += step.batch_size
-                record.wall_us += wall.elapsed_us
-                record.plan_us += (planned - wall.started) * 1e6
-                record.issue_us += (issued - planned) * 1e6
-                record.cuda_us += device_timer.elapsed_us
                 route = getattr(plan, "route", None)
+                record.add_step(step, route, plan_us=(planned - wall.started) * 1e6,
+                                issue_us=(issued - planned) * 1e6, wall_us=wall.elapsed_us,
+                                cuda_us=device_timer.elapsed_us)
                 if route is not None:
                     record.routes[route] += 1
                 splits = getattr(plan, "num_splits", None)

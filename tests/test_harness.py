@@ -19,7 +19,7 @@ SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
 METRIC_KEYS = {
     "steps", "decode_tokens", "cuda_ms_total", "wall_ms_total", "cuda_ms_per_step",
     "wall_ms_per_step", "plan_ms_per_step", "issue_ms_per_step", "cuda_tok_s", "wall_tok_s", "max_abs_err", "mean_abs_err",
-    "ref_max_rel_err", "routes", "selected_route", "num_splits", "counters", "implementation",
+    "ref_max_rel_err", "routes", "selected_route", "num_splits", "counters", "implementation", "per_step",
 }
 COUNTER_KEYS = {"launches_per_step", "decode_ctas_per_sm", "useful_kv_mib", "merge_mib",
                 "merge_launches"}
@@ -71,6 +71,11 @@ def test_run_trace_returns_the_contract_metrics_for_every_engine():
         assert metrics["wall_tok_s"] == pytest.approx(tokens / (metrics["wall_ms_total"] / 1e3))
         assert metrics["ref_max_rel_err"] < 1e-4
         assert sum(metrics["routes"].values()) == steps
+        per_step = metrics["per_step"]
+        assert len(per_step) == steps and sum(s["batch"] for s in per_step) == tokens
+        assert sum(s["wall_us"] for s in per_step) == pytest.approx(metrics["wall_ms_total"] * 1e3)
+        assert sum(s["cuda_us"] for s in per_step) == pytest.approx(metrics["cuda_ms_total"] * 1e3)
+        assert {s["route"] for s in per_step} == set(metrics["routes"])
     assert results["sdpa"]["max_abs_err"] == 0.0
     assert results["workqueue"]["routes"] == {"persistentkv_workqueue": steps}
     assert results["workqueue"]["num_splits"] == 4

@@ -280,10 +280,10 @@ class PersistentKVEngine(Engine):
         return self._counters
 
     def _launch(self, q, k_pages, v_pages, plan: DevicePlan, out, part_m, part_l, part_acc) -> None:
-        ops, scale = self.ops, self.shape.sm_scale
-        hkv = self.shape.num_kv_heads
         """The step's launches one custom op at a time, into caller-owned buffers (run_into and
         CUDA graph capture; run() issues the same launches from C++ through run_plan)."""
+        ops, scale = self.ops, self.shape.sm_scale
+        hkv = self.shape.num_kv_heads
         if plan.tasks is not None:
             fused = self.fused_merge and plan.widest_split > 1
             counters = self._pair_counters(plan.batch_size * hkv) if fused else None
