@@ -132,7 +132,8 @@ class _EngineRecord:
         self.counters: list = []
         self.per_step: list[dict] = []
 
-    def add_step(self, step, route, plan_us: float, issue_us: float, wall_us: float, cuda_us: float) -> None:
+    def add_step(self, step, route, variant, plan_us: float, issue_us: float, wall_us: float,
+                 cuda_us: float) -> None:
         self.steps += 1
         self.decode_tokens += step.batch_size
         self.wall_us += wall_us
@@ -141,7 +142,7 @@ class _EngineRecord:
         self.cuda_us += cuda_us
         self.per_step.append({
             "step": int(step.step), "batch": int(step.batch_size), "max_len": int(max(step.seq_lens)),
-            "route": route, "plan_us": plan_us, "issue_us": issue_us, "wall_us": wall_us, "cuda_us": cuda_us})
+            "route": route, "variant": variant, "plan_us": plan_us, "issue_us": issue_us, "wall_us": wall_us, "cuda_us": cuda_us})
 
     def metrics(self, implementation: str) -> dict:
         selected = self.routes.most_common(1)[0][0] if self.routes else None
@@ -259,7 +260,8 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
             if measured:
                 record = records[name]
                 route = getattr(plan, "route", None)
-                record.add_step(step, route, plan_us=(planned - wall.started) * 1e6,
+                record.add_step(step, route, getattr(plan, "kernel_variant", None),
+                                plan_us=(planned - wall.started) * 1e6,
                                 issue_us=(issued - planned) * 1e6, wall_us=wall.elapsed_us,
                                 cuda_us=device_timer.elapsed_us)
                 if route is not None:

@@ -25,6 +25,10 @@ class AdaptivePlan:
         return getattr(self.inner, "schedule", None)
 
     @property
+    def kernel_variant(self):
+        return getattr(self.inner, "kernel_variant", None)
+
+    @property
     def num_splits(self):
         if self.route == "flashinfer":
             return getattr(self.inner, "num_splits", None)

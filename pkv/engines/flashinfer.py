@@ -126,6 +126,7 @@ class FlashInferEngine(Engine):
             # prepare() was not called for this shape class: probe now (inside the timing).
             self.prepare(plan.step, q, k_pages, v_pages)
             tc = plan.extra["use_tensor_cores"] = self._variant_for(plan.step)
+        plan.extra["kernel_variant"] = "tc" if tc else "cc"
         if (self._planned_for.get(tc) is not plan
                 or plan.extra["planned"] != (tc, q.dtype, k_pages.dtype)):
             self._dtypes = (q.dtype, k_pages.dtype)
