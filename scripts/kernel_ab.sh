@@ -17,3 +17,5 @@ python3 -m pkv.build 2>&1 | tail -1
 echo "== baseline ($BASELINE)"
 # shellcheck disable=SC2086
 python3 -m pkv.kernel_bench --out "$OUT/baseline_bench.json" --cases $CASES 2>"$OUT/baseline_bench.err"
+# The device tool brings back a limited number of files: the logs travel as one archive too.
+cd "$OUT" && tar czf logs.tgz ./*.log ./*.err 2>/dev/null
