@@ -296,8 +296,8 @@ __device__ void merge_if_last(const DecodeArgs& a, int32_t* counter, int slot_be
 }
 
 template <typename T, int G, int Stages>
-__global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>()) bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices,
-                                                                 int num_splits, int32_t* pair_counters) {
+__global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
+    bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices, int num_splits, int32_t* pair_counters) {
   extern __shared__ __align__(128) char smem[];
   const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
   const int row = row_indices[r];
@@ -320,9 +320,9 @@ __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>()) bucket
 }
 
 template <typename T, int G, int Stages>
-__global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>()) workqueue_decode_kernel(DecodeArgs a, const int32_t* tasks,
-                                                                    const int32_t* split_offsets,
-                                                                    int32_t* pair_counters) {
+__global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
+    workqueue_decode_kernel(DecodeArgs a, const int32_t* tasks, const int32_t* split_offsets,
+                            int32_t* pair_counters) {
   extern __shared__ __align__(128) char smem[];
   const int32_t* task = tasks + blockIdx.x * 5;
   const int row = task[0], kvh = task[1], split = task[2], tb = task[3], te = task[4];

@@ -142,7 +142,8 @@ class _EngineRecord:
         self.cuda_us += cuda_us
         self.per_step.append({
             "step": int(step.step), "batch": int(step.batch_size), "max_len": int(max(step.seq_lens)),
-            "route": route, "variant": variant, "plan_us": plan_us, "issue_us": issue_us, "wall_us": wall_us, "cuda_us": cuda_us})
+            "route": route, "variant": variant, "plan_us": plan_us, "issue_us": issue_us, "wall_us": wall_us,
+            "cuda_us": cuda_us})
 
     def metrics(self, implementation: str) -> dict:
         selected = self.routes.most_common(1)[0][0] if self.routes else None
