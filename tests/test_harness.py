@@ -160,3 +160,25 @@ def test_device_time_comes_from_a_second_run_of_each_measured_step():
     steps = results["sdpa"]["steps"]
     assert steps == 4
     assert engine.plans == 2 + steps and engine.runs == 2 + 2 * steps
+
+
+def test_step_report_groups_the_per_step_records(tmp_path):
+    from pkv.results import result_envelope, write_json_atomic
+    from pkv.step_report import group_steps, report
+
+    spec = tiny_spec()
+    results = run_trace(spec, SHAPE, engines(), "sdpa", progress=False)
+    steps, _ = expected_tokens(spec)
+    for name, metrics in results.items():
+        groups = group_steps(metrics["per_step"])
+        assert sum(g["steps"] for g in groups.values()) == steps
+        mean_wall = sum(g["steps"] * g["wall_us"] for g in groups.values()) / steps
+        assert mean_wall == pytest.approx(metrics["wall_ms_per_step"] * 1e3)
+        write_json_atomic(tmp_path / f"{name}.json", result_envelope(
+            "evaluate", {"name": spec.name, "seed": spec.seed}, name, baseline_engine="sdpa", run_id="r",
+            performance_result=False, metrics=metrics, provenance={}))
+    text = report(tmp_path)
+    assert "persistentkv_workqueue" in text and "persistentkv_bucket" in text
+    assert len(text.splitlines()) == 1 + len(results)  # one route group per engine here
+    with pytest.raises(FileNotFoundError, match="no result files"):
+        report(tmp_path / "missing")
