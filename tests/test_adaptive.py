@@ -125,3 +125,24 @@ def test_cuda_graph_option_needs_the_cuda_engine():
         build_engine("persistentkv", shape=SHAPE, device="cpu", options={"cuda_graph": True})
     engine = build_engine("persistentkv", shape=SHAPE, device="cpu", options={"cuda_graph": False})
     assert isinstance(engine, ReferenceEngine)
+
+
+class WarmUpSpy(ReferenceEngine):
+    """The reference engine, recording the plans it is asked to warm up."""
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        self.warmed = []
+
+    def warm_up(self, plan, q, k_pages, v_pages):
+        self.warmed.append((plan.route, plan.num_splits))
+
+
+def test_prepare_warms_the_route_the_policy_picks():
+    """A route's first launch carries one-off costs (lazy module loading on the GPU): prepare,
+    untimed, must run the route and split count of the coming step, and only PersistentKV's."""
+    spy = WarmUpSpy(SHAPE)
+    engine = AdaptiveEngine(LengthPolicy(), spy, SdpaEngine(SHAPE, "cpu"))
+    for lens in ([100, 200], [1000], [300, 1000, 40]):
+        engine.prepare(*inputs(lens))
+    assert spy.warmed == [("persistentkv_bucket", 6), ("persistentkv_workqueue", 3)]

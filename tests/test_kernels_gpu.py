@@ -253,3 +253,21 @@ def test_bad_inputs_name_the_field():
         engine.run(q, k, v[:, :4], plan)
     with pytest.raises(ValueError, match="2 rows"):
         engine.run(q, k, v, engine.plan(_case([100, 200, 300], shape, torch.float16, seed=1)[0]))
+
+
+def test_warm_up_runs_each_kernel_set_once():
+    """prepare() runs a plan untimed the first time its kernels are needed, then never again for
+    the same kernels; a step that needs the merge too is a new kernel set."""
+    from pkv.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    engine = _engine(shape, route="workqueue", split_policy=SplitPolicy(num_splits=4))
+    runs = []
+    run = engine.run
+    engine.run = lambda *args: runs.append(args[-1].route) or run(*args)
+    single = _case([20, 17], shape, torch.float16, seed=5)  # one tile a row: one split, no merge
+    merged = _case([4000, 33], shape, torch.float16, seed=6)
+    for step, q, k, v in (single, single, merged, merged, single):
+        engine.prepare(step, q, k, v)
+    assert runs == ["persistentkv_workqueue", "persistentkv_workqueue"]

@@ -58,9 +58,13 @@ class AdaptiveEngine(Engine):
         return AdaptivePlan(route=decision.route, decision=decision, inner=inner, step=step)
 
     def prepare(self, step, q, k_pages, v_pages) -> None:
-        # Either engine may be chosen for this step; both get their one-off work untimed.
-        self.persistent.prepare(step, q, k_pages, v_pages)
+        # Either engine may be chosen for this step; both get their one-off work untimed: the
+        # fallback its variant probe, the persistent engine a first run of the route and split
+        # count the policy picks (warm_up runs each kernel set once per process).
         self.fallback.prepare(step, q, k_pages, v_pages)
+        decision = self.policy.choose(step)
+        if decision.route != "flashinfer":
+            self.persistent.warm_up(self.persistent.plan_for(step, decision), q, k_pages, v_pages)
 
     def run(self, q, k_pages, v_pages, plan: AdaptivePlan):
         engine = self.fallback if plan.route == "flashinfer" else self.persistent

@@ -61,6 +61,11 @@ class Engine:
         does nothing. It must not change what ``run`` computes.
         """
 
+    def warm_up(self, plan, q, k_pages, v_pages) -> None:
+        """Untimed first run of the kernels ``plan`` needs, for engines whose first launch
+        costs more than the rest (the default: nothing to do). The adaptive engine calls it
+        with the plan of the route its policy picks for the coming step."""
+
     def plan(self, step) -> object:  # pragma: no cover - interface
         raise NotImplementedError
 

@@ -165,6 +165,7 @@ class PersistentKVEngine(Engine):
         self._counters = torch.zeros(0, dtype=torch.int32, device=self.device)
         self._graphs: dict[tuple, _GraphedStep] = {}
         self._checked: set = set()
+        self._warmed: set = set()
 
     # ---- planning (host) -------------------------------------------------------------------
     def plan(self, step) -> DevicePlan:
@@ -256,6 +257,22 @@ class PersistentKVEngine(Engine):
         counters = self._pair_counters(plan.batch_size * self.shape.num_kv_heads) if fused else None
         return self.ops.run_plan(q, k_pages, v_pages, plan.meta, plan.layout, self.shape.sm_scale, self.stages,
                                  counters)
+
+    def prepare(self, step, q, k_pages, v_pages) -> None:
+        self.warm_up(self.plan(step), q, k_pages, v_pages)
+
+    def warm_up(self, plan: DevicePlan, q, k_pages, v_pages) -> None:
+        """Runs a plan once, untimed, the first time its kernels are needed. A kernel's first
+        launch in a process pays milliseconds of one-off work (lazy module loading, the shared-
+        memory opt-in; a CUDA graph's capture): in a timed step that cost lands on whichever
+        step first takes the route, and a few milliseconds swamp a 20-100 us step."""
+        key = (plan.route, plan.widest_split > 1, q.dtype, tuple(q.shape[1:]), self.stages, self.fused_merge,
+               self.cuda_graph and tuple(plan.layout))
+        if key in self._warmed:
+            return
+        self.run(q, k_pages, v_pages, plan)
+        torch.cuda.synchronize(q.device)
+        self._warmed.add(key)
 
     def run_into(self, q, k_pages, v_pages, plan: DevicePlan, out, part_m, part_l, part_acc) -> None:
         """run() with caller-owned output and scratch (tests poison them first)."""
