@@ -38,6 +38,7 @@ CASES: dict[str, list[int]] = {
 B1_SPLITS = (16, 24, 32, 48, 64, 96)
 WORKQUEUE_SPLITS = (1, 2, 4, 8, 16, 24, 32)
 BALANCED_WAVES = (1, 2, 4, 8)  # target CTAs = waves x SMs
+CONFIRM_ROUNDS = 5  # interleaved rounds that re-time the fastest FlashInfer and PersistentKV
 
 
 def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
@@ -109,7 +110,7 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
     from pkv.kv_data import make_kv_pages, make_queries
     from pkv.pages import assign_pages
     from pkv.step import build_step
-    from pkv.timing import time_device_us
+    from pkv.timing import time_device_us, time_interleaved_us
 
     device = "cuda"
     assignment = assign_pages(seq_lens, 16, 0.5, seed)
@@ -125,12 +126,13 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
         return dict(max_abs_err=diff.max().item(), mean_abs_err=diff.mean().item(),
                     rel_err=((out.double() - ref).norm() / ref.norm()).item())
 
-    rows = {}
+    rows, flashinfer_runs = {}, {}
     for label, tc in (("flashinfer_tc", True), ("flashinfer_cc", False)):
         engine = FlashInferEngine(shape, use_tensor_cores=tc, device=device)
         engine.prepare(step, q, k, v)
         plan = engine.plan(step)
         out = engine.run(q, k, v, plan)
+        flashinfer_runs[label] = (engine, plan)
         stats = time_device_us(lambda: engine.run(q, k, v, plan), reps=reps, warmup=3, flusher=flusher)
         rows[label] = dict(median_us=stats.median_us, p10_us=stats.p10_us, p90_us=stats.p90_us, **errors(out))
     sweep = {}
@@ -153,12 +155,22 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
         options = dict(persistentkv_configs(1, num_sms))[unfused]
         engine = PersistentKVEngine(shape, device=device, **options)
         breakdown = dict(config=unfused, **b1_breakdown(engine, engine.plan(step), q, k, v, flusher, reps))
-    fi_best = min(rows["flashinfer_tc"]["median_us"], rows["flashinfer_cc"]["median_us"])
+    fi_label = min(("flashinfer_tc", "flashinfer_cc"), key=lambda label: rows[label]["median_us"])
+    fi_best = rows[fi_label]["median_us"]
+    fi_engine, fi_plan = flashinfer_runs[fi_label]
+    rounds = time_interleaved_us({"flashinfer": lambda: fi_engine.run(q, k, v, fi_plan),
+                                  "persistentkv": lambda: best_engine.run(q, k, v, best_plan)},
+                                 rounds=CONFIRM_ROUNDS, reps=max(reps // 3, 5), flusher=flusher)
+    per_round = [f / p for f, p in zip(rounds["flashinfer"], rounds["persistentkv"])]
     result = dict(
         seq_lens=list(map(int, seq_lens)), kv_bytes=kv_bytes, floor_us=floor_us, engines=rows, sweep_us=sweep,
         flashinfer_best_us=fi_best, speedup_vs_flashinfer=fi_best / rows["persistentkv"]["median_us"],
         pkv_fraction_of_floor=floor_us / rows["persistentkv"]["median_us"],
         flashinfer_fraction_of_floor=floor_us / fi_best,
+        # The two winners re-timed in turns: the sweep's minimum over many configurations is
+        # biased low by its own noise, these round-by-round ratios are not.
+        confirmed=dict(flashinfer=fi_label, persistentkv=best_label, rounds_us=rounds,
+                       speedup_per_round=per_round, speedup=float(np.median(per_round))),
     )
     if breakdown is not None:
         result["b1_breakdown"] = breakdown
@@ -199,12 +211,13 @@ def main(argv=None) -> int:
               "command": "python -m pkv.kernel_bench " + " ".join(argv or sys.argv[1:]),
               "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps}, seed=args.seed)}
     write_json_atomic(args.out, record)
-    print(f"{'case':<12}{'floor us':>9}{'FI tc':>9}{'FI cc':>9}{'PKV':>9}{'x FI':>8}{'PKV/floor':>10}{'FI/floor':>9}  config")
+    print(f"{'case':<12}{'floor us':>9}{'FI tc':>9}{'FI cc':>9}{'PKV':>9}{'x FI':>8}{'confirmed':>10}"
+          f"{'PKV/floor':>10}{'FI/floor':>9}  config")
     for name, c in cases.items():
         e = c["engines"]
         print(f"{name:<12}{c['floor_us']:>9.1f}{e['flashinfer_tc']['median_us']:>9.1f}{e['flashinfer_cc']['median_us']:>9.1f}"
-              f"{e['persistentkv']['median_us']:>9.1f}{c['speedup_vs_flashinfer']:>8.3f}{c['pkv_fraction_of_floor']:>10.2f}"
-              f"{c['flashinfer_fraction_of_floor']:>9.2f}  {e['persistentkv']['config']}")
+              f"{e['persistentkv']['median_us']:>9.1f}{c['speedup_vs_flashinfer']:>8.3f}{c['confirmed']['speedup']:>10.3f}"
+              f"{c['pkv_fraction_of_floor']:>10.2f}{c['flashinfer_fraction_of_floor']:>9.2f}  {e['persistentkv']['config']}")
     families = ("bucket:", "bucket+fused:", "workqueue:", "workqueue+fused:")
     for name, c in cases.items():
         if "b1_breakdown" not in c:

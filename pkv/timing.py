@@ -151,6 +151,26 @@ def time_device_us(fn, *, reps: int = 30, warmup: int = 5, flusher: L2Flusher | 
     return summarize_us(samples)
 
 
+def time_interleaved_us(fns, *, rounds: int = 5, reps: int = 10, flusher: L2Flusher | None = None,
+                        device=None) -> dict[str, list[float]]:
+    """{name: per-round median us} of several callables timed in turns by ``time_device_us``.
+
+    Each round times every callable once (``reps`` repetitions), in an order that rotates from
+    round to round, so a drift of clocks or temperature falls on all of them alike; ratios are
+    then taken round by round. A benchmark that picks the fastest of many configurations re-times
+    the winners this way: the sweep's minimum is biased low by its own noise, these are not.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(fns)
+    medians: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            medians[name].append(time_device_us(fns[name], reps=reps, warmup=1, flusher=flusher,
+                                                device=device).median_us)
+    return medians
+
+
 class WallTimer:
     """Synchronized host wall time of a block: sync, start, block, sync, stop.
 

@@ -111,3 +111,20 @@ def test_model_shape_validation():
         ModelShape(num_qo_heads=6, num_kv_heads=4)
     with pytest.raises(ValueError, match="head_dim"):
         ModelShape(head_dim=0)
+
+
+def test_time_interleaved_us_rotates_the_order_and_keeps_round_medians():
+    from pkv.timing import time_interleaved_us
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    medians = time_interleaved_us(fns, rounds=3, reps=2, device="cpu")
+    assert set(medians) == {"a", "b", "c"} and all(len(v) == 3 for v in medians.values())
+    # one warmup and two timed calls per callable per round; who goes first rotates
+    firsts = [calls[i * 9] for i in range(3)]
+    assert firsts == ["a", "b", "c"]
+    slow = time_interleaved_us({"slow": lambda: time.sleep(0.002), "fast": lambda: None}, rounds=2, reps=3,
+                               device="cpu")
+    assert min(slow["slow"]) > max(slow["fast"])
+    with pytest.raises(ValueError, match="rounds"):
+        time_interleaved_us(fns, rounds=0)
