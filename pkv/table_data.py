@@ -168,6 +168,10 @@ class Inputs:
         commit = prov.get("git_commit") or "unknown"
         if commit != "unknown":
             commit = commit[:12] + ("-dirty" if prov.get("git_dirty") else "")
+            # A dirty commit does not say which code ran; the digest of the sources does
+            # (`python -m pkv.provenance` prints it for a checkout).
+            if prov.get("git_dirty") and prov.get("source_digest"):
+                commit += f" (sources {prov['source_digest']})"
         self.commits.add(commit)
         if not is_performance_record(record):
             self.any_not_performance = True

@@ -253,3 +253,14 @@ def test_corrupt_result_fails_naming_file(tmp_path):
 ])
 def test_trace_labels(name, label):
     assert table_data.trace_label(name) == label
+
+
+def test_header_names_the_sources_of_a_dirty_commit():
+    from pkv.table_data import Inputs
+
+    inputs = Inputs()
+    records = [{"provenance": {"git_commit": "0123456789abcdef", "git_dirty": True, "source_digest": "feedbeef"}},
+               {"provenance": {"git_commit": "fedcba9876543210", "git_dirty": False, "source_digest": "00aa"}}]
+    for record in records:  # Inputs counts a record once by identity, so both stay alive
+        inputs.add(record)
+    assert inputs.header()["commit"] == "0123456789ab-dirty (sources feedbeef), fedcba987654"
