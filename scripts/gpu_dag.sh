@@ -8,6 +8,8 @@
 #     artifacts/<gpu>/ is in place (left on the machine, or unpacked from artifacts.tgz, which
 #     keeps file times): the copied tree's files are dated back so that only missing and
 #     incomplete results run. Use it only with the tree that produced those results.
+#     RESUME_FROM=<artifacts.tgz of an earlier run, carried in an ignored folder such as .device/>
+#     unpacks it first (a fresh machine keeps nothing between runs) and implies RESUME=1.
 #   SKIP_TESTS=1 skips the kernel tests. DAG_TARGETS="tables ...": build only these targets.
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
@@ -19,6 +21,10 @@ export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/tests.log" 2>&1; tail -2 "$OUT/tests.log"
+fi
+if [ -n "${RESUME_FROM:-}" ]; then
+  tar xzf "$RESUME_FROM" || exit 1
+  RESUME=1
 fi
 if [ -n "${RESUME:-}" ]; then
   find Snakefile workflow config conf csrc pkv scripts traces -type f -exec touch -d 2000-01-01 {} +
