@@ -155,13 +155,14 @@ class Inputs:
     any_not_performance: bool = False
     any_cpu_only: bool = False
     not_run: list[str] = field(default_factory=list)
-    _seen: set[int] = field(default_factory=set)
+    _seen: dict[int, Mapping[str, Any]] = field(default_factory=dict)
 
     def add(self, record: Mapping[str, Any]) -> None:
-        # Several rows may read the same file; count it once.
+        # Several rows may read the same file; count it once. Holding the record keeps its id
+        # from being reused by another record.
         if id(record) in self._seen:
             return
-        self._seen.add(id(record))
+        self._seen[id(record)] = record
         self.files += 1
         prov = record.get("provenance") if isinstance(record.get("provenance"), Mapping) else {}
         self.devices.add(_device_label(prov))

@@ -259,8 +259,6 @@ def test_header_names_the_sources_of_a_dirty_commit():
     from pkv.table_data import Inputs
 
     inputs = Inputs()
-    records = [{"provenance": {"git_commit": "0123456789abcdef", "git_dirty": True, "source_digest": "feedbeef"}},
-               {"provenance": {"git_commit": "fedcba9876543210", "git_dirty": False, "source_digest": "00aa"}}]
-    for record in records:  # Inputs counts a record once by identity, so both stay alive
-        inputs.add(record)
+    inputs.add({"provenance": {"git_commit": "0123456789abcdef", "git_dirty": True, "source_digest": "feedbeef"}})
+    inputs.add({"provenance": {"git_commit": "fedcba9876543210", "git_dirty": False, "source_digest": "00aa"}})
     assert inputs.header()["commit"] == "0123456789ab-dirty (sources feedbeef), fedcba987654"
