@@ -37,8 +37,8 @@ def test_dry_run_plans_every_rule_for_the_cpu(tmp_path):
                  "ablate_raggedness", "ablate_gqa", "ablate_graph", "ablate_fused_merge", "ablate_b4"):
         assert counts.get(rule, 0) >= 1, (rule, counts)
     assert counts["calibrate"] == 1 and counts["tables"] == 1
-    # 6 synthetic traces + the fixture, each on the 5 held-out seeds
-    assert counts["evaluate"] == 35
+    # 6 synthetic traces, the fixture and two Azure traces, each on the 5 held-out seeds
+    assert counts["evaluate"] == 45
     assert counts["isolated"] == 3
     assert f"{tmp_path}/cpu/tables/table8.tex" in proc.stdout
 
