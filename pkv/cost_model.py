@@ -456,3 +456,54 @@ def fit_c_min(
         c_min=float(c_grid[best]), lambda_us=float(lam[best]),
         rms_rel_error=float(math.sqrt(err[best] / num_samples)), num_samples=num_samples,
     )
+
+
+# --------------------------------------------------------------------------------------
+# Fitting the B1 context gate
+
+
+def context_class(tokens: int) -> int:
+    """The power of two at or below ``tokens`` (at least 1): steps are compared per class."""
+    return 1 << (max(int(tokens), 1).bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class GateFit:
+    min_context_tokens: int
+    classes: dict  # context class -> {"steps", "persistentkv_us", "flashinfer_us"} totals
+    reason: str
+
+
+def fit_context_gate(contexts: Sequence[int], persistentkv_us: Sequence[float], flashinfer_us: Sequence[float],
+                     configured: int) -> GateFit:
+    """The context gate (Calibration.min_context_tokens) from B1 steps timed on both routes.
+
+    Steps are grouped by context class. The gate opens at the shortest class from which
+    PersistentKV's device time beats FlashInfer's in that class and in every longer class
+    measured; shorter contexts, measured or not, stay on FlashInfer. When FlashInfer is faster
+    in the longest class measured, the gate moves past it (never below ``configured``). With
+    no steps, ``configured`` stands.
+    """
+    if not len(contexts) == len(persistentkv_us) == len(flashinfer_us):
+        raise ValueError(f"fit_context_gate: {len(contexts)} contexts, {len(persistentkv_us)} PersistentKV "
+                         f"and {len(flashinfer_us)} FlashInfer times; one of each per step")
+    if not contexts:
+        return GateFit(int(configured), {}, "no B1 steps timed: configured gate kept")
+    classes: dict[int, dict] = {}
+    for tokens, pkv, fi in zip(contexts, persistentkv_us, flashinfer_us):
+        totals = classes.setdefault(context_class(tokens), {"steps": 0, "persistentkv_us": 0.0, "flashinfer_us": 0.0})
+        totals["steps"] += 1
+        totals["persistentkv_us"] += float(pkv)
+        totals["flashinfer_us"] += float(fi)
+    ordered = sorted(classes)
+    gate = None
+    for cls in reversed(ordered):
+        if classes[cls]["persistentkv_us"] >= classes[cls]["flashinfer_us"]:
+            break
+        gate = cls
+    if gate is None:
+        gate = max(int(configured), 2 * ordered[-1])
+        reason = f"FlashInfer faster in the longest class measured ({ordered[-1]} tokens)"
+    else:
+        reason = f"PersistentKV faster in every class measured from {gate} to {ordered[-1]} tokens"
+    return GateFit(int(gate), {int(k): classes[k] for k in ordered}, reason)

@@ -245,3 +245,23 @@ def test_fit_rejects_bad_samples():
 
 def test_routes_are_the_three_candidates():
     assert ROUTES == ("flashinfer", "persistentkv_bucket", "persistentkv_workqueue")
+
+
+# ---------------------------------------------------------------- the context gate
+
+
+def test_context_gate_opens_where_persistentkv_wins_every_longer_class():
+    from pkv.cost_model import context_class, fit_context_gate
+
+    assert [context_class(n) for n in (1, 8191, 8192, 8200, 16383)] == [1, 4096, 8192, 8192, 8192]
+    # wins at 8K and 16K (class totals, not single steps: one 8K step loses, the class wins)
+    fit = fit_context_gate([8200, 8300, 17000], [13.0, 9.0, 20.0], [12.0, 12.0, 25.0], configured=16384)
+    assert fit.min_context_tokens == 8192 and fit.classes[8192]["steps"] == 2
+    # a loss at 8K keeps 8K gated; the gate opens at 16K
+    assert fit_context_gate([8200, 17000], [13.0, 20.0], [12.0, 25.0], 4096).min_context_tokens == 16384
+    # a loss in the longest class moves the gate past it, never below the configured gate
+    assert fit_context_gate([8200, 17000], [10.0, 26.0], [12.0, 25.0], 4096).min_context_tokens == 32768
+    assert fit_context_gate([8200, 17000], [10.0, 26.0], [12.0, 25.0], 65536).min_context_tokens == 65536
+    assert fit_context_gate([], [], [], 16384).min_context_tokens == 16384
+    with pytest.raises(ValueError, match="one of each per step"):
+        fit_context_gate([8200], [1.0], [], 16384)

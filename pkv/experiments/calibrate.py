@@ -1,4 +1,5 @@
-"""The calibration rule: measure beta and lambda, fit C_min and the split operating points.
+"""The calibration rule: measure beta and lambda, fit C_min, the split operating points and the
+B1 context gate.
 
 Only the calibration seed may be used: every held-out result is judged with these constants, so
 fitting on a held-out seed would leak the evaluation into the policy. The output is the JSON that
@@ -19,7 +20,7 @@ from pkv.experiments.common import load_requests, model_shape, provenance_for, r
 def run(cfg: PkvConfig) -> list[Path]:
     from pkv.calibration_probe import measure_launch_us, measure_read_gbps, time_steps, trace_steps
     from pkv.cost_model import (ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, Calibration, fit_c_min,
-                                save_calibration)
+                                fit_context_gate, save_calibration)
     from pkv.engines import build_engine
     from pkv.kv_data import make_kv_pages
 
@@ -55,7 +56,7 @@ def run(cfg: PkvConfig) -> list[Path]:
                       device=device, seed=cfg.seed, reps=run_settings.reps, flush_l2=exp.flush_l2)
         bucket = ct.route == "bucket_exact"
         route = ROUTE_BUCKET if bucket else ROUTE_WORKQUEUE
-        totals = {}
+        totals, timed_by_splits = {}, {}
         for splits in ct.split_candidates:
             options = {"route": ct.route, "num_splits": splits}
             if bucket:
@@ -63,6 +64,7 @@ def run(cfg: PkvConfig) -> list[Path]:
             engine = build_engine("persistentkv", shape=shape, device=device, calib=calib, options=options)
             timed = time_steps(engine, route, steps, num_splits=splits, **timing)
             totals[splits] = timed.total_us
+            timed_by_splits[splits] = timed
             samples += timed.samples
             pkv_plan_us += timed.plan_us
         # FlashInfer-role steps at low occupancy are what pins C_min down; its plan() time is a constant too.
@@ -78,6 +80,17 @@ def run(cfg: PkvConfig) -> list[Path]:
             "device_us_total_by_splits": {str(s): us for s, us in totals.items()},
             "flashinfer_device_us_total": timed_fi.total_us,
         }
+        if bucket:
+            # The B1 steps, timed on both routes, also place the context gate. CPU timings say
+            # nothing about a GPU, so there the fit is recorded and the configured gate kept.
+            gate = fit_context_gate([int(max(s.step.seq_lens)) for s in timed_by_splits[best].samples],
+                                    [s.measured_us for s in timed_by_splits[best].samples],
+                                    [s.measured_us for s in timed_fi.samples], start.min_context_tokens)
+            if settings.performance_result:
+                operating_points["min_context_tokens"] = gate.min_context_tokens
+            sweeps[trace_name(trace)]["context_gate"] = {
+                "fitted_min_context_tokens": gate.min_context_tokens, "applied": settings.performance_result,
+                "reason": gate.reason, "classes": {str(k): v for k, v in gate.classes.items()}}
 
     calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(plan_us),
                                 persistentkv_plan_us=statistics.median(pkv_plan_us), **operating_points)
