@@ -85,6 +85,24 @@ def test_gpu_benchmarks_record_why_they_did_not_run(finished_dag):
         assert record["skipped"] == "no GPU" and record["provenance"]["git_commit"], name
 
 
+def test_calibration_records_the_context_gate_fit_but_keeps_the_cpu_gate(finished_dag):
+    import json
+
+    record = json.loads((finished_dag / "artifacts/cpu/calibration/calibration.json").read_text())
+    gate = record["provenance"]["measurements"]["split_sweeps"]["bucketed_b1"]["context_gate"]
+    assert gate["applied"] is False and gate["classes"] and gate["reason"]
+    assert record["calibration"]["min_context_tokens"] == 256  # conf/gpu/cpu.yaml
+
+
+def test_every_result_keeps_its_steps(finished_dag):
+    import json
+
+    record = json.loads((finished_dag / "artifacts/cpu/evaluate/bimodal_b8/seed20260623/adaptive.json").read_text())
+    metrics = record["metrics"]
+    assert len(metrics["per_step"]) == metrics["steps"]
+    assert {s["route"] for s in metrics["per_step"]} == set(metrics["routes"])
+
+
 def test_second_run_has_nothing_to_do(finished_dag):
     proc = _snakemake(finished_dag, "-n")
     assert proc.returncode == 0, proc.stderr[-3000:]
