@@ -3,8 +3,8 @@
 # land under $OUT. Needs the wheels of ../shared/device/wheels.txt in .whl/.
 #   DAG_CONFIG=config/gpu_smoke.yaml (default): the reduced DAG (calibration seed, one held-out
 #     seed, every trace family and ablation, the Nsight profile), about 5 minutes on an H200;
-#   DAG_CONFIG=config/config.yaml: the full DAG (five held-out seeds), 15-20 minutes: more than one
-#     device call allows, so run it in parts with DAG_TIMEOUT and RESUME_FROM.
+#   DAG_CONFIG=config/config.yaml: the full DAG (five held-out seeds), 15-20 minutes: where jobs
+#     have a shorter time limit, run it in parts with DAG_TIMEOUT and RESUME_FROM.
 #   DAG_TIMEOUT=<s>: stop the DAG after this long. RESUME=1 continues a stopped run whose
 #     artifacts/<gpu>/ is in place (left on the machine, or unpacked from artifacts.tgz, which
 #     keeps file times): the copied tree's files are dated back so that only missing and
