@@ -132,8 +132,14 @@ class _EngineRecord:
         self.counters: list = []
         self.per_step: list[dict] = []
 
-    def add_step(self, step, route, variant, plan_us: float, issue_us: float, wall_us: float,
-                 cuda_us: float) -> None:
+    def add_step(self, step, plan, plan_us: float, issue_us: float, wall_us: float, cuda_us: float) -> None:
+        """One measured step: the totals, the route and split counts, and the step's own record."""
+        route = getattr(plan, "route", None)
+        splits = getattr(plan, "num_splits", None)
+        if route is not None:
+            self.routes[route] += 1
+        if splits is not None:
+            self.splits[int(splits)] += 1
         self.steps += 1
         self.decode_tokens += step.batch_size
         self.wall_us += wall_us
@@ -142,8 +148,8 @@ class _EngineRecord:
         self.cuda_us += cuda_us
         self.per_step.append({
             "step": int(step.step), "batch": int(step.batch_size), "max_len": int(max(step.seq_lens)),
-            "route": route, "variant": variant, "plan_us": plan_us, "issue_us": issue_us, "wall_us": wall_us,
-            "cuda_us": cuda_us})
+            "route": route, "variant": getattr(plan, "kernel_variant", None), "plan_us": plan_us,
+            "issue_us": issue_us, "wall_us": wall_us, "cuda_us": cuda_us})
 
     def metrics(self, implementation: str) -> dict:
         selected = self.routes.most_common(1)[0][0] if self.routes else None
@@ -260,16 +266,9 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
                         mlp(again)
             if measured:
                 record = records[name]
-                route = getattr(plan, "route", None)
-                record.add_step(step, route, getattr(plan, "kernel_variant", None),
-                                plan_us=(planned - wall.started) * 1e6,
+                record.add_step(step, plan, plan_us=(planned - wall.started) * 1e6,
                                 issue_us=(issued - planned) * 1e6, wall_us=wall.elapsed_us,
                                 cuda_us=device_timer.elapsed_us)
-                if route is not None:
-                    record.routes[route] += 1
-                splits = getattr(plan, "num_splits", None)
-                if splits is not None:
-                    record.splits[int(splits)] += 1
                 record.counters.append(step_counters(plan, step, shape, sms, kv_dtype_bytes,
                                                      fused[name]))
 

@@ -35,12 +35,6 @@ class EnginePlan:
     tensors: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
-    @property
-    def kernel_variant(self) -> str | None:
-        """Which of an engine's kernel families ran the step ("tc" or "cc" for FlashInfer's
-        best-of-both engine), when the engine has several; recorded per step by the harness."""
-        return self.extra.get("kernel_variant")
-
 
 class Engine:
     """One decode-attention implementation.

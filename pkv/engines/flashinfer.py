@@ -27,6 +27,15 @@ def probe_key(step) -> tuple[int, int]:
     return int(len(step.seq_lens)), 1 << max(0, (longest - 1).bit_length())
 
 
+class FlashInferPlan(EnginePlan):
+    @property
+    def kernel_variant(self) -> str | None:
+        """Which of FlashInfer's decode paths runs the step ("tc" tensor-core, "cc" CUDA-core),
+        once known; the harness records it per step."""
+        tc = self.extra.get("use_tensor_cores")
+        return None if tc is None else ("tc" if tc else "cc")
+
+
 class FlashInferEngine(Engine):
     """FlashInfer's batch decode over the shared pages, planned every step.
 
@@ -82,7 +91,7 @@ class FlashInferEngine(Engine):
             "indices": torch.from_numpy(np.ascontiguousarray(step.kv_indices, dtype=np.int32)),
             "last_page_len": torch.from_numpy(np.ascontiguousarray(step.kv_last_page_len, dtype=np.int32)),
         }
-        plan = EnginePlan(route="flashinfer", step=step, tensors=tensors,
+        plan = FlashInferPlan(route="flashinfer", step=step, tensors=tensors,
                           extra={"use_tensor_cores": self._variant_for(step), "planned": None})
         tc = plan.extra["use_tensor_cores"]
         if tc is not None and self._dtypes is not None:
@@ -126,7 +135,6 @@ class FlashInferEngine(Engine):
             # prepare() was not called for this shape class: probe now (inside the timing).
             self.prepare(plan.step, q, k_pages, v_pages)
             tc = plan.extra["use_tensor_cores"] = self._variant_for(plan.step)
-        plan.extra["kernel_variant"] = "tc" if tc else "cc"
         if (self._planned_for.get(tc) is not plan
                 or plan.extra["planned"] != (tc, q.dtype, k_pages.dtype)):
             self._dtypes = (q.dtype, k_pages.dtype)

@@ -266,8 +266,8 @@ class PersistentKVEngine(Engine):
         launch in a process pays milliseconds of one-off work (lazy module loading, the shared-
         memory opt-in; a CUDA graph's capture): in a timed step that cost lands on whichever
         step first takes the route, and a few milliseconds swamp a 20-100 us step."""
-        key = (plan.route, plan.widest_split > 1, q.dtype, tuple(q.shape[1:]), self.stages, self.fused_merge,
-               self.cuda_graph and tuple(plan.layout))
+        # Stages, G and the fused merge are fixed per engine; a graph is captured per layout.
+        key = (plan.route, plan.widest_split > 1, q.dtype, self.cuda_graph and tuple(plan.layout))
         if key in self._warmed:
             return
         self.run(q, k_pages, v_pages, plan)
