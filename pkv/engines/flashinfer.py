@@ -11,6 +11,13 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 # Timed repetitions per variant when choosing between tensor-core and CUDA-core decode.
 PROBE_REPS = 5
 
+# The variant each probed class runs, shared by every best-of-both engine of the process (the
+# baseline and the adaptive engine's fallback), keyed by FlashInferEngine._engine_key() and
+# probe_key. Where the two paths tie (short contexts), engines that probed on their own picked
+# differently from seed to seed, so the same steps ran different kernels, with different plan()
+# costs, under the two engines. The pick belongs to the GPU, the shape and the batch class.
+_VARIANT_PICKS: dict[tuple, bool] = {}
+
 
 def _import_flashinfer():
     try:
@@ -18,6 +25,10 @@ def _import_flashinfer():
     except ImportError as exc:  # also covers a broken install that fails to load its ops
         raise EngineUnavailable(f"flashinfer not installed: {exc}") from exc
     return flashinfer
+
+
+def _allocate_workspace(device: torch.device) -> torch.Tensor:
+    return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
 def probe_key(step) -> tuple[int, int]:
@@ -41,9 +52,11 @@ class FlashInferEngine(Engine):
 
     ``use_tensor_cores`` True/False pins one kernel family ("flashinfer_tc" / "flashinfer_cc").
     None ("flashinfer") holds both wrappers; ``prepare`` (untimed, before a step is timed)
-    times each on the step's real inputs the first time a batch-shape class (``probe_key``)
-    is seen, and keeps the faster for that class. The baseline is therefore the stronger of
-    FlashInfer's two decode paths for every shape, and the probe never lands in a timed step.
+    times each on the step's real inputs the first time any such engine of the process sees a
+    batch-shape class (``probe_key``), and every such engine runs the faster for that class.
+    The baseline is therefore the stronger of FlashInfer's two decode paths for every shape,
+    the adaptive engine's fallback runs the same path on the same steps, and the probe never
+    lands in a timed step.
 
     wrapper.plan() (host work plus uploads) runs in ``plan(step)`` and is part of the wall
     step, as in the paper. It needs the q/KV dtypes, which a StepBatch does not carry: they
@@ -64,10 +77,9 @@ class FlashInferEngine(Engine):
         variants = [False, True] if use_tensor_cores is None else [bool(use_tensor_cores)]
         self._wrappers = {}
         for tc in variants:
-            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            workspace = _allocate_workspace(self.device)
             self._wrappers[tc] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, kv_layout="HND", use_tensor_cores=tc)
-        self._choice: dict[tuple[int, int], bool] = {}
         self._dtypes = None
         # A wrapper holds only its latest plan; remember which EnginePlan that was.
         self._planned_for: dict[bool, EnginePlan] = {}
@@ -76,10 +88,18 @@ class FlashInferEngine(Engine):
         flavour = {None: "best_of_tc_cc", True: "tc", False: "cc"}[use_tensor_cores]
         self.implementation = f"flashinfer-{self.version}-{flavour}"
 
+    def _engine_key(self) -> tuple:
+        """What a variant pick depends on besides the batch class (see _VARIANT_PICKS)."""
+        shape = self.shape
+        return (str(self.device), shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, self.page_size,
+                self._dtypes)
+
     def _variant_for(self, step) -> bool | None:
         if len(self._wrappers) == 1:
             return next(iter(self._wrappers))
-        return self._choice.get(probe_key(step))
+        if self._dtypes is None:  # not prepared yet: run() probes
+            return None
+        return _VARIANT_PICKS.get((*self._engine_key(), probe_key(step)))
 
     def plan(self, step) -> EnginePlan:
         if step.page_size != self.page_size:
@@ -127,7 +147,7 @@ class FlashInferEngine(Engine):
             us = start.elapsed_time(end) * 1e3 / PROBE_REPS
             if us < best_us:
                 best, best_us = tc, us
-        self._choice[probe_key(step)] = best
+        _VARIANT_PICKS[(*self._engine_key(), probe_key(step))] = best
 
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
         tc = plan.extra["use_tensor_cores"]
@@ -143,5 +163,7 @@ class FlashInferEngine(Engine):
 
     @property
     def choices(self) -> dict:
-        """Chosen variant per probed shape class (True = tensor cores)."""
-        return dict(self._choice)
+        """Chosen variant per probed batch class of this engine's shape and dtypes (True = tensor
+        cores), including classes another engine of the process probed."""
+        own = self._engine_key()
+        return {key[-1]: tc for key, tc in _VARIANT_PICKS.items() if key[:-1] == own}
