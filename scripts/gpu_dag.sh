@@ -11,6 +11,9 @@
 #     incomplete results run. Use it only with the tree that produced those results.
 #     RESUME_FROM=<artifacts.tgz of an earlier run, carried in an ignored folder such as .device/>
 #     unpacks it first (a fresh machine keeps nothing between runs) and implies RESUME=1.
+#   BUILD_CACHE_FROM=<build_cache.tgz of an earlier run of the same sources> unpacks the built
+#     extension first, so a resumed run on a fresh machine skips the one-minute build; every run
+#     leaves its own as $OUT/build_cache.tgz.
 #   SKIP_TESTS=1 skips the kernel tests. DAG_TARGETS="tables ...": build only these targets.
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
@@ -19,6 +22,9 @@ DAG_CONFIG=${DAG_CONFIG:-config/gpu_smoke.yaml}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
 export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
+if [ -n "${BUILD_CACHE_FROM:-}" ]; then
+  mkdir -p "$PKV_CACHE_DIR" && tar xzf "$BUILD_CACHE_FROM" -C "$PKV_CACHE_DIR" || exit 1
+fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/tests.log" 2>&1; tail -2 "$OUT/tests.log"
@@ -34,5 +40,6 @@ timeout "${DAG_TIMEOUT:-420}" python3 -m snakemake ${DAG_TARGETS:-} --cores 16 -
   --configfile "$DAG_CONFIG" --config gpu="$GPU_NAME" > "$OUT/dag.log" 2>&1
 echo "dag rc=$?"
 tar czf "$OUT/artifacts.tgz" "artifacts/$GPU_NAME" 2>/dev/null
+[ -d "$PKV_CACHE_DIR" ] && tar czf "$OUT/build_cache.tgz" -C "$PKV_CACHE_DIR" .
 grep -E "Finished jobid|Error in rule|steps done" "$OUT/dag.log" | tail -12
 for t in 2 4 5; do head -30 "artifacts/$GPU_NAME/tables/table$t.md" 2>/dev/null; done
