@@ -108,15 +108,15 @@ def test_pick_follows_the_faster_variant(fake_flashinfer, monkeypatch):
 def test_picks_are_kept_apart_by_dtype_shape_and_batch_class(fake_flashinfer):
     fp16 = fi.FlashInferEngine(ModelShape(), device="cuda")
     bf16 = fi.FlashInferEngine(ModelShape(), device="cuda")
-    mqa = fi.FlashInferEngine(ModelShape(num_qo_heads=32, num_kv_heads=32), device="cuda")
+    group1 = fi.FlashInferEngine(ModelShape(num_qo_heads=32, num_kv_heads=32), device="cuda")
     step, longer = _step([3000, 1000]), _step([9000, 1000])
 
     fp16.prepare(step, *_inputs(torch.float16))
-    for engine, other_step, dtype in ((bf16, step, torch.bfloat16), (mqa, step, torch.float16),
+    for engine, other_step, dtype in ((bf16, step, torch.bfloat16), (group1, step, torch.float16),
                                       (fp16, longer, torch.float16)):
         before = _probe_runs(engine)
         q, k, v = _inputs(dtype)
-        if engine is mqa:
+        if engine is group1:
             k = v = torch.zeros(64, 32, 16, 128, dtype=dtype)
         engine.prepare(other_step, q, k, v)
         assert _probe_runs(engine) - before == 2 * (fi.PROBE_REPS + 1)
