@@ -81,6 +81,7 @@ class FlashInferEngine(Engine):
             self._wrappers[tc] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, kv_layout="HND", use_tensor_cores=tc)
         self._dtypes = None
+        self._fixed_key = (str(self.device), shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, page_size)
         # A wrapper holds only its latest plan; remember which EnginePlan that was.
         self._planned_for: dict[bool, EnginePlan] = {}
         suffix = {None: "", True: "_tc", False: "_cc"}[use_tensor_cores]
@@ -90,9 +91,7 @@ class FlashInferEngine(Engine):
 
     def _engine_key(self) -> tuple:
         """What a variant pick depends on besides the batch class (see _VARIANT_PICKS)."""
-        shape = self.shape
-        return (str(self.device), shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, self.page_size,
-                self._dtypes)
+        return (*self._fixed_key, self._dtypes)
 
     def _variant_for(self, step) -> bool | None:
         if len(self._wrappers) == 1:
