@@ -12,10 +12,10 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 PROBE_REPS = 5
 
 # The variant each probed class runs, shared by every best-of-both engine of the process (the
-# baseline and the adaptive engine's fallback), keyed by FlashInferEngine._engine_key() and
-# probe_key. Where the two paths tie (short contexts), engines that probed on their own picked
-# differently from seed to seed, so the same steps ran different kernels, with different plan()
-# costs, under the two engines. The pick belongs to the GPU, the shape and the batch class.
+# baseline and the adaptive engine's fallback), keyed by FlashInferEngine._pick_key. Where the
+# two paths tie (short contexts), engines that probed on their own picked differently from seed
+# to seed, so the same steps ran different kernels, with different plan() costs, under the two
+# engines. The pick belongs to the GPU, the shape and the batch class.
 _VARIANT_PICKS: dict[tuple, bool] = {}
 
 
@@ -89,16 +89,16 @@ class FlashInferEngine(Engine):
         flavour = {None: "best_of_tc_cc", True: "tc", False: "cc"}[use_tensor_cores]
         self.implementation = f"flashinfer-{self.version}-{flavour}"
 
-    def _engine_key(self) -> tuple:
-        """What a variant pick depends on besides the batch class (see _VARIANT_PICKS)."""
-        return (*self._fixed_key, self._dtypes)
+    def _pick_key(self, step) -> tuple:
+        """What a variant pick depends on: device and shape, dtypes, batch class (_VARIANT_PICKS)."""
+        return self._fixed_key, self._dtypes, probe_key(step)
 
     def _variant_for(self, step) -> bool | None:
         if len(self._wrappers) == 1:
             return next(iter(self._wrappers))
         if self._dtypes is None:  # not prepared yet: run() probes
             return None
-        return _VARIANT_PICKS.get((*self._engine_key(), probe_key(step)))
+        return _VARIANT_PICKS.get(self._pick_key(step))
 
     def plan(self, step) -> EnginePlan:
         if step.page_size != self.page_size:
@@ -146,7 +146,7 @@ class FlashInferEngine(Engine):
             us = start.elapsed_time(end) * 1e3 / PROBE_REPS
             if us < best_us:
                 best, best_us = tc, us
-        _VARIANT_PICKS[(*self._engine_key(), probe_key(step))] = best
+        _VARIANT_PICKS[self._pick_key(step)] = best
 
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
         tc = plan.extra["use_tensor_cores"]
@@ -164,5 +164,5 @@ class FlashInferEngine(Engine):
     def choices(self) -> dict:
         """Chosen variant per probed batch class of this engine's shape and dtypes (True = tensor
         cores), including classes another engine of the process probed."""
-        own = self._engine_key()
-        return {key[-1]: tc for key, tc in _VARIANT_PICKS.items() if key[:-1] == own}
+        return {batch_class: tc for (fixed, dtypes, batch_class), tc in _VARIANT_PICKS.items()
+                if fixed == self._fixed_key and dtypes == self._dtypes}
