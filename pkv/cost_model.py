@@ -298,7 +298,10 @@ class RouteEstimator:
 
     The route policy needs only the totals. Building plans and counter objects costs more
     than the decision is worth at B <= 64, so this recomputes the same counts from the row
-    lengths as Python ints; tests hold it equal to estimate_route_us.
+    lengths as Python ints; tests hold it equal to estimate_route_us. Everything that does not
+    depend on the step (split policies, per-route constants) is resolved once here: on a slow
+    host each Python object built per step costs microseconds of wall time on every step,
+    including the steps that end on FlashInfer.
     """
 
     def __init__(self, calib: Calibration, *, num_kv_heads: int, group_size: int, head_dim: int,
@@ -307,22 +310,32 @@ class RouteEstimator:
         self.hkv = int(num_kv_heads)
         self._us_per_token = self.hkv * int(head_dim) * 2 * int(kv_dtype_bytes) / (calib.beta_gbps * 1e3)
         self._us_per_slot = int(group_size) * (int(head_dim) + 2) * PARTIAL_STATE_BYTES / (calib.beta_gbps * 1e3)
+        self._occupancy_ctas = calib.c_min * calib.num_sms
+        self._policies: dict[int | None, SplitPolicy] = {}
 
     def _total(self, kv_us: float, ctas: int, launches: int, merged_slots: int) -> float:
-        calib = self.calib
-        occupancy = max(1.0, calib.c_min * calib.num_sms / ctas)
-        return kv_us * occupancy + launches * calib.lambda_us + merged_slots * self._us_per_slot
+        occupancy = max(1.0, self._occupancy_ctas / ctas)
+        return kv_us * occupancy + launches * self.calib.lambda_us + merged_slots * self._us_per_slot
+
+    def _workqueue_policy(self, num_splits: int | None) -> SplitPolicy:
+        policy = self._policies.get(num_splits)
+        if policy is None:
+            policy = self._policies[num_splits] = workqueue_split_policy(self.calib, num_splits)
+        return policy
 
     def totals_us(self, step, routes: Mapping[str, int | None]) -> dict[str, float]:
         """Estimated us for each route in `routes` (route -> split count, None = calibrated)."""
-        lens = np.asarray(step.seq_lens).tolist()
+        return self.totals_for_lengths(np.asarray(step.seq_lens).tolist(), routes)
+
+    def totals_for_lengths(self, lens: list[int], routes: Mapping[str, int | None]) -> dict[str, float]:
+        """totals_us from the step's row lengths as a list of ints."""
         kv_us = sum(lens) * self._us_per_token
         hkv = self.hkv
         out = {}
         for route, num_splits in routes.items():
             if route == ROUTE_FLASHINFER:
                 ctas = max(1, math.ceil(len(lens) * hkv * self.calib.flashinfer_ctas_per_row_head))
-                out[route] = self._total(kv_us, ctas, 1, 0)
+                total = self._total(kv_us, ctas, 1, 0)
             elif route == ROUTE_BUCKET:
                 splits = self.calib.bucket_num_splits if num_splits is None else int(num_splits)
                 ctas = launches = merged = 0
@@ -333,24 +346,27 @@ class RouteEstimator:
                     if s > 1:
                         launches += 1
                         merged += rows * hkv * s
-                out[route] = self._total(kv_us, ctas, launches, merged)
+                total = self._total(kv_us, ctas, launches, merged)
             elif route == ROUTE_WORKQUEUE:
-                policy = workqueue_split_policy(self.calib, num_splits)
-                tiles = [-(-length // TILE_TOKENS) for length in lens]
-                if policy.kind == "fixed":
-                    requested = [min(policy.num_splits, n) for n in tiles]
-                else:
-                    target = policy.target_ctas or len(tiles) * hkv * policy.num_splits
-                    per_task = max(policy.min_tiles_per_split, -(-sum(tiles) * hkv // target))
-                    requested = [min(max(-(-n // per_task), 1), policy.max_splits) for n in tiles]
-                splits = [-(-n // -(-n // s)) for n, s in zip(tiles, requested)]
-                tasks = hkv * sum(splits)
-                merged = hkv * sum(k for k in splits if k > 1)
-                out[route] = self._total(kv_us, tasks, 2 if merged else 1, merged)
+                total = self._workqueue_total(kv_us, lens, self._workqueue_policy(num_splits))
             else:
                 raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
-            out[route] += host_plan_us(route, self.calib)
+            out[route] = total + host_plan_us(route, self.calib)
         return out
+
+    def _workqueue_total(self, kv_us: float, lens: list[int], policy: SplitPolicy) -> float:
+        tiles = [-(-length // TILE_TOKENS) for length in lens]
+        if policy.kind == "fixed":
+            cap = policy.num_splits
+            requested = [cap if cap < n else n for n in tiles]
+        else:
+            target = policy.target_ctas or len(tiles) * self.hkv * policy.num_splits
+            per_task = max(policy.min_tiles_per_split, -(-sum(tiles) * self.hkv // target))
+            requested = [min(max(-(-n // per_task), 1), policy.max_splits) for n in tiles]
+        # Splits past ceil(n / ceil(n / s)) would own no tiles (schedule.nonempty_splits).
+        splits = [-(-n // -(-n // s)) for n, s in zip(tiles, requested)]
+        merged_rows = sum(k for k in splits if k > 1)
+        return self._total(kv_us, self.hkv * sum(splits), 2 if merged_rows else 1, self.hkv * merged_rows)
 
 
 # --------------------------------------------------------------------------------------

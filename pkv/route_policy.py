@@ -29,8 +29,24 @@ FULL_BATCH = 8
 class RouteDecision:
     route: str
     num_splits: int  # PersistentKV split count of the chosen route; 0 for FlashInfer
-    reason: str
+    basis: str  # the gate that decided, or "estimate"
     estimates: dict[str, float]  # route -> estimated us; empty when a gate decided
+    speedup: float = 0.0  # FlashInfer's estimate over the candidate's; 0 when a gate decided
+    margin: float = 0.0  # the speedup the candidate needed
+
+    @property
+    def reason(self) -> str:
+        # Built on demand: formatting it in choose() would cost every decode step.
+        if self.basis != "estimate":
+            return self.basis
+        relation = ">=" if self.speedup >= self.margin else "<"
+        return f"estimate {self.speedup:.3f}x {relation} margin {self.margin:.2f}x"
+
+
+# Gate decisions carry no per-step data, so each is built once.
+_GATE_GROUP = RouteDecision(ROUTE_FLASHINFER, 0, "gate: G", {})
+_GATE_CONTEXT = RouteDecision(ROUTE_FLASHINFER, 0, "gate: context", {})
+_GATE_BOUNDARY = RouteDecision(ROUTE_FLASHINFER, 0, "B4 boundary", {})
 
 
 class RoutePolicy:
@@ -58,21 +74,20 @@ class RoutePolicy:
 
     def choose(self, step) -> RouteDecision:
         if not self._group_supported:
-            return RouteDecision(ROUTE_FLASHINFER, 0, "gate: G", {})
-        seq_lens = np.asarray(step.seq_lens)
-        batch = int(seq_lens.size)
+            return _GATE_GROUP
+        lens = np.asarray(step.seq_lens).tolist()
+        batch = len(lens)
         if batch == 0:
             raise ValueError("RoutePolicy.choose: StepBatch.seq_lens is empty; a decode step needs a row")
-        if int(seq_lens.max()) < self.calib.min_context_tokens:
-            return RouteDecision(ROUTE_FLASHINFER, 0, "gate: context", {})
+        if max(lens) < self.calib.min_context_tokens:
+            return _GATE_CONTEXT
         boundary = 1 < batch < FULL_BATCH
         if boundary and not self.allow_b4:
-            return RouteDecision(ROUTE_FLASHINFER, 0, "B4 boundary", {})
+            return _GATE_BOUNDARY
 
         route, splits = self.candidate(batch)
-        estimates = self._estimator.totals_us(step, {ROUTE_FLASHINFER: None, route: splits})
+        estimates = self._estimator.totals_for_lengths(lens, {ROUTE_FLASHINFER: None, route: splits})
         speedup = estimates[ROUTE_FLASHINFER] / estimates[route]
         margin = self.calib.b4_margin if boundary else self.calib.b8_margin
-        if speedup >= margin:
-            return RouteDecision(route, splits, f"estimate {speedup:.3f}x >= margin {margin:.2f}x", estimates)
-        return RouteDecision(ROUTE_FLASHINFER, 0, f"estimate {speedup:.3f}x < margin {margin:.2f}x", estimates)
+        chosen = (route, splits) if speedup >= margin else (ROUTE_FLASHINFER, 0)
+        return RouteDecision(*chosen, "estimate", estimates, speedup, margin)
