@@ -120,6 +120,32 @@ def test_build_engine_adaptive_with_a_calibration():
         assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
 
 
+@pytest.mark.parametrize("options,lens,route,splits", [
+    ({"num_splits": 3}, [900], "persistentkv_bucket", 3),
+    ({"num_splits": 3}, [300, 40, 1000, 77, 500, 600, 700, 800], "persistentkv_workqueue", 3),
+    ({"bucket_num_splits": 6}, [900], "persistentkv_bucket", 6),
+    ({"bucket_num_splits": 6}, [300, 40, 1000, 77, 500, 600, 700, 800], "persistentkv_workqueue", 4),
+])
+def test_adaptive_split_options_reach_the_plans_that_run(options, lens, route, splits):
+    # The policy hands its split count to the persistent engine with each decision, so a split
+    # option of the adaptive engine (the splits ablation) must change the policy's count too.
+    cost_model = pytest.importorskip("pkv.cost_model")
+    calib = cost_model.Calibration(gpu="cpu", num_sms=2, beta_gbps=10.0, lambda_us=5.0, c_min=1.0,
+                                   min_context_tokens=0, supported_group_sizes=(4,),
+                                   workqueue_num_splits=4, bucket_num_splits=5,
+                                   flashinfer_plan_us=1e4)  # every step past the gates to PersistentKV
+    engine = build_engine("adaptive", shape=SHAPE, device="cpu", calib=calib, options=options)
+    step, q, k, v = inputs(lens)
+    plan = engine.plan(step)
+    assert (plan.route, plan.num_splits) == (route, splits)
+    if route == "persistentkv_workqueue":
+        assert plan.schedule.max_splits == splits
+    else:
+        assert {launch.num_splits for launch in plan.schedule.launches} == {splits}
+    out = engine.run(q, k, v, plan)
+    assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
+
+
 def test_cuda_graph_option_needs_the_cuda_engine():
     with pytest.raises(EngineUnavailable, match="cuda_graph"):
         build_engine("persistentkv", shape=SHAPE, device="cpu", options={"cuda_graph": True})

@@ -46,6 +46,24 @@ def _persistent_kwargs(options: dict, calib) -> dict:
     return kwargs
 
 
+def _calibration_with_split_options(calib, options: dict):
+    """The calibration the adaptive engine's policy decides with: split options given to the
+    engine replace the calibrated operating points. The policy hands its split count to the
+    persistent engine with every decision, so an option that only reached the persistent engine
+    would be ignored (the splits ablation fixes the count this way)."""
+    import dataclasses
+
+    overrides = {}
+    if options.get("num_splits") is not None:
+        splits = int(options["num_splits"])
+        overrides.update(workqueue_num_splits=splits, bucket_num_splits=splits)
+    if options.get("bucket_num_splits") is not None:
+        overrides["bucket_num_splits"] = int(options["bucket_num_splits"])
+    if options.get("split_kind") is not None:
+        overrides["workqueue_split_kind"] = str(options["split_kind"])
+    return dataclasses.replace(calib, **overrides) if overrides else calib
+
+
 def build_engine(name: str, *, shape, device, calib=None, options: dict | None = None) -> Engine:
     """Construct the engine for a role name on ``device``.
 
@@ -122,6 +140,7 @@ def build_engine(name: str, *, shape, device, calib=None, options: dict | None =
     from pkv.engines.adaptive import AdaptiveEngine
     from pkv.route_policy import RoutePolicy
 
+    calib = _calibration_with_split_options(calib, options)
     policy = RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
                          head_dim=shape.head_dim, allow_b4=bool(options.get("allow_b4", False)))
     persistent_options = {k: v for k, v in options.items() if k in _PERSISTENT_OPTIONS}
