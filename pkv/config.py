@@ -85,7 +85,9 @@ class CalibrationTraceConfig:
 
     trace: str = MISSING
     max_active: int = MISSING
-    route: str = MISSING  # bucket_exact fits Calibration.bucket_num_splits, workqueue workqueue_num_splits
+    # bucket_exact fits Calibration.bucket_num_splits; workqueue fits workqueue_num_splits, or at
+    # max_active 2..7 boundary_num_splits and boundary_route
+    route: str = MISSING
     split_candidates: List[int] = field(default_factory=list)
 
 

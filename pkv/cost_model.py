@@ -41,6 +41,8 @@ ROUTE_FLASHINFER = "flashinfer"
 ROUTE_BUCKET = "persistentkv_bucket"
 ROUTE_WORKQUEUE = "persistentkv_workqueue"
 ROUTES = (ROUTE_FLASHINFER, ROUTE_BUCKET, ROUTE_WORKQUEUE)
+# Where batches of 2..7 rows may go: only FlashInfer and the workqueue serve several rows.
+BOUNDARY_ROUTES = (ROUTE_FLASHINFER, ROUTE_WORKQUEUE)
 
 CALIBRATION_SCHEMA = "pkv.calibration/1"
 
@@ -67,6 +69,10 @@ class Calibration:
     bucket_num_splits: int = 32
     workqueue_num_splits: int = 20
     workqueue_split_kind: str = "fixed"
+    # Batches of 2..7 rows (the B4 boundary): FlashInfer unless the calibrate rule measured the
+    # workqueue at boundary_num_splits faster on the calibration seed's boundary steps.
+    boundary_route: str = ROUTE_FLASHINFER
+    boundary_num_splits: int = 32
     flashinfer_plan_us: float = 0.0
     persistentkv_plan_us: float = 0.0
     flashinfer_ctas_per_row_head: float = 1.0
@@ -93,6 +99,8 @@ class Calibration:
             ("bucket_num_splits", self.bucket_num_splits >= 1, ">= 1"),
             ("workqueue_num_splits", self.workqueue_num_splits >= 1, ">= 1"),
             ("workqueue_split_kind", self.workqueue_split_kind in SPLIT_KINDS, f"one of {SPLIT_KINDS}"),
+            ("boundary_route", self.boundary_route in BOUNDARY_ROUTES, f"one of {BOUNDARY_ROUTES}"),
+            ("boundary_num_splits", self.boundary_num_splits >= 1, ">= 1"),
             ("flashinfer_plan_us", math.isfinite(self.flashinfer_plan_us) and self.flashinfer_plan_us >= 0,
              "finite and >= 0"),
             ("persistentkv_plan_us", math.isfinite(self.persistentkv_plan_us) and self.persistentkv_plan_us >= 0,
@@ -138,8 +146,9 @@ class Calibration:
 
 
 _FIELD_TYPES = {
-    "gpu": str, "source": str, "workqueue_split_kind": str,
+    "gpu": str, "source": str, "workqueue_split_kind": str, "boundary_route": str,
     "num_sms": int, "min_context_tokens": int, "bucket_num_splits": int, "workqueue_num_splits": int,
+    "boundary_num_splits": int,
     "beta_gbps": float, "lambda_us": float, "c_min": float, "b8_margin": float, "b4_margin": float,
     "flashinfer_plan_us": float, "persistentkv_plan_us": float, "flashinfer_ctas_per_row_head": float,
     "supported_group_sizes": tuple,

@@ -4,7 +4,9 @@ Gates first (uncalibrated group size, short context), then one PersistentKV cand
 batch size: length buckets at batch 1, where splitting the sequence is the only source of
 CTAs, and the compact workqueue at batch >= 2. The candidate is promoted only when the cost
 model estimates it faster than FlashInfer by a no-regression margin. Batches 2..7 sit at
-the merge/launch break-even point and stay on FlashInfer unless allow_b4 is set.
+the merge/launch break-even point (paper 4.4): they stay on FlashInfer unless the calibration
+measured the workqueue faster there (Calibration.boundary_route, at boundary_num_splits) or
+allow_b4 is set.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class RoutePolicy:
         self.kv_dtype_bytes = int(kv_dtype_bytes)
         self.allow_b4 = bool(allow_b4)
         self._group_supported = self.group_size in calib.supported_group_sizes
+        self._boundary_open = self.allow_b4 or calib.boundary_route == ROUTE_WORKQUEUE
         self._estimator = RouteEstimator(calib, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
                                          head_dim=self.head_dim, kv_dtype_bytes=self.kv_dtype_bytes)
 
@@ -70,6 +73,8 @@ class RoutePolicy:
         """The PersistentKV route and split count considered for a batch of this size."""
         if batch_size == 1:
             return ROUTE_BUCKET, self.calib.bucket_num_splits
+        if batch_size < FULL_BATCH:
+            return ROUTE_WORKQUEUE, self.calib.boundary_num_splits
         return ROUTE_WORKQUEUE, self.calib.workqueue_num_splits
 
     def choose(self, step) -> RouteDecision:
@@ -82,7 +87,7 @@ class RoutePolicy:
         if max(lens) < self.calib.min_context_tokens:
             return _GATE_CONTEXT
         boundary = 1 < batch < FULL_BATCH
-        if boundary and not self.allow_b4:
+        if boundary and not self._boundary_open:
             return _GATE_BOUNDARY
 
         route, splits = self.candidate(batch)

@@ -94,6 +94,20 @@ def test_calibration_records_the_context_gate_fit_but_keeps_the_cpu_gate(finishe
     assert record["calibration"]["min_context_tokens"] == 256  # conf/gpu/cpu.yaml
 
 
+def test_calibration_fits_the_boundary_split_count_and_records_its_route(finished_dag):
+    import json
+
+    record = json.loads((finished_dag / "artifacts/cpu/calibration/calibration.json").read_text())
+    sweep = record["provenance"]["measurements"]["split_sweeps"]["bimodal_b4"]
+    assert sweep["fits"] == "boundary_num_splits"
+    assert record["calibration"]["boundary_num_splits"] == sweep["selected_splits"]
+    totals = sweep["device_us_total_by_splits"]
+    assert sweep["selected_splits"] == int(min(totals, key=totals.get))
+    route = sweep["boundary_route"]
+    assert route["applied"] is False and route["fitted"] in ("flashinfer", "persistentkv_workqueue")
+    assert record["calibration"]["boundary_route"] == "flashinfer"  # conf/gpu/cpu.yaml: CPU times decide nothing
+
+
 def test_every_result_keeps_its_steps(finished_dag):
     import json
 

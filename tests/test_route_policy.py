@@ -69,14 +69,27 @@ def test_b4_boundary_stays_on_flashinfer_by_default(batch):
     assert decision == RouteDecision("flashinfer", 0, "B4 boundary", {})
 
 
-def test_b4_with_flag_needs_the_stricter_margin():
+@pytest.mark.parametrize("opened_by", ["allow_b4", "calibration"])
+def test_b4_boundary_needs_the_stricter_margin_at_the_boundary_split_count(opened_by):
     step = long_batch(4)
-    s = speedup("persistentkv_workqueue", step, PAPER, 20)
-    above = dataclasses.replace(PAPER, b4_margin=s * 1.01, b8_margin=s * 0.5)
-    below = dataclasses.replace(PAPER, b4_margin=s * 0.99, b8_margin=s * 2.0)
-    assert RoutePolicy(above, **SHAPE, allow_b4=True).choose(step).route == "flashinfer"
-    decision = RoutePolicy(below, **SHAPE, allow_b4=True).choose(step)
-    assert decision.route == "persistentkv_workqueue" and decision.num_splits == 20
+    base = dataclasses.replace(PAPER, boundary_num_splits=36)
+    if opened_by == "calibration":
+        base = dataclasses.replace(base, boundary_route="persistentkv_workqueue")
+    allow_b4 = opened_by == "allow_b4"
+    s = speedup("persistentkv_workqueue", step, base, 36)
+    assert s != speedup("persistentkv_workqueue", step, base, 20)
+    above = dataclasses.replace(base, b4_margin=s * 1.01, b8_margin=s * 0.5)
+    below = dataclasses.replace(base, b4_margin=s * 0.99, b8_margin=s * 2.0)
+    assert RoutePolicy(above, **SHAPE, allow_b4=allow_b4).choose(step).route == "flashinfer"
+    decision = RoutePolicy(below, **SHAPE, allow_b4=allow_b4).choose(step)
+    assert decision.route == "persistentkv_workqueue" and decision.num_splits == 36
+
+
+def test_calibration_rejects_a_boundary_route_that_cannot_serve_several_rows():
+    with pytest.raises(ValueError, match="boundary_route='persistentkv_bucket'"):
+        dataclasses.replace(PAPER, boundary_route="persistentkv_bucket")
+    with pytest.raises(ValueError, match="boundary_num_splits=0"):
+        dataclasses.replace(PAPER, boundary_num_splits=0)
 
 
 @pytest.mark.parametrize("batch, route, splits", [(1, "persistentkv_bucket", 32), (8, "persistentkv_workqueue", 20),

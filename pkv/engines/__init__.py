@@ -56,7 +56,7 @@ def _calibration_with_split_options(calib, options: dict):
     overrides = {}
     if options.get("num_splits") is not None:
         splits = int(options["num_splits"])
-        overrides.update(workqueue_num_splits=splits, bucket_num_splits=splits)
+        overrides.update(workqueue_num_splits=splits, bucket_num_splits=splits, boundary_num_splits=splits)
     if options.get("bucket_num_splits") is not None:
         overrides["bucket_num_splits"] = int(options["bucket_num_splits"])
     if options.get("split_kind") is not None:

@@ -1,5 +1,5 @@
-"""The calibration rule: measure beta and lambda, fit C_min, the split operating points and the
-B1 context gate.
+"""The calibration rule: measure beta and lambda, fit C_min, the split operating points, the
+B1 context gate and the route of batches 2..7.
 
 Only the calibration seed may be used: every held-out result is judged with these constants, so
 fitting on a held-out seed would leak the evaluation into the policy. The output is the JSON that
@@ -23,6 +23,7 @@ def run(cfg: PkvConfig) -> list[Path]:
                                 fit_context_gate, save_calibration)
     from pkv.engines import build_engine
     from pkv.kv_data import make_kv_pages
+    from pkv.route_policy import FULL_BATCH
 
     exp = cfg.experiment
     if cfg.seed != exp.calibration_seed:
@@ -73,13 +74,25 @@ def run(cfg: PkvConfig) -> list[Path]:
         samples += timed_fi.samples
         plan_us += timed_fi.plan_us
         best = min(totals, key=totals.get)
-        field = "bucket_num_splits" if bucket else "workqueue_num_splits"
+        boundary = not bucket and 1 < trace.max_active < FULL_BATCH
+        field = "bucket_num_splits" if bucket else "boundary_num_splits" if boundary else "workqueue_num_splits"
         operating_points[field] = best
         sweeps[trace_name(trace)] = {
             "route": route, "fits": field, "steps": len(steps), "selected_splits": best,
             "device_us_total_by_splits": {str(s): us for s, us in totals.items()},
             "flashinfer_device_us_total": timed_fi.total_us,
         }
+        if boundary:
+            # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at break-even on
+            # its GPU). Here the calibration seed's boundary steps decide, in device time; as for
+            # the context gate, CPU timings are recorded and the configured route kept.
+            faster = totals[best] < timed_fi.total_us
+            fitted = ROUTE_WORKQUEUE if faster else ROUTE_FLASHINFER
+            if settings.performance_result:
+                operating_points["boundary_route"] = fitted
+            sweeps[trace_name(trace)]["boundary_route"] = {
+                "fitted": fitted, "applied": settings.performance_result,
+                "speedup": timed_fi.total_us / totals[best]}
         if bucket:
             # The B1 steps, timed on both routes, also place the context gate. CPU timings say
             # nothing about a GPU, so there the fit is recorded and the configured gate kept.
