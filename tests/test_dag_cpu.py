@@ -103,6 +103,8 @@ def test_calibration_fits_the_boundary_split_count_and_records_its_route(finishe
     assert record["calibration"]["boundary_num_splits"] == sweep["selected_splits"]
     totals = sweep["device_us_total_by_splits"]
     assert sweep["selected_splits"] == int(min(totals, key=totals.get))
+    candidates = [int(s) for s in totals]
+    assert sweep["selected_at_edge"] == (sweep["selected_splits"] in (min(candidates), max(candidates)))
     route = sweep["boundary_route"]
     assert route["applied"] is False and route["fitted"] in ("flashinfer", "persistentkv_workqueue")
     assert record["calibration"]["boundary_route"] == "flashinfer"  # conf/gpu/cpu.yaml: CPU times decide nothing

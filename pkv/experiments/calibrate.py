@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 from pathlib import Path
 
 from pkv.config import ConfigError, PkvConfig, load_trace_option
@@ -77,8 +78,15 @@ def run(cfg: PkvConfig) -> list[Path]:
         boundary = not bucket and 1 < trace.max_active < FULL_BATCH
         field = "bucket_num_splits" if bucket else "boundary_num_splits" if boundary else "workqueue_num_splits"
         operating_points[field] = best
+        # A best point at the end of the candidate list may have a better neighbour outside it.
+        at_edge = len(totals) > 1 and best in (min(totals), max(totals))
+        if at_edge:
+            print(f"pkv calibrate: {trace_name(trace)}: the fastest split count, {best}, is at the edge of "
+                  f"split_candidates {list(ct.split_candidates)}; widening them may find a faster one",
+                  file=sys.stderr)
         sweeps[trace_name(trace)] = {
             "route": route, "fits": field, "steps": len(steps), "selected_splits": best,
+            "selected_at_edge": at_edge,
             "device_us_total_by_splits": {str(s): us for s, us in totals.items()},
             "flashinfer_device_us_total": timed_fi.total_us,
         }
