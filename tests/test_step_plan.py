@@ -142,6 +142,28 @@ def test_engine_plans_read_back_as_the_numpy_plan(ops, route):
             assert native.num_slots == sum(x.num_slots(8) for x in expected.launches)
 
 
+@pytest.mark.parametrize("planner", ["native", "numpy"])
+def test_plan_for_a_decision_plans_with_the_decisions_split_count(ops, planner):
+    """The adaptive engine hands each decision's split count to the persistent engine (the
+    boundary's count differs from the B8 one); the plan must be the one a policy with that count
+    gives, on every call."""
+    from pkv.engines.persistentkv import PersistentKVEngine
+    from pkv.route_policy import RouteDecision
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    engine = PersistentKVEngine(shape, split_policy=SplitPolicy(num_splits=20), device="cpu", planner=planner)
+    for lengths in random_batches(seed=5, count=4):
+        step = make_step(lengths)
+        for splits in (36, 20, 36):
+            plan = engine.plan_for(step, RouteDecision("persistentkv_workqueue", splits, "estimate", {}))
+            expected = plan_workqueue(step, 8, 4, SplitPolicy(num_splits=splits))
+            assert plan.num_splits == splits
+            assert np.array_equal(plan.tasks.numpy(), expected.tasks)
+            assert np.array_equal(plan.split_offsets.numpy(), expected.split_offsets)
+    assert engine.split_policy == SplitPolicy(num_splits=20)
+
+
 def test_engine_refuses_to_run_off_the_gpu(ops):
     from pkv.engines.persistentkv import PersistentKVEngine
     from pkv.shape import ModelShape

@@ -153,6 +153,7 @@ class PersistentKVEngine(Engine):
         self.shape = shape
         self.route = route
         self.split_policy = split_policy or SplitPolicy()
+        self._policies_by_splits: dict[int, SplitPolicy] = {}
         self.bucket_num_splits = int(bucket_num_splits)
         self.fused_merge = bool(fused_merge)
         self.cuda_graph = bool(cuda_graph)
@@ -185,7 +186,7 @@ class PersistentKVEngine(Engine):
         if route == "workqueue":
             policy = self.split_policy
             if num_splits is not None and num_splits != policy.num_splits:
-                policy = dataclasses.replace(policy, num_splits=int(num_splits))
+                policy = self._policy_with_splits(int(num_splits))
             host_meta, layout, schedule = self._pack_workqueue(step, policy)
             splits = int(policy.num_splits) if policy.kind == "fixed" else int(layout[_ROUTE_FIELDS + 1])
             mode = "exact"
@@ -203,6 +204,15 @@ class PersistentKVEngine(Engine):
             raise ValueError(f"persistentkv merges at most {MAX_MERGE_SPLITS} splits per (row, KV head), "
                              f"the plan has {plan.widest_split}")
         return plan
+
+    def _policy_with_splits(self, num_splits: int) -> SplitPolicy:
+        # The adaptive engine asks for the boundary's split count on every B2..7 step; building
+        # and validating a SplitPolicy each time would be per-step host work.
+        policy = self._policies_by_splits.get(num_splits)
+        if policy is None:
+            policy = self._policies_by_splits[num_splits] = dataclasses.replace(self.split_policy,
+                                                                                num_splits=num_splits)
+        return policy
 
     def _pack_workqueue(self, step, policy: SplitPolicy):
         hkv = self.shape.num_kv_heads
