@@ -132,8 +132,10 @@ class _EngineRecord:
         self.counters: list = []
         self.per_step: list[dict] = []
 
-    def add_step(self, step, plan, plan_us: float, issue_us: float, wall_us: float, cuda_us: float) -> None:
-        """One measured step: the totals, the route and split counts, and the step's own record."""
+    def add_step(self, step, plan, plan_us: float, issue_us: float, wall_us: float, cuda_us: float,
+                 position: int = 0) -> None:
+        """One measured step: the totals, the route and split counts, and the step's own record.
+        ``position`` is the engine's place in the step's rotated order (0: it ran first)."""
         route = getattr(plan, "route", None)
         splits = getattr(plan, "num_splits", None)
         if route is not None:
@@ -149,7 +151,7 @@ class _EngineRecord:
         self.per_step.append({
             "step": int(step.step), "batch": int(step.batch_size), "max_len": int(max(step.seq_lens)),
             "route": route, "variant": getattr(plan, "kernel_variant", None), "plan_us": plan_us,
-            "issue_us": issue_us, "wall_us": wall_us, "cuda_us": cuda_us})
+            "issue_us": issue_us, "wall_us": wall_us, "cuda_us": cuda_us, "position": int(position)})
 
     def metrics(self, implementation: str) -> dict:
         selected = self.routes.most_common(1)[0][0] if self.routes else None
@@ -237,7 +239,7 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
         # Rotate who goes first each step so no engine always runs right after the flush of
         # another's cache state or at a fixed point of the clock ramp.
         order = names[index % len(names):] + names[:index % len(names)]
-        for name in order:
+        for position, name in enumerate(order):
             engine = engines[name]
             engine.prepare(step, q, k_pages, v_pages)
             if flusher is not None:
@@ -268,7 +270,7 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
                 record = records[name]
                 record.add_step(step, plan, plan_us=(planned - wall.started) * 1e6,
                                 issue_us=(issued - planned) * 1e6, wall_us=wall.elapsed_us,
-                                cuda_us=device_timer.elapsed_us)
+                                cuda_us=device_timer.elapsed_us, position=position)
                 record.counters.append(step_counters(plan, step, shape, sms, kv_dtype_bytes,
                                                      fused[name]))
 

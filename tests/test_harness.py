@@ -164,7 +164,7 @@ def test_device_time_comes_from_a_second_run_of_each_measured_step():
 
 def test_step_report_groups_the_per_step_records(tmp_path):
     from pkv.results import result_envelope, write_json_atomic
-    from pkv.step_report import group_steps, report
+    from pkv.step_report import group_steps, report, wall_by_position
 
     spec = tiny_spec()
     results = run_trace(spec, SHAPE, engines(), "sdpa", progress=False)
@@ -177,8 +177,17 @@ def test_step_report_groups_the_per_step_records(tmp_path):
         write_json_atomic(tmp_path / f"{name}.json", result_envelope(
             "evaluate", {"name": spec.name, "seed": spec.seed}, name, baseline_engine="sdpa", run_id="r",
             performance_result=False, metrics=metrics, provenance={}))
+        # The order rotates each step: every engine ran first, second and third equally often
+        # (give or take one step), and the by-place means add back up to the run's mean.
+        by_position = wall_by_position(metrics["per_step"])
+        counts = [g["steps"] for g in by_position.values()]
+        assert sum(counts) == steps and max(counts) - min(counts) <= 1
+        assert sum(g["steps"] * g["wall_us"] for g in by_position.values()) / steps == \
+            pytest.approx(metrics["wall_ms_per_step"] * 1e3)
     text = report(tmp_path)
     assert "persistentkv_workqueue" in text and "persistentkv_bucket" in text
-    assert len(text.splitlines()) == 1 + len(results)  # one route group per engine here
+    routes_part, places_part = text.split("\n\n")
+    assert len(routes_part.splitlines()) == 1 + len(results)  # one route group per engine here
+    assert "ran first" in places_part and "ran second" in places_part
     with pytest.raises(FileNotFoundError, match="no result files"):
         report(tmp_path / "missing")
