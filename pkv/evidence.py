@@ -123,6 +123,26 @@ class _Builder:
                               row_inputs.header()["performance_result"]))
 
 
+def calibration_evidence(path: Path) -> str:
+    """What the calibration fitted, in the words of the route policy: the operating point of each
+    batch regime, so the table says which schedule a held-out row was routed to and why."""
+    from pkv.cost_model import ROUTE_WORKQUEUE, Calibration, CalibrationError
+
+    text = f"calibration JSON fitted on seed {CALIBRATION_SEED}"
+    record = read_json(path) if path.is_file() else None
+    fitted = record.get("calibration") if isinstance(record, dict) else None
+    if not isinstance(fitted, dict):
+        return text
+    try:
+        calib = Calibration.from_mapping(fitted, str(path))
+    except CalibrationError:
+        return text
+    boundary = (f"workqueue S={calib.boundary_num_splits}" if calib.boundary_route == ROUTE_WORKQUEUE
+                else "FlashInfer")
+    return (f"{text}: B1 bucket S={calib.bucket_num_splits} from {calib.min_context_tokens} tokens; "
+            f"B2-7 {boundary}; B8+ workqueue S={calib.workqueue_num_splits}")
+
+
 def evidence_map(root: Path) -> dict[str, Any]:
     """Rows of Table 6 and its header facts."""
     b = _Builder(Path(root))
@@ -157,7 +177,7 @@ def evidence_map(root: Path) -> dict[str, Any]:
         b.not_run(f"GQA sweep, {trace_label(GQA_TRACE)}", f"ablate/gqa/*/{GQA_TRACE}")
 
     b.record("Cost-model constants", ["calibration/calibration.json"],
-             f"calibration JSON fitted on seed {CALIBRATION_SEED}")
+             calibration_evidence(b.root / "calibration" / "calibration.json"))
     isolated = sorted((p.relative_to(b.root).as_posix() for p in (b.root / "isolated").glob("ctx*.json")),
                       key=lambda rel: (len(rel), rel))  # ctx8192 before ctx32768
     contexts = ", ".join(Path(p).stem[len("ctx"):] for p in isolated)

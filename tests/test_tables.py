@@ -1,3 +1,4 @@
+import json
 import statistics
 from pathlib import Path
 
@@ -122,6 +123,26 @@ def test_evidence_statuses_from_measured_ratios():
     assert rows["Bucketed B1 serving"]["status"] == evidence.NOT_RUN  # only a skipped record
     assert rows["Cost-model constants"]["status"] == evidence.RECORDED
     assert all(r["qualifier"] is None for r in ctx["rows"])
+
+
+def test_evidence_names_the_calibrated_operating_points(tmp_path):
+    from pkv.cost_model import Calibration, save_calibration
+
+    path = tmp_path / "calibration" / "calibration.json"
+    calib = Calibration(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0, min_context_tokens=8192,
+                        bucket_num_splits=36, workqueue_num_splits=28, boundary_num_splits=24,
+                        boundary_route="persistentkv_workqueue")
+    save_calibration(path, calib, {"git_commit": "0" * 40})
+    row = {r["regime"]: r for r in evidence.evidence_map(tmp_path)["rows"]}["Cost-model constants"]
+    assert row["status"] == evidence.RECORDED
+    assert row["evidence"].endswith(
+        "B1 bucket S=36 from 8192 tokens; B2-7 workqueue S=24; B8+ workqueue S=28")
+    # A calibration written before the boundary was fitted reads with the default: FlashInfer.
+    record = json.loads(path.read_text())
+    for key in ("boundary_route", "boundary_num_splits"):
+        del record["calibration"][key]
+    path.write_text(json.dumps(record))
+    assert "B2-7 FlashInfer;" in evidence.calibration_evidence(path)
 
 
 @pytest.mark.parametrize("ratio, status", [
