@@ -11,7 +11,9 @@ allow_b4 is set.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -27,12 +29,17 @@ from pkv.cost_model import (
 FULL_BATCH = 8
 
 
+def is_boundary_batch(batch_size: int) -> bool:
+    """Batches of 2..7 rows: the B4 boundary regime (paper 4.4)."""
+    return 1 < batch_size < FULL_BATCH
+
+
 @dataclass(frozen=True)
 class RouteDecision:
     route: str
     num_splits: int  # PersistentKV split count of the chosen route; 0 for FlashInfer
     basis: str  # the gate that decided, or "estimate"
-    estimates: dict[str, float]  # route -> estimated us; empty when a gate decided
+    estimates: Mapping[str, float]  # route -> estimated us; empty when a gate decided
     speedup: float = 0.0  # FlashInfer's estimate over the candidate's; 0 when a gate decided
     margin: float = 0.0  # the speedup the candidate needed
 
@@ -45,10 +52,12 @@ class RouteDecision:
         return f"estimate {self.speedup:.3f}x {relation} margin {self.margin:.2f}x"
 
 
-# Gate decisions carry no per-step data, so each is built once.
-_GATE_GROUP = RouteDecision(ROUTE_FLASHINFER, 0, "gate: G", {})
-_GATE_CONTEXT = RouteDecision(ROUTE_FLASHINFER, 0, "gate: context", {})
-_GATE_BOUNDARY = RouteDecision(ROUTE_FLASHINFER, 0, "B4 boundary", {})
+# Gate decisions carry no per-step data, so each is built once (with a read-only empty mapping:
+# every step that a gate decides shares the same object).
+_NO_ESTIMATES = MappingProxyType({})
+_GATE_GROUP = RouteDecision(ROUTE_FLASHINFER, 0, "gate: G", _NO_ESTIMATES)
+_GATE_CONTEXT = RouteDecision(ROUTE_FLASHINFER, 0, "gate: context", _NO_ESTIMATES)
+_GATE_BOUNDARY = RouteDecision(ROUTE_FLASHINFER, 0, "B4 boundary", _NO_ESTIMATES)
 
 
 class RoutePolicy:
@@ -73,7 +82,7 @@ class RoutePolicy:
         """The PersistentKV route and split count considered for a batch of this size."""
         if batch_size == 1:
             return ROUTE_BUCKET, self.calib.bucket_num_splits
-        if batch_size < FULL_BATCH:
+        if is_boundary_batch(batch_size):
             return ROUTE_WORKQUEUE, self.calib.boundary_num_splits
         return ROUTE_WORKQUEUE, self.calib.workqueue_num_splits
 
@@ -86,7 +95,7 @@ class RoutePolicy:
             raise ValueError("RoutePolicy.choose: StepBatch.seq_lens is empty; a decode step needs a row")
         if max(lens) < self.calib.min_context_tokens:
             return _GATE_CONTEXT
-        boundary = 1 < batch < FULL_BATCH
+        boundary = is_boundary_batch(batch)
         if boundary and not self._boundary_open:
             return _GATE_BOUNDARY
 

@@ -21,32 +21,32 @@ from pkv.results import read_result
 TIMES = ("plan_us", "issue_us", "wall_us", "cuda_us")
 
 
-def group_steps(per_step: list[dict]) -> dict[tuple[str, str], dict]:
-    """{(route, variant): {"steps": n, "<time>": mean}} over the records, in first-seen order."""
-    sums: dict[tuple[str, str], dict] = defaultdict(lambda: {"steps": 0, **{t: 0.0 for t in TIMES}})
+def _means_by(per_step: list[dict], key) -> dict:
+    """{key(record): {"steps": n, "<time>": mean}} over the records whose key is not None, in
+    first-seen order."""
+    sums: dict = defaultdict(lambda: {"steps": 0, **{t: 0.0 for t in TIMES}})
     for record in per_step:
-        key = (str(record.get("route")), str(record.get("variant") or "-"))
-        group = sums[key]
+        k = key(record)
+        if k is None:
+            continue
+        group = sums[k]
         group["steps"] += 1
         for t in TIMES:
             group[t] += float(record[t])
-    return {key: {"steps": g["steps"], **{t: g[t] / g["steps"] for t in TIMES}} for key, g in sums.items()}
+    return {k: {"steps": g["steps"], **{t: g[t] / g["steps"] for t in TIMES}} for k, g in sums.items()}
+
+
+def group_steps(per_step: list[dict]) -> dict[tuple[str, str], dict]:
+    """{(route, variant): {"steps": n, "<time>": mean}} over the records, in first-seen order."""
+    return _means_by(per_step, lambda r: (str(r.get("route")), str(r.get("variant") or "-")))
 
 
 def wall_by_position(per_step: list[dict]) -> dict[int, dict]:
-    """{position: {"steps": n, "wall_us": mean, "plan_us": mean}} for the records that carry the
-    engine's place in the step's order (0: it ran first). The harness rotates the order step by
-    step; a wide gap between positions means single-step wall ratios are mostly order noise."""
-    sums: dict[int, dict] = defaultdict(lambda: {"steps": 0, "wall_us": 0.0, "plan_us": 0.0})
-    for record in per_step:
-        if "position" not in record:
-            continue
-        group = sums[int(record["position"])]
-        group["steps"] += 1
-        group["wall_us"] += float(record["wall_us"])
-        group["plan_us"] += float(record["plan_us"])
-    return {p: {"steps": g["steps"], "wall_us": g["wall_us"] / g["steps"], "plan_us": g["plan_us"] / g["steps"]}
-            for p, g in sorted(sums.items())}
+    """{position: {"steps": n, "<time>": mean}} for the records that carry the engine's place in
+    the step's order (0: it ran first). The harness rotates the order step by step; a wide gap
+    between positions means single-step wall ratios are mostly order noise."""
+    means = _means_by(per_step, lambda r: int(r["position"]) if "position" in r else None)
+    return dict(sorted(means.items()))
 
 
 def report(run_dir: Path) -> str:
@@ -78,7 +78,7 @@ def report(run_dir: Path) -> str:
 
 
 def ordinal(position: int) -> str:
-    return {0: "ran first", 1: "ran second"}.get(position, f"ran {position + 1}th")
+    return "ran " + {0: "first", 1: "second", 2: "third"}.get(position, f"{position + 1}th")
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ def run(cfg: PkvConfig) -> list[Path]:
                                 fit_context_gate, save_calibration)
     from pkv.engines import build_engine
     from pkv.kv_data import make_kv_pages
-    from pkv.route_policy import FULL_BATCH
+    from pkv.route_policy import is_boundary_batch
 
     exp = cfg.experiment
     if cfg.seed != exp.calibration_seed:
@@ -75,7 +75,7 @@ def run(cfg: PkvConfig) -> list[Path]:
         samples += timed_fi.samples
         plan_us += timed_fi.plan_us
         best = min(totals, key=totals.get)
-        boundary = not bucket and 1 < trace.max_active < FULL_BATCH
+        boundary = not bucket and is_boundary_batch(trace.max_active)
         field = "bucket_num_splits" if bucket else "boundary_num_splits" if boundary else "workqueue_num_splits"
         operating_points[field] = best
         # A best point at the end of the candidate list may have a better neighbour outside it.
