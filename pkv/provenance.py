@@ -14,6 +14,7 @@ import hashlib
 import importlib.metadata
 import json
 import math
+import os
 import platform
 import shutil
 import socket
@@ -53,6 +54,9 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _git_state() -> tuple[str, bool | None]:
+    stamped = _stamped_commit()
+    if stamped is not None:
+        return stamped, False
     if shutil.which("git") is None:
         return UNKNOWN, None
     head = _run(["git", "-C", str(_SOURCE_DIR), "rev-parse", "HEAD"])
@@ -87,6 +91,45 @@ def source_digest() -> str:
         digest.update(str(path.relative_to(_SOURCE_DIR)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+# A copied tree (a GPU machine that receives the files but not the repository, or stale git
+# metadata) can still name its commit: `python -m pkv.provenance --stamp FILE` writes the commit
+# and source digest of a clean checkout, and a process started with PKV_SOURCE_STAMP=FILE records
+# that commit only if its own sources have the same digest. A stamp that does not match is ignored.
+SOURCE_STAMP_ENV = "PKV_SOURCE_STAMP"
+
+
+def write_source_stamp(path) -> dict:
+    """Write {git_commit, source_digest} of this checkout to `path`; it must be clean."""
+    head = _run(["git", "-C", str(_SOURCE_DIR), "rev-parse", "HEAD"]) if shutil.which("git") else None
+    status = _run(["git", "-C", str(_SOURCE_DIR), "status", "--porcelain", "--untracked-files=no"])
+    if not head or not head.strip() or status is None:
+        raise ValueError(f"source stamp: {_SOURCE_DIR} is not a git checkout, so there is no commit to stamp")
+    if status.strip():
+        raise ValueError(f"source stamp: {_SOURCE_DIR} has uncommitted changes; commit them first, "
+                         f"since a stamp names a commit:\n{status.rstrip()}")
+    stamp = {"git_commit": head.strip(), "source_digest": source_digest()}
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(stamp, indent=2) + "\n")
+    os.replace(tmp, path)
+    return stamp
+
+
+def _stamped_commit() -> str | None:
+    """The commit of PKV_SOURCE_STAMP when its digest is this tree's; None otherwise."""
+    name = os.environ.get(SOURCE_STAMP_ENV)
+    if not name:
+        return None
+    try:
+        stamp = json.loads(Path(name).read_text())
+        commit, digest = stamp["git_commit"], stamp["source_digest"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not isinstance(commit, str) or not commit or digest != source_digest():
+        return None
+    return commit
 
 
 @functools.lru_cache(maxsize=1)
@@ -196,5 +239,25 @@ def collect_provenance(config: Any = None, seed: int | None = None) -> dict:
     }
 
 
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pkv.provenance",
+                                     description="Print the source digest of this checkout, or write a source stamp.")
+    parser.add_argument("--stamp", metavar="FILE",
+                        help=f"write the commit and digest of this clean checkout to FILE (read back through "
+                             f"{SOURCE_STAMP_ENV}=FILE on a machine with a copy of the tree)")
+    args = parser.parse_args(argv)
+    if args.stamp:
+        try:
+            stamp = write_source_stamp(args.stamp)
+        except ValueError as exc:
+            parser.exit(2, f"{exc}\n")
+        print(f"{stamp['git_commit']} {stamp['source_digest']} -> {args.stamp}")
+    else:
+        print(source_digest())
+    return 0
+
+
 if __name__ == "__main__":
-    print(source_digest())
+    raise SystemExit(main())

@@ -15,6 +15,8 @@
 #     extension first, so a resumed run on a fresh machine skips the one-minute build; every run
 #     leaves its own as $OUT/build_cache.tgz.
 #   SKIP_TESTS=1 skips the kernel tests. DAG_TARGETS="tables ...": build only these targets.
+#   PKV_SOURCE_STAMP=<file from `python -m pkv.provenance --stamp`, carried>: results name that
+#     commit when the copied sources match it (default .device/source_stamp.json if present).
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 GPU_NAME=${GPU_NAME:-h200}
@@ -22,6 +24,7 @@ DAG_CONFIG=${DAG_CONFIG:-config/gpu_smoke.yaml}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
 export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
+[ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
 if [ -n "${BUILD_CACHE_FROM:-}" ]; then
   mkdir -p "$PKV_CACHE_DIR" && tar xzf "$BUILD_CACHE_FROM" -C "$PKV_CACHE_DIR" || exit 1
 fi

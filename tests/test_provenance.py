@@ -13,11 +13,12 @@ KEYS = {"git_commit", "git_dirty", "source_digest", "host", "gpu_name", "driver_
 
 @pytest.fixture(autouse=True)
 def _fresh_caches():
-    provenance._git_state.cache_clear()
-    provenance._nvidia_smi.cache_clear()
+    caches = (provenance._git_state, provenance._nvidia_smi, provenance.source_digest)
+    for cache in caches:
+        cache.cache_clear()
     yield
-    provenance._git_state.cache_clear()
-    provenance._nvidia_smi.cache_clear()
+    for cache in caches:
+        cache.cache_clear()
 
 
 def _no_gpu(monkeypatch):
@@ -50,6 +51,70 @@ def test_without_git_checkout(monkeypatch, tmp_path):
     prov = collect_provenance()
     assert prov["git_commit"] == "unknown"
     assert prov["git_dirty"] is None
+
+
+def _checkout(root, text="x = 1\n"):
+    (root / "pkv").mkdir(parents=True)
+    (root / "pkv" / "core.py").write_text(text)
+
+
+def _git(root, *args):
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True,
+                   env={"GIT_AUTHOR_NAME": "a", "GIT_AUTHOR_EMAIL": "a@b", "GIT_COMMITTER_NAME": "a",
+                        "GIT_COMMITTER_EMAIL": "a@b", "PATH": "/usr/bin:/bin"})
+
+
+def _clean_repo(root):
+    _checkout(root)
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "c")
+    return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_source_stamp_names_the_commit_of_a_copied_tree(monkeypatch, tmp_path):
+    repo, copy = tmp_path / "repo", tmp_path / "copy"
+    head = _clean_repo(repo)
+    monkeypatch.setattr(provenance, "_SOURCE_DIR", repo)
+    stamp_path = tmp_path / "stamp.json"
+    assert provenance.main(["--stamp", str(stamp_path)]) == 0
+    stamp = json.loads(stamp_path.read_text())
+    assert stamp == {"git_commit": head, "source_digest": provenance.source_digest()}
+
+    _checkout(copy)  # same sources, no repository
+    monkeypatch.setattr(provenance, "_SOURCE_DIR", copy)
+    provenance.source_digest.cache_clear()
+    monkeypatch.setenv(provenance.SOURCE_STAMP_ENV, str(stamp_path))
+    prov = collect_provenance()
+    assert (prov["git_commit"], prov["git_dirty"]) == (head, False)
+
+
+@pytest.mark.parametrize("stamp_text", [None, "not json", '{"git_commit": "abc"}'])
+def test_a_stamp_for_other_sources_or_unreadable_is_ignored(monkeypatch, tmp_path, stamp_text):
+    repo, copy = tmp_path / "repo", tmp_path / "copy"
+    _clean_repo(repo)
+    monkeypatch.setattr(provenance, "_SOURCE_DIR", repo)
+    stamp_path = tmp_path / "stamp.json"
+    provenance.write_source_stamp(stamp_path)
+    if stamp_text is not None:
+        stamp_path.write_text(stamp_text)
+    _checkout(copy, "x = 2\n")  # the sources differ from the stamped commit's
+    monkeypatch.setattr(provenance, "_SOURCE_DIR", copy)
+    provenance.source_digest.cache_clear()
+    monkeypatch.setenv(provenance.SOURCE_STAMP_ENV, str(stamp_path))
+    prov = collect_provenance()
+    assert (prov["git_commit"], prov["git_dirty"]) == ("unknown", None)
+
+
+def test_stamping_a_dirty_checkout_is_refused(monkeypatch, tmp_path):
+    repo = tmp_path / "repo"
+    _clean_repo(repo)
+    (repo / "pkv" / "core.py").write_text("x = 3\n")
+    monkeypatch.setattr(provenance, "_SOURCE_DIR", repo)
+    with pytest.raises(ValueError, match="uncommitted changes"):
+        provenance.write_source_stamp(tmp_path / "stamp.json")
+    assert not (tmp_path / "stamp.json").exists()
 
 
 def test_without_git_binary(monkeypatch):
