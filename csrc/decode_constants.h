@@ -8,5 +8,8 @@ constexpr int kHeadDim = 128;
 constexpr int kTileTokens = 32;
 // Most splits one (row, KV head) may have: the merge keeps a weight per split in shared memory.
 constexpr int kMaxMergeSlots = 1024;
+// Most splits a cluster-merged bucket launch may have: its splits of one (row, KV head) form one
+// thread-block cluster, and 16 is the largest cluster Hopper allows (8 without the opt-in).
+constexpr int kMaxClusterSplits = 16;
 
 }  // namespace pkv

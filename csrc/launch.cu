@@ -9,6 +9,8 @@ namespace pkv {
 template <typename T>
 cudaError_t bucket_decode_typed(const DecodeArgs&, const int32_t*, int, int, int32_t*, cudaStream_t);
 template <typename T>
+cudaError_t bucket_cluster_decode_typed(const DecodeArgs&, const int32_t*, int, int, cudaStream_t);
+template <typename T>
 cudaError_t workqueue_decode_typed(const DecodeArgs&, const int32_t*, int, const int32_t*, int32_t*, cudaStream_t);
 template <typename T>
 cudaError_t merge_states_typed(const DecodeArgs&, const int32_t*, const int32_t*, int, int, cudaStream_t);
@@ -19,6 +21,14 @@ cudaError_t launch_bucket_decode(const DecodeArgs& args, const int32_t* row_indi
   return args.dtype == KvDtype::kFloat16
              ? bucket_decode_typed<__half>(args, row_indices, num_rows, num_splits, pair_counters, stream)
              : bucket_decode_typed<__nv_bfloat16>(args, row_indices, num_rows, num_splits, pair_counters, stream);
+}
+
+cudaError_t launch_bucket_cluster_decode(const DecodeArgs& args, const int32_t* row_indices, int num_rows,
+                                         int num_splits, cudaStream_t stream) {
+  if (num_rows == 0) return cudaSuccess;
+  return args.dtype == KvDtype::kFloat16
+             ? bucket_cluster_decode_typed<__half>(args, row_indices, num_rows, num_splits, stream)
+             : bucket_cluster_decode_typed<__nv_bfloat16>(args, row_indices, num_rows, num_splits, stream);
 }
 
 cudaError_t launch_workqueue_decode(const DecodeArgs& args, const int32_t* tasks, int num_tasks,

@@ -52,6 +52,40 @@ cudaError_t bucket_decode_typed(const DecodeArgs& args, const int32_t* row_indic
   });
 }
 
+// Clusters of more than 8 CTAs are outside the portable size: each kernel opts in once.
+template <auto Kernel>
+cudaError_t allow_large_clusters() {
+  static const cudaError_t status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  return status;
+}
+
+template <typename T>
+cudaError_t bucket_cluster_decode_typed(const DecodeArgs& args, const int32_t* row_indices, int num_rows,
+                                        int num_splits, cudaStream_t stream) {
+  if (num_splits < 2 || num_splits > kMaxClusterSplits) return cudaErrorInvalidValue;
+  return dispatch_group_size(args.group_size, [&](auto g) {
+    return dispatch_stages(args.stages, [&](auto st) {
+      constexpr int G = decltype(g)::value, S = decltype(st)::value, bytes = decode_smem_bytes<S>();
+      constexpr auto kernel = bucket_cluster_decode_kernel<T, G, S>;
+      if (cudaError_t e = allow_decode_smem<kernel, bytes>(); e != cudaSuccess) return e;
+      if (cudaError_t e = allow_large_clusters<kernel>(); e != cudaSuccess) return e;
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(num_rows, args.num_kv_heads, num_splits);
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = bytes;
+      config.stream = stream;
+      cudaLaunchAttribute attribute{};
+      attribute.id = cudaLaunchAttributeClusterDimension;  // one cluster: the splits of one (row, KV head)
+      attribute.val.clusterDim.x = 1;
+      attribute.val.clusterDim.y = 1;
+      attribute.val.clusterDim.z = num_splits;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+      return cudaLaunchKernelEx(&config, kernel, args, row_indices, num_splits);
+    });
+  });
+}
+
 template <typename T>
 cudaError_t workqueue_decode_typed(const DecodeArgs& args, const int32_t* tasks, int num_tasks,
                                    const int32_t* split_offsets, int32_t* pair_counters, cudaStream_t stream) {
@@ -89,6 +123,8 @@ cudaError_t merge_states_typed(const DecodeArgs& args, const int32_t* row_indice
 #define PKV_INSTANTIATE_LAUNCHERS(T)                                                                  \
   template cudaError_t bucket_decode_typed<T>(const DecodeArgs&, const int32_t*, int, int, int32_t*,       \
                                               cudaStream_t);                                          \
+  template cudaError_t bucket_cluster_decode_typed<T>(const DecodeArgs&, const int32_t*, int, int,       \
+                                                      cudaStream_t);                                  \
   template cudaError_t workqueue_decode_typed<T>(const DecodeArgs&, const int32_t*, int, const int32_t*,  \
                                                  int32_t*, cudaStream_t);                              \
   template cudaError_t merge_states_typed<T>(const DecodeArgs&, const int32_t*, const int32_t*, int, int, \

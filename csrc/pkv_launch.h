@@ -42,6 +42,12 @@ struct DecodeArgs {
 cudaError_t launch_bucket_decode(const DecodeArgs& args, const int32_t* row_indices, int num_rows,
                                  int num_splits, int32_t* pair_counters, cudaStream_t stream);
 
+// Length-bucket route with the cluster merge (Hopper, sm_90): the same grid in clusters of
+// (1, 1, num_splits), 2 <= num_splits <= kMaxClusterSplits. The splits of a (row, KV head) merge
+// through distributed shared memory and write `out`; part_m, part_l and part_acc are not used.
+cudaError_t launch_bucket_cluster_decode(const DecodeArgs& args, const int32_t* row_indices, int num_rows,
+                                         int num_splits, cudaStream_t stream);
+
 // Compact workqueue route: one CTA per task (row, kvh, split, tile_begin, tile_end).
 // split_offsets has B * Hkv + 1 entries. A pair with one split is written to `out` directly.
 // When `pair_counters` is non-null the last task of each pair merges it (fused variant); the

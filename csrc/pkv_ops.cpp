@@ -121,23 +121,38 @@ void check_launch(cudaError_t status, const char* what) {
   TORCH_CHECK(status == cudaSuccess, "pkv: ", what, " launch failed: ", cudaGetErrorString(status));
 }
 
+// The cluster merge replaces both the separate merge and the fused one, for up to
+// kMaxClusterSplits splits (one thread-block cluster per (row, KV head)).
+void check_cluster_merge(int64_t num_splits, const std::optional<Tensor>& pair_counters) {
+  TORCH_CHECK(!pair_counters.has_value(), "pkv: cluster_merge and pair_counters (the fused merge) exclude each other");
+  TORCH_CHECK(num_splits <= pkv::kMaxClusterSplits, "pkv: the cluster merge takes at most ", pkv::kMaxClusterSplits,
+              " splits (one cluster per (row, KV head)), got num_splits=", num_splits);
+}
+
 void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
                    const Tensor& seq_lens, const Tensor& row_indices, int64_t num_splits, double sm_scale,
                    const Tensor& out, const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc,
-                   const std::optional<Tensor>& pair_counters, int64_t stages) {
+                   const std::optional<Tensor>& pair_counters, int64_t stages, bool cluster_merge) {
   const c10::cuda::CUDAGuard guard(q.device());
   auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages);
   check_cuda_tensor(row_indices, "row_indices", at::kInt);
   TORCH_CHECK(row_indices.dim() == 1 && row_indices.is_contiguous(), "pkv: row_indices must be contiguous [R]");
   TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "pkv: num_splits must be in 1..65535, got ", num_splits);
   const int64_t num_rows = row_indices.size(0);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (cluster_merge && num_splits > 1) {
+    check_cluster_merge(num_splits, pair_counters);
+    check_launch(pkv::launch_bucket_cluster_decode(args, row_indices.data_ptr<int32_t>(), static_cast<int>(num_rows),
+                                                   static_cast<int>(num_splits), stream),
+                 "bucket_decode (cluster merge)");
+    return;
+  }
   TORCH_CHECK(num_splits == 1 || part_m.size(0) >= num_rows * args.num_kv_heads * num_splits,
               "pkv: partial-state buffers hold ", part_m.size(0), " slots, the launch needs ",
               num_rows * args.num_kv_heads * num_splits);
   int32_t* counters = num_splits > 1 ? pair_counters_of(pair_counters, num_rows * args.num_kv_heads) : nullptr;
   check_launch(pkv::launch_bucket_decode(args, row_indices.data_ptr<int32_t>(), static_cast<int>(num_rows),
-                                         static_cast<int>(num_splits), counters,
-                                         c10::cuda::getCurrentCUDAStream().stream()),
+                                         static_cast<int>(num_splits), counters, stream),
                "bucket_decode");
 }
 
@@ -204,9 +219,11 @@ void merge_states(const Tensor& part_m, const Tensor& part_l, const Tensor& part
 // One decode step from a packed plan (step_plan.h's layout, already on the device): output and
 // partial-state scratch are allocated here and every launch of the route is issued from C++, so
 // a step costs one dispatcher call instead of a Python loop over launches and allocations.
-// pair_counters selects the fused merge: it is used by each launch with more than one split.
+// pair_counters selects the fused merge and cluster_merge the cluster merge (bucket route, Hopper):
+// either is used by each launch with more than one split.
 Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& meta,
-                at::IntArrayRef layout, double sm_scale, int64_t stages, const std::optional<Tensor>& pair_counters) {
+                at::IntArrayRef layout, double sm_scale, int64_t stages, const std::optional<Tensor>& pair_counters,
+                bool cluster_merge) {
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK(layout.size() >= pkv::kLayoutRouteFields + 1, "pkv: plan layout is too short: ", layout);
   const int64_t route = layout[pkv::kLayoutRoute], batch = layout[pkv::kLayoutBatch];
@@ -243,6 +260,8 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
 
   if (route == pkv::kRouteWorkqueue) {
+    TORCH_CHECK(!cluster_merge, "pkv: the cluster merge is a bucket-route option; workqueue tasks of one pair "
+                "are not one cluster");
     const int64_t max_splits = layout[pkv::kLayoutRouteFields + 1];
     TORCH_CHECK(max_splits <= pkv::kMaxMergeSlots, "pkv: the plan has ", max_splits,
                 " splits for one (row, KV head); the merge takes at most ", pkv::kMaxMergeSlots);
@@ -273,6 +292,15 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
     launch.part_l += slot_offset * group_size;
     launch.part_acc += slot_offset * group_size * pkv::kHeadDim;
     const int32_t* row_indices = route_data + row_offset;
+    if (cluster_merge && splits > 1) {
+      check_cluster_merge(splits, pair_counters);
+      check_launch(pkv::launch_bucket_cluster_decode(launch, row_indices, static_cast<int>(rows),
+                                                     static_cast<int>(splits), stream),
+                   "bucket_decode (cluster merge)");
+      row_offset += rows;
+      slot_offset += rows * hkv * splits;
+      continue;
+    }
     const bool fused = pair_counters.has_value() && splits > 1;
     int32_t* counters = fused ? pair_counters_of(pair_counters, rows * hkv) : nullptr;
     check_launch(pkv::launch_bucket_decode(launch, row_indices, static_cast<int>(rows), static_cast<int>(splits),
@@ -295,7 +323,8 @@ TORCH_LIBRARY(pkv, m) {
   m.def(
       "bucket_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
       "Tensor row_indices, int num_splits, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
-      "Tensor(c!) part_l, Tensor(d!) part_acc, Tensor(e!)? pair_counters, int stages=3) -> ()");
+      "Tensor(c!) part_l, Tensor(d!) part_acc, Tensor(e!)? pair_counters, int stages=3, "
+      "bool cluster_merge=False) -> ()");
   m.def(
       "workqueue_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
       "Tensor tasks, Tensor split_offsets, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
@@ -305,7 +334,7 @@ TORCH_LIBRARY(pkv, m) {
       "Tensor? split_offsets, int num_kv_heads, int num_splits, Tensor(a!) out) -> ()");
   m.def(
       "run_plan(Tensor q, Tensor k_pages, Tensor v_pages, Tensor meta, int[] layout, float sm_scale, int stages, "
-      "Tensor(a!)? pair_counters) -> Tensor");
+      "Tensor(a!)? pair_counters, bool cluster_merge=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CUDA, m) {

@@ -36,6 +36,8 @@ CASES: dict[str, list[int]] = {
     "b64_4k": [4 * K] * 64,
 }
 B1_SPLITS = (16, 24, 32, 48, 64, 96)
+# The cluster merge holds a (row, KV head)'s splits in one cluster of at most 16 CTAs.
+B1_CLUSTER_SPLITS = (8, 12, 16)
 WORKQUEUE_SPLITS = (1, 2, 4, 8, 16, 24, 32)
 BALANCED_WAVES = (1, 2, 4, 8)  # target CTAs = waves x SMs
 CONFIRM_ROUNDS = 5  # interleaved rounds that re-time the fastest FlashInfer and PersistentKV
@@ -51,7 +53,8 @@ def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
     return nbytes / (stats.median_us * 1e-6) / 1e9
 
 
-def persistentkv_configs(batch: int, num_sms: int):
+def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False):
+    """(label, PersistentKVEngine options) of the sweep; clusters adds the cluster merge (sm_90+)."""
     from pkv.engines.persistentkv import RING_STAGES
     from pkv.schedule import SplitPolicy
 
@@ -62,6 +65,10 @@ def persistentkv_configs(batch: int, num_sms: int):
                     yield (f"bucket{'+fused' if fused else ''}:S={s}:st{stages}",
                            dict(route="bucket_exact", bucket_num_splits=s, stages=stages, fused_merge=fused,
                                 split_policy=SplitPolicy(num_splits=s)))
+            for s in (B1_CLUSTER_SPLITS if clusters else ()):
+                yield (f"bucket+cluster:S={s}:st{stages}",
+                       dict(route="bucket_exact", bucket_num_splits=s, stages=stages, cluster_merge=True,
+                            split_policy=SplitPolicy(num_splits=s)))
             for s in (32, 64):
                 for fused in (False, True):
                     yield (f"workqueue{'+fused' if fused else ''}:S={s}:st{stages}",
@@ -106,6 +113,7 @@ def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
 def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
     from pkv.engines.dense import dense_decode
     from pkv.engines.flashinfer import FlashInferEngine
+    from pkv.harness import REF_REL_LIMIT
     from pkv.engines.persistentkv import PersistentKVEngine
     from pkv.kv_data import make_kv_pages, make_queries
     from pkv.pages import assign_pages
@@ -137,11 +145,16 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
         rows[label] = dict(median_us=stats.median_us, p10_us=stats.p10_us, p90_us=stats.p90_us, **errors(out))
     sweep = {}
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    clusters = torch.cuda.get_device_capability(0)[0] >= 9
     best_label, best_engine, best_plan = None, None, None
-    for label, options in persistentkv_configs(len(seq_lens), num_sms):
+    for label, options in persistentkv_configs(len(seq_lens), num_sms, clusters):
         engine = PersistentKVEngine(shape, device=device, **options)
         plan = engine.plan(step)
-        engine.run(q, k, v, plan)
+        # Every configuration is checked before it is timed: a fast wrong one must not win.
+        rel_err = errors(engine.run(q, k, v, plan))["rel_err"]
+        if not rel_err < REF_REL_LIMIT[q.dtype]:
+            raise RuntimeError(f"kernel_bench {name}: {label} has relative error {rel_err:.3e} against the "
+                               f"float64 reference (limit {REF_REL_LIMIT[q.dtype]:.0e})")
         stats = time_device_us(lambda: engine.run(q, k, v, plan), reps=reps, warmup=3, flusher=flusher)
         sweep[label] = stats.median_us
         if best_label is None or stats.median_us < sweep[best_label]:
@@ -218,7 +231,7 @@ def main(argv=None) -> int:
         print(f"{name:<12}{c['floor_us']:>9.1f}{e['flashinfer_tc']['median_us']:>9.1f}{e['flashinfer_cc']['median_us']:>9.1f}"
               f"{e['persistentkv']['median_us']:>9.1f}{c['speedup_vs_flashinfer']:>8.3f}{c['confirmed']['speedup']:>10.3f}"
               f"{c['pkv_fraction_of_floor']:>10.2f}{c['flashinfer_fraction_of_floor']:>9.2f}  {e['persistentkv']['config']}")
-    families = ("bucket:", "bucket+fused:", "workqueue:", "workqueue+fused:")
+    families = ("bucket:", "bucket+fused:", "bucket+cluster:", "workqueue:", "workqueue+fused:")
     for name, c in cases.items():
         if "b1_breakdown" not in c:
             continue

@@ -19,6 +19,10 @@ from pkv.step import build_step
 
 def main() -> None:
     lengths = [1, 17, 33, 640, 3000]
+    clustered = ()  # the cluster merge needs sm_90
+    if torch.cuda.get_device_capability()[0] >= 9:
+        clustered = (dict(route="bucket_exact", bucket_num_splits=16, cluster_merge=True),
+                     dict(route="bucket_masked", bucket_num_splits=5, cluster_merge=True, stages=3))
     for group, dtype in ((4, "float16"), (8, "bfloat16"), (1, "float16")):
         shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8)
         assignment = assign_pages(lengths, 16, 0.5, seed=group)
@@ -32,7 +36,8 @@ def main() -> None:
                         dict(route="bucket_exact", bucket_num_splits=1),
                         dict(route="bucket_exact", bucket_num_splits=8),
                         dict(route="bucket_exact", bucket_num_splits=1, stages=3),
-                        dict(route="workqueue", split_policy=SplitPolicy(num_splits=2), stages=4)):
+                        dict(route="workqueue", split_policy=SplitPolicy(num_splits=2), stages=4),
+                        *clustered):
             engine = PersistentKVEngine(shape, **options)
             out = engine.run(q, k, v, engine.plan(step))
             torch.cuda.synchronize()

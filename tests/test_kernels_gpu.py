@@ -206,6 +206,52 @@ def test_run_plan_matches_per_op_launches(route, group, fused):
             assert int(native._counters.abs().sum()) == 0, "fused-merge counters must reset to zero"
 
 
+def _needs_clusters():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the cluster merge needs thread-block clusters (sm_90)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("route", ["bucket_exact", "bucket_masked"])
+def test_cluster_merge_matches_float64(route, group, dtype):
+    """Splits merged through distributed shared memory: every split count up to the 16-CTA
+    cluster, fewer splits than query heads (a CTA merges several heads), empty splits at the
+    edge lengths, and partial-state scratch that stays untouched (poisoned and still NaN)."""
+    from pkv.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    _needs_clusters()
+    shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128)
+    rng = np.random.default_rng(500 + group * 7 + (dtype == torch.bfloat16))
+    for trial, splits in enumerate((1, 2, 3, 7, 8, 12, 16)):
+        lengths = list(rng.choice(EDGE_LENGTHS + [20000], size=int(rng.integers(1, 6))))
+        engine = _engine(shape, route=route, bucket_num_splits=splits, cluster_merge=True,
+                         stages=2 + trial % 3)
+        step, q, k, v = _case(lengths, shape, dtype, seed=2000 * group + trial, peaked=trial % 2 == 0)
+        plan, out, scratch = _run_poisoned(engine, step, q, k, v)
+        _check(out, _dense(step, q, k, v), dtype)
+        assert all(torch.isnan(buf).all() for buf in scratch), "the cluster merge wrote partial states"
+        native = engine.run(q, k, v, engine.plan(step))  # run_plan: the same launches from C++
+        torch.cuda.synchronize()
+        assert torch.equal(native, out), (route, lengths, splits)
+
+
+def test_cluster_merge_cuda_graph_replay():
+    from pkv.shape import ModelShape
+
+    _needs_clusters()
+    shape = ModelShape()
+    eager = _engine(shape, route="bucket_exact", bucket_num_splits=16, cluster_merge=True)
+    graphed = _engine(shape, route="bucket_exact", bucket_num_splits=16, cluster_merge=True, cuda_graph=True)
+    for seed in range(3):
+        step, q, k, v = _case([30000 + 999 * seed], shape, torch.float16, seed=seed)
+        ref = eager.run(q, k, v, eager.plan(step))
+        got = graphed.run(q, k, v, graphed.plan(step))
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)
+        _check(got, _dense(step, q, k, v), torch.float16)
+
+
 @pytest.mark.parametrize("route", ["workqueue", "bucket_exact"])
 def test_run_plan_scratch_alignment_with_odd_head_counts(route):
     """Hkv = 3, G = 2: slot counts that are not multiples of 4, so run_plan's padding between the

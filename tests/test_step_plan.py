@@ -175,3 +175,34 @@ def test_engine_refuses_to_run_off_the_gpu(ops):
     pages = torch.zeros(4, 8, PAGE, 128, dtype=torch.float16)
     with pytest.raises(ValueError, match="q must be on a CUDA device"):
         engine.run(q, pages, pages, engine.plan(step))
+
+
+def test_cluster_merge_options_are_checked(ops):
+    from pkv.engines.persistentkv import MAX_CLUSTER_SPLITS, PersistentKVEngine
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    for bad in (dict(route="workqueue"), dict(route="bucket_exact", fused_merge=True)):
+        with pytest.raises(ValueError, match="cluster_merge is a bucket-route merge"):
+            PersistentKVEngine(shape, device="cpu", cluster_merge=True, **bad)
+    engine = PersistentKVEngine(shape, device="cpu", route="bucket_exact", cluster_merge=True,
+                                bucket_num_splits=MAX_CLUSTER_SPLITS)
+    step = make_step([4097, 65536])
+    assert engine.plan(step).widest_split == MAX_CLUSTER_SPLITS
+    assert "+cluster_merge" in engine.implementation
+    too_many = PersistentKVEngine(shape, device="cpu", route="bucket_masked", cluster_merge=True,
+                                  bucket_num_splits=MAX_CLUSTER_SPLITS + 1)
+    with pytest.raises(ValueError, match=f"num_splits={MAX_CLUSTER_SPLITS + 1}"):
+        too_many.plan(step)
+
+
+def test_python_limits_mirror_the_kernel_constants():
+    import re
+    from pathlib import Path
+
+    from pkv.engines.persistentkv import MAX_CLUSTER_SPLITS, MAX_MERGE_SPLITS
+
+    header = (Path(__file__).resolve().parent.parent / "csrc" / "decode_constants.h").read_text()
+    constants = {name: int(value) for name, value in re.findall(r"constexpr int (\w+) = (\d+);", header)}
+    assert constants["kMaxMergeSlots"] == MAX_MERGE_SPLITS
+    assert constants["kMaxClusterSplits"] == MAX_CLUSTER_SPLITS

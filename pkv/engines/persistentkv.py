@@ -21,6 +21,7 @@ ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
 PLANNERS = ("native", "numpy")
 RING_STAGES = (2, 3, 4)  # cp.async ring depths the decode kernels are built for (csrc/launch_impl.cuh)
 MAX_MERGE_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
+MAX_CLUSTER_SPLITS = 16  # kMaxClusterSplits: one thread-block cluster holds a pair's splits
 
 
 def _int32(array) -> np.ndarray:
@@ -139,10 +140,13 @@ class PersistentKVEngine(Engine):
     name = "persistentkv"
 
     def __init__(self, shape, *, route: str = "workqueue", split_policy: SplitPolicy | None = None,
-                 bucket_num_splits: int = 32, fused_merge: bool = False, device: str = "cuda",
-                 cuda_graph: bool = False, stages: int = 2, planner: str = "native"):
+                 bucket_num_splits: int = 32, fused_merge: bool = False, cluster_merge: bool = False,
+                 device: str = "cuda", cuda_graph: bool = False, stages: int = 2, planner: str = "native"):
         if route not in ROUTES:
             raise ValueError(f"persistentkv route must be one of {ROUTES}, got {route!r}")
+        if cluster_merge and (fused_merge or route == "workqueue"):
+            raise ValueError(f"persistentkv cluster_merge is a bucket-route merge and excludes fused_merge, got "
+                             f"route={route!r}, fused_merge={fused_merge!r}")
         if planner not in PLANNERS:
             raise ValueError(f"persistentkv planner must be one of {PLANNERS}, got {planner!r}")
         from pkv import ops
@@ -156,12 +160,14 @@ class PersistentKVEngine(Engine):
         self._policies_by_splits: dict[int, SplitPolicy] = {}
         self.bucket_num_splits = int(bucket_num_splits)
         self.fused_merge = bool(fused_merge)
+        self.cluster_merge = bool(cluster_merge)
         self.cuda_graph = bool(cuda_graph)
         if stages not in RING_STAGES:
             raise ValueError(f"persistentkv stages must be one of {RING_STAGES}, got {stages!r}")
         self.stages = int(stages)
         self.planner = planner
         self.implementation = f"cuda:{route}" + ("+fused_merge" if fused_merge else "") + \
+            ("+cluster_merge" if cluster_merge else "") + \
             ("+cuda_graph" if cuda_graph else "")
         self._counters = torch.zeros(0, dtype=torch.int32, device=self.device)
         self._graphs: dict[tuple, _GraphedStep] = {}
@@ -192,6 +198,9 @@ class PersistentKVEngine(Engine):
             mode = "exact"
         else:
             splits = self.bucket_num_splits if num_splits is None else int(num_splits)
+            if self.cluster_merge and splits > MAX_CLUSTER_SPLITS:
+                raise ValueError(f"persistentkv cluster_merge takes at most {MAX_CLUSTER_SPLITS} splits (one "
+                                 f"thread-block cluster per (row, KV head)), got num_splits={splits}")
             mode = "exact" if route == "bucket_exact" else "masked"
             host_meta, layout, schedule = self._pack_buckets(step, splits, mode)
         # A pageable source is staged by cudaMemcpyAsync before it returns, so this upload
@@ -266,7 +275,7 @@ class PersistentKVEngine(Engine):
         fused = self.fused_merge and plan.widest_split > 1
         counters = self._pair_counters(plan.batch_size * self.shape.num_kv_heads) if fused else None
         return self.ops.run_plan(q, k_pages, v_pages, plan.meta, plan.layout, self.shape.sm_scale, self.stages,
-                                 counters)
+                                 counters, self.cluster_merge)
 
     def prepare(self, step, q, k_pages, v_pages) -> None:
         self.warm_up(self.plan(step), q, k_pages, v_pages)
@@ -326,8 +335,8 @@ class PersistentKVEngine(Engine):
             fused = self.fused_merge and s > 1
             counters = self._pair_counters(rows.numel() * hkv) if fused else None
             ops.bucket_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, rows, s, scale, out, m, l, acc,
-                              counters, self.stages)
-            if s > 1 and not fused:
+                              counters, self.stages, self.cluster_merge)
+            if s > 1 and not fused and not self.cluster_merge:
                 ops.merge_states(m, l, acc, rows, None, hkv, s, out)
             offset += slots
 
