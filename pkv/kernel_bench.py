@@ -113,8 +113,8 @@ def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
 def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
     from pkv.engines.dense import dense_decode
     from pkv.engines.flashinfer import FlashInferEngine
-    from pkv.harness import REF_REL_LIMIT
     from pkv.engines.persistentkv import PersistentKVEngine
+    from pkv.harness import REF_REL_LIMIT
     from pkv.kv_data import make_kv_pages, make_queries
     from pkv.pages import assign_pages
     from pkv.step import build_step

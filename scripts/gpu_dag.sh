@@ -10,7 +10,8 @@
 #     keeps file times): the copied tree's files are dated back so that only missing and
 #     incomplete results run. Use it only with the tree that produced those results.
 #     RESUME_FROM=<artifacts.tgz of an earlier run, carried in an ignored folder such as .device/>
-#     unpacks it first (a fresh machine keeps nothing between runs) and implies RESUME=1.
+#     replaces artifacts/<gpu>/ with it first (a machine may hold results of other trees, or
+#     none) and implies RESUME=1.
 #   BUILD_CACHE_FROM=<build_cache.tgz of an earlier run of the same sources> unpacks the built
 #     extension first, so a resumed run on a fresh machine skips the one-minute build; every run
 #     leaves its own as $OUT/build_cache.tgz.
@@ -33,6 +34,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/tests.log" 2>&1; tail -2 "$OUT/tests.log"
 fi
 if [ -n "${RESUME_FROM:-}" ]; then
+  # The tarball is the whole state of the run to resume: results left on the machine by other
+  # trees must not pass for its results once every source file is dated back below.
+  rm -rf "artifacts/$GPU_NAME"
   tar xzf "$RESUME_FROM" || exit 1
   RESUME=1
 fi
