@@ -295,28 +295,37 @@ __device__ void merge_if_last(const DecodeArgs& a, int32_t* counter, int slot_be
   merge_pair<T, G>(a, slot_begin, num_slots, row, kvh, reinterpret_cast<float*>(smem));
 }
 
+// The tile range [tile_begin, tile_end) of split `split` of a bucket launch's row: the row's
+// tiles in num_splits equal, row-local ranges. Trailing splits of a short row own no tiles.
+struct BucketSplit {
+  int row, seq_len, tile_begin, tile_end;
+  __device__ BucketSplit(const DecodeArgs& a, int row_, int split, int num_splits)
+      : row(row_), seq_len(a.seq_lens[row_]) {
+    const int n_tiles = (seq_len + kTileTokens - 1) / kTileTokens;
+    const int per_split = (n_tiles + num_splits - 1) / num_splits;
+    tile_begin = split * per_split;
+    tile_end = min(tile_begin + per_split, n_tiles);
+  }
+  __device__ bool empty() const { return tile_begin >= tile_end; }
+};
+
 template <typename T, int G, int Stages>
 __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
     bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices, int num_splits, int32_t* pair_counters) {
   extern __shared__ __align__(128) char smem[];
   const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
-  const int row = row_indices[r];
-  const int seq_len = a.seq_lens[row];
-  const int n_tiles = (seq_len + kTileTokens - 1) / kTileTokens;
-  const int per_split = (n_tiles + num_splits - 1) / num_splits;
-  const int tb = split * per_split;
-  const int te = min(tb + per_split, n_tiles);
+  const BucketSplit b(a, row_indices[r], split, num_splits);
   const int pair = r * a.num_kv_heads + kvh;
   const int slot = pair * num_splits + split;
-  if (tb >= n_tiles) {  // row-local bounds leave this split empty: no Q load, no staging
+  if (b.empty()) {  // row-local bounds leave this split empty: no Q load, no staging
     write_neutral<G>(a, slot);
   } else {
-    CtaDecoder<T, G, Stages>(a, row, kvh, seq_len, tb, te, smem).run(smem);
-    finish_split<T, G>(a, smem, row, kvh, num_splits == 1, slot);
+    CtaDecoder<T, G, Stages>(a, b.row, kvh, b.seq_len, b.tile_begin, b.tile_end, smem).run(smem);
+    finish_split<T, G>(a, smem, b.row, kvh, num_splits == 1, slot);
   }
   allow_dependent_launch();
   if (pair_counters != nullptr && num_splits > 1)
-    merge_if_last<T, G>(a, pair_counters + pair, pair * num_splits, num_splits, row, kvh, smem);
+    merge_if_last<T, G>(a, pair_counters + pair, pair * num_splits, num_splits, b.row, kvh, smem);
 }
 
 // A split's combined state kept in its own shared memory for the cluster merge: acc[g][d], then
@@ -395,16 +404,12 @@ template <typename T, int G, int Stages>
 __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
     bucket_cluster_decode_kernel(DecodeArgs a, const int32_t* row_indices, int num_splits) {
   extern __shared__ __align__(128) char smem[];
-  const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;  // split is the CTA's cluster rank
-  const int row = row_indices[r];
-  const int seq_len = a.seq_lens[row];
-  const int n_tiles = (seq_len + kTileTokens - 1) / kTileTokens;
-  const int per_split = (n_tiles + num_splits - 1) / num_splits;
-  const int tb = split * per_split;
-  const int te = min(tb + per_split, n_tiles);
-  const bool empty = tb >= n_tiles;  // row-local bounds: no Q load, no staging; neutral state
-  if (!empty) CtaDecoder<T, G, Stages>(a, row, kvh, seq_len, tb, te, smem).run(smem);
-  keep_split_state<G>(smem, empty);
+  const int kvh = blockIdx.y, split = blockIdx.z;  // split is the CTA's cluster rank
+  const BucketSplit b(a, row_indices[blockIdx.x], split, num_splits);
+  const int row = b.row;
+  // An empty split (row-local bounds) loads no Q and stages nothing; its state is neutral.
+  if (!b.empty()) CtaDecoder<T, G, Stages>(a, row, kvh, b.seq_len, b.tile_begin, b.tile_end, smem).run(smem);
+  keep_split_state<G>(smem, b.empty());
   cluster_sync();
   const SplitState<G> state(smem);
   const int t = threadIdx.x;
