@@ -222,6 +222,25 @@ struct CtaDecoder {
   }
 };
 
+// The CTA's state of query head g at head-dim element t (m in the log2 domain): the warps'
+// states rescaled to their common maximum.
+struct CtaState {
+  float m, l, acc;
+};
+template <int G>
+__device__ __forceinline__ CtaState combine_warps(const CombineBuffer<G>& buf, int g, int t) {
+  CtaState c{-CUDART_INF_F, 0.f, 0.f};
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) c.m = fmaxf(c.m, buf.m(w, g));
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const float scale = exp2f(buf.m(w, g) - c.m);  // warps that saw no token have m = -inf
+    c.l += scale * buf.l(w, g);
+    c.acc += scale * buf.acc(w, g)[t];
+  }
+  return c;
+}
+
 // Combines the warps' states for head-dim element threadIdx.x and writes either the output row
 // (single split) or the split's partial state (natural-log domain, as docs/architecture.md says).
 template <typename T, int G>
@@ -230,24 +249,15 @@ __device__ void finish_split(const DecodeArgs& a, char* smem, int row, int kvh, 
   const int t = threadIdx.x;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    float m = -CUDART_INF_F;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, buf.m(w, g));
-    float l = 0.f, acc = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float scale = exp2f(buf.m(w, g) - m);  // warps that saw no token have m = -inf
-      l += scale * buf.l(w, g);
-      acc += scale * buf.acc(w, g)[t];
-    }
+    const CtaState c = combine_warps(buf, g, t);
     if (direct) {
       T* out = static_cast<T*>(a.out) + row * a.out_stride_row + (kvh * G + g) * a.out_stride_head;
-      out[t] = Vec8<T>::from_float(acc / l);
+      out[t] = Vec8<T>::from_float(c.acc / c.l);
     } else {
-      a.part_acc[(static_cast<int64_t>(slot) * G + g) * kHeadDim + t] = acc;
+      a.part_acc[(static_cast<int64_t>(slot) * G + g) * kHeadDim + t] = c.acc;
       if (t == 0) {
-        a.part_m[slot * G + g] = m * kLn2;
-        a.part_l[slot * G + g] = l;
+        a.part_m[slot * G + g] = c.m * kLn2;
+        a.part_l[slot * G + g] = c.l;
       }
     }
   }
@@ -353,21 +363,11 @@ __device__ void keep_split_state(char* smem, bool empty) {
   const int t = threadIdx.x;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    float m = -CUDART_INF_F, l = 0.f, acc = 0.f;
-    if (!empty) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, buf.m(w, g));
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float scale = exp2f(buf.m(w, g) - m);
-        l += scale * buf.l(w, g);
-        acc += scale * buf.acc(w, g)[t];
-      }
-    }
-    state.acc(g)[t] = acc;
+    const CtaState c = empty ? CtaState{-CUDART_INF_F, 0.f, 0.f} : combine_warps(buf, g, t);  // empty: neutral
+    state.acc(g)[t] = c.acc;
     if (t == 0) {
-      state.m(g) = m;
-      state.l(g) = l;
+      state.m(g) = c.m;
+      state.l(g) = c.l;
     }
   }
 }
