@@ -15,6 +15,7 @@ meaning, so the schema keeps them as a plain mapping and `validate` hands them t
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -92,6 +93,23 @@ class CalibrationTraceConfig:
 
 
 @dataclass
+class GateProbeConfig:
+    """Steps the calibration times on PersistentKV and FlashInfer only to place a gate.
+
+    The batch (max_active) picks the regime, and PersistentKV runs that regime's fitted route and
+    split count. Without group_size the probe's steps join the regime's context-gate fit
+    (length_scale < 1 reaches the short contexts the split sweeps leave out); with a group_size
+    other than the model's, it decides whether that G is routed to PersistentKV at all.
+    """
+
+    trace: str = MISSING
+    max_active: int = MISSING
+    length_scale: float = 1.0
+    group_size: Optional[int] = None
+    num_requests: Optional[int] = None
+
+
+@dataclass
 class ExperimentConfig:
     """What one invocation measures; `driver` picks the pkv.experiments module that runs it."""
 
@@ -116,6 +134,7 @@ class ExperimentConfig:
     probe_buffer_mib: int = 1024
     launch_probe_reps: int = 200
     calibration_traces: List[CalibrationTraceConfig] = field(default_factory=list)
+    gate_probes: List[GateProbeConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -277,6 +296,13 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
                     or any(s < 1 for s in ct.split_candidates)):
                 raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(ct),
                             "needs max_active >= 1, route bucket_exact or workqueue, split_candidates >= 1")
+        for i, probe in enumerate(exp.gate_probes):
+            if (probe.max_active < 1 or not probe.length_scale > 0 or not math.isfinite(probe.length_scale)
+                    or (probe.group_size is not None and probe.group_size < 1)
+                    or (probe.num_requests is not None and probe.num_requests < 1)):
+                raise _fail(where, f"experiment.gate_probes[{i}]", dataclasses.asdict(probe),
+                            "needs max_active >= 1, a finite length_scale > 0, group_size and "
+                            "num_requests null or >= 1")
     for name, key in exp.variant_keys.items():
         if not key or "=" in name:
             raise _fail(where, f"experiment.variant_keys.{name}", key, "must map a name to a config key")

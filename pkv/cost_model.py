@@ -46,6 +46,15 @@ BOUNDARY_ROUTES = (ROUTE_FLASHINFER, ROUTE_WORKQUEUE)
 
 CALIBRATION_SCHEMA = "pkv.calibration/1"
 
+# Batches below this (and above 1) are the B4 boundary regime.
+FULL_BATCH = 8
+
+
+def is_boundary_batch(batch_size: int) -> bool:
+    """Batches of 2..7 rows: the B4 boundary regime (paper 4.4)."""
+    return 1 < batch_size < FULL_BATCH
+
+
 # Range searched by fit_c_min: from a quarter CTA per SM (below any useful target) to 64
 # CTAs per SM (above what one SM can keep resident for these kernels), step 0.25.
 C_MIN_GRID = np.arange(1, 257) * 0.25
@@ -62,7 +71,12 @@ class Calibration:
     beta_gbps: float
     lambda_us: float
     c_min: float
+    # The context gate of each batch regime: steps whose longest row is shorter stay on FlashInfer.
+    # min_context_tokens is the B1 (bucket) gate; batches of 2..7 and of 8+ rows have their own,
+    # and None there means min_context_tokens (calibrations written before the per-regime fit).
     min_context_tokens: int = 16384
+    boundary_min_context_tokens: int | None = None
+    workqueue_min_context_tokens: int | None = None
     supported_group_sizes: tuple[int, ...] = (4,)
     b8_margin: float = 1.05
     b4_margin: float = 1.50
@@ -93,6 +107,10 @@ class Calibration:
             ("lambda_us", math.isfinite(self.lambda_us) and self.lambda_us >= 0, "finite and >= 0"),
             ("c_min", math.isfinite(self.c_min) and self.c_min >= 0, "finite and >= 0"),
             ("min_context_tokens", self.min_context_tokens >= 0, ">= 0"),
+            ("boundary_min_context_tokens",
+             self.boundary_min_context_tokens is None or self.boundary_min_context_tokens >= 0, "null or >= 0"),
+            ("workqueue_min_context_tokens",
+             self.workqueue_min_context_tokens is None or self.workqueue_min_context_tokens >= 0, "null or >= 0"),
             ("supported_group_sizes", all(g >= 1 for g in self.supported_group_sizes), "group sizes >= 1"),
             ("b8_margin", math.isfinite(self.b8_margin) and self.b8_margin > 0, "finite and > 0"),
             ("b4_margin", math.isfinite(self.b4_margin) and self.b4_margin > 0, "finite and > 0"),
@@ -139,6 +157,15 @@ class Calibration:
         except CalibrationError as err:
             raise CalibrationError(f"{where}: {err}") from None
 
+    def context_gate(self, batch_size: int) -> int:
+        """Tokens the longest row of a step of ``batch_size`` rows needs before PersistentKV is
+        considered: the gate of its batch regime (B1, 2..7 rows, 8+ rows)."""
+        if batch_size <= 1:
+            return self.min_context_tokens
+        gate = (self.boundary_min_context_tokens if batch_size < FULL_BATCH
+                else self.workqueue_min_context_tokens)
+        return self.min_context_tokens if gate is None else gate
+
     def to_json_dict(self) -> dict:
         out = asdict(self)
         out["supported_group_sizes"] = list(self.supported_group_sizes)
@@ -147,7 +174,8 @@ class Calibration:
 
 _FIELD_TYPES = {
     "gpu": str, "source": str, "workqueue_split_kind": str, "boundary_route": str,
-    "num_sms": int, "min_context_tokens": int, "bucket_num_splits": int, "workqueue_num_splits": int,
+    "num_sms": int, "min_context_tokens": int, "boundary_min_context_tokens": "int?",
+    "workqueue_min_context_tokens": "int?", "bucket_num_splits": int, "workqueue_num_splits": int,
     "boundary_num_splits": int,
     "beta_gbps": float, "lambda_us": float, "c_min": float, "b8_margin": float, "b4_margin": float,
     "flashinfer_plan_us": float, "persistentkv_plan_us": float, "flashinfer_ctas_per_row_head": float,
@@ -161,7 +189,10 @@ def _is_int(value) -> bool:
 
 def _check_type(name: str, value) -> None:
     kind = _FIELD_TYPES[name]
-    if kind is str:
+    if kind == "int?":
+        ok = value is None or _is_int(value)
+        wanted = "null or an integer"
+    elif kind is str:
         ok = isinstance(value, str)
         wanted = "a string"
     elif kind is int:
@@ -484,7 +515,7 @@ def fit_c_min(
 
 
 # --------------------------------------------------------------------------------------
-# Fitting the B1 context gate
+# Fitting the context gates
 
 
 def context_class(tokens: int) -> int:
@@ -501,7 +532,8 @@ class GateFit:
 
 def fit_context_gate(contexts: Sequence[int], persistentkv_us: Sequence[float], flashinfer_us: Sequence[float],
                      configured: int) -> GateFit:
-    """The context gate (Calibration.min_context_tokens) from B1 steps timed on both routes.
+    """A context gate (Calibration.min_context_tokens, or the gate of batches of 2..7 or 8+ rows)
+    from steps of that batch regime timed on both routes.
 
     Steps are grouped by context class. The gate opens at the shortest class from which
     PersistentKV's device time beats FlashInfer's in that class and in every longer class

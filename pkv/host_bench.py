@@ -31,8 +31,9 @@ CASES: dict[str, list[int]] = {
     "b1_8k": [8 * K],
     "b1_32k": [32 * K],
     "b8_bimodal": [64 * K, 64 * K, 4 * K, 5632, 7 * K, 8704, 10 * K, 12 * K],
-    # Short rows, below any fitted context gate: the policy leaves the step to FlashInfer, so the
-    # adaptive engine's plan() against FlashInfer's is the cost of its route check.
+    # Short rows: where the B8+ context gate lies above them, the policy leaves the step to
+    # FlashInfer, and the adaptive engine's plan() against FlashInfer's is the cost of its route
+    # check. Each record names the route its engine took.
     "b8_short": [512, 1 * K, 1536, 2 * K, 2560, 3 * K, 3584, 4 * K],
 }
 PLANNERS = ("native", "numpy")

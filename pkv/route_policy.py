@@ -1,6 +1,7 @@
 """Per-step route choice between FlashInfer and the PersistentKV schedules (paper 3.5).
 
-Gates first (uncalibrated group size, short context), then one PersistentKV candidate per
+Gates first (a group size the calibration did not open, then a short context: each batch regime has its own
+context gate, fitted by the calibrate rule), then one PersistentKV candidate per
 batch size: length buckets at batch 1, where splitting the sequence is the only source of
 CTAs, and the compact workqueue at batch >= 2. The candidate is promoted only when the cost
 model estimates it faster than FlashInfer by a no-regression margin. Batches 2..7 sit at
@@ -21,18 +22,11 @@ from pkv.cost_model import (
     ROUTE_BUCKET,
     ROUTE_FLASHINFER,
     ROUTE_WORKQUEUE,
+    FULL_BATCH,
     Calibration,
     RouteEstimator,
+    is_boundary_batch,
 )
-
-# Batches below this (and above 1) are the B4 boundary regime.
-FULL_BATCH = 8
-
-
-def is_boundary_batch(batch_size: int) -> bool:
-    """Batches of 2..7 rows: the B4 boundary regime (paper 4.4)."""
-    return 1 < batch_size < FULL_BATCH
-
 
 @dataclass(frozen=True)
 class RouteDecision:
@@ -75,6 +69,10 @@ class RoutePolicy:
         self.allow_b4 = bool(allow_b4)
         self._group_supported = self.group_size in calib.supported_group_sizes
         self._boundary_open = self.allow_b4 or calib.boundary_route == ROUTE_WORKQUEUE
+        # One context gate per batch regime, read once here: choose() runs on every decode step.
+        self._gate_b1 = calib.context_gate(1)
+        self._gate_boundary = calib.context_gate(FULL_BATCH - 1)
+        self._gate_full = calib.context_gate(FULL_BATCH)
         self._estimator = RouteEstimator(calib, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
                                          head_dim=self.head_dim, kv_dtype_bytes=self.kv_dtype_bytes)
 
@@ -93,9 +91,10 @@ class RoutePolicy:
         batch = len(lens)
         if batch == 0:
             raise ValueError("RoutePolicy.choose: StepBatch.seq_lens is empty; a decode step needs a row")
-        if max(lens) < self.calib.min_context_tokens:
-            return _GATE_CONTEXT
         boundary = is_boundary_batch(batch)
+        gate = self._gate_b1 if batch == 1 else self._gate_boundary if boundary else self._gate_full
+        if max(lens) < gate:
+            return _GATE_CONTEXT
         if boundary and not self._boundary_open:
             return _GATE_BOUNDARY
 

@@ -103,3 +103,15 @@ def test_experiments_may_set_trace_and_engine_keys():
     assert cfg.engine.allow_b4 and cfg.trace.max_active == 4
     cfg = compose(["out=x", "experiment=isolated", "experiment.context_len=8192"])
     assert cfg.trace.hole_fraction == 0.5
+
+
+@pytest.mark.parametrize("override, value", [
+    ("experiment.gate_probes.0.length_scale=0", "'length_scale': 0"),
+    ("experiment.gate_probes.8.group_size=0", "'group_size': 0"),
+    ("experiment.gate_probes.1.max_active=0", "'max_active': 0"),
+])
+def test_bad_gate_probe_names_the_entry_and_its_values(override, value):
+    with pytest.raises(ConfigError) as err:
+        compose(["out=x", "experiment=calibrate", override])
+    msg = str(err.value)
+    assert "experiment.gate_probes[" in msg and value in msg and "conf/" in msg

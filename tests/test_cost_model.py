@@ -78,6 +78,8 @@ def test_save_refuses_non_json_provenance_and_keeps_old_file(tmp_path):
         ({"supported_group_sizes": []}, ["where.yaml", "supported_group_sizes", "[]"]),
         ({"supported_group_sizes": [4, "8"]}, ["where.yaml", "supported_group_sizes", "'8'"]),
         ({"bucket_num_splits": 0}, ["where.yaml", "bucket_num_splits", "0"]),
+        ({"boundary_min_context_tokens": -1}, ["where.yaml", "boundary_min_context_tokens", "-1"]),
+        ({"workqueue_min_context_tokens": "4096"}, ["where.yaml", "workqueue_min_context_tokens", "'4096'"]),
     ],
 )
 def test_mapping_errors_name_where_key_and_value(patch, words):
@@ -265,3 +267,14 @@ def test_context_gate_opens_where_persistentkv_wins_every_longer_class():
     assert fit_context_gate([], [], [], 16384).min_context_tokens == 16384
     with pytest.raises(ValueError, match="one of each per step"):
         fit_context_gate([8200], [1.0], [], 16384)
+
+
+def test_each_batch_regime_reads_its_own_context_gate():
+    calib = dataclasses.replace(PAPER, min_context_tokens=8192, boundary_min_context_tokens=2048,
+                                workqueue_min_context_tokens=4096)
+    assert [calib.context_gate(b) for b in (1, 2, 7, 8, 64)] == [8192, 2048, 2048, 4096, 4096]
+    # Calibrations written before the per-regime fit hold one gate for every batch size.
+    old = PAPER.to_json_dict()
+    del old["boundary_min_context_tokens"], old["workqueue_min_context_tokens"]
+    loaded = Calibration.from_mapping(old, "old.json")
+    assert [loaded.context_gate(b) for b in (1, 4, 8)] == [PAPER.min_context_tokens] * 3

@@ -85,13 +85,28 @@ def test_gpu_benchmarks_record_why_they_did_not_run(finished_dag):
         assert record["skipped"] == "no GPU" and record["provenance"]["git_commit"], name
 
 
-def test_calibration_records_the_context_gate_fit_but_keeps_the_cpu_gate(finished_dag):
+def test_calibration_records_every_gate_fit_but_keeps_the_cpu_gates(finished_dag):
     import json
 
     record = json.loads((finished_dag / "artifacts/cpu/calibration/calibration.json").read_text())
-    gate = record["provenance"]["measurements"]["split_sweeps"]["bucketed_b1"]["context_gate"]
-    assert gate["applied"] is False and gate["classes"] and gate["reason"]
-    assert record["calibration"]["min_context_tokens"] == 256  # conf/gpu/cpu.yaml
+    measured = record["provenance"]["measurements"]
+    gates = measured["context_gates"]
+    assert set(gates) == {"min_context_tokens", "boundary_min_context_tokens", "workqueue_min_context_tokens"}
+    for name, gate in gates.items():
+        assert gate["applied"] is False and gate["classes"] and gate["reason"], name
+        # Each regime's gate draws on its split sweep and on the short-context probes of conf/experiment.
+        assert any(src.startswith("split sweep") for src in gate["sources"]), name
+        assert any(src.startswith("probe") for src in gate["sources"]), name
+    probes = measured["gate_probes"]
+    assert {p["group_size"] for p in probes} == {1, 4, 8}
+    assert all(p["persistentkv_device_us_total"] > 0 and p["flashinfer_device_us_total"] > 0 for p in probes)
+    groups = measured["group_sizes"]
+    assert groups["applied"] is False and groups["probed"] == [1, 8]
+    # conf/gpu/cpu.yaml: CPU times decide nothing
+    assert record["calibration"]["min_context_tokens"] == 256
+    assert record["calibration"]["boundary_min_context_tokens"] is None
+    assert record["calibration"]["workqueue_min_context_tokens"] is None
+    assert record["calibration"]["supported_group_sizes"] == [4]
 
 
 def test_calibration_fits_the_boundary_split_count_and_records_its_route(finished_dag):

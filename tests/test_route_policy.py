@@ -47,6 +47,17 @@ def test_short_context_goes_to_flashinfer():
     assert policy.choose(make_step([16384])).route == "persistentkv_bucket"
 
 
+def test_each_batch_regime_has_its_own_context_gate():
+    calib = dataclasses.replace(PAPER, min_context_tokens=16384, boundary_min_context_tokens=1024,
+                                workqueue_min_context_tokens=4096, boundary_route="persistentkv_workqueue")
+    policy = RoutePolicy(calib, **SHAPE)
+    assert policy.choose(make_step([8000])).reason == "gate: context"
+    assert policy.choose(make_step([3000] * 8)).reason == "gate: context"
+    assert policy.choose(make_step([5000] * 8)).reason != "gate: context"
+    assert policy.choose(make_step([1500] * 4)).reason != "gate: context"
+    assert policy.choose(make_step([900] * 4)).reason == "gate: context"
+
+
 def test_b1_long_context_uses_buckets_with_bucket_splits():
     decision = RoutePolicy(PAPER, **SHAPE).choose(make_step([32768]))
     assert decision.route == "persistentkv_bucket" and decision.num_splits == 32

@@ -131,12 +131,14 @@ def test_evidence_names_the_calibrated_operating_points(tmp_path):
     path = tmp_path / "calibration" / "calibration.json"
     calib = Calibration(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0, min_context_tokens=8192,
                         bucket_num_splits=36, workqueue_num_splits=28, boundary_num_splits=24,
-                        boundary_route="persistentkv_workqueue")
+                        boundary_route="persistentkv_workqueue", boundary_min_context_tokens=1024,
+                        supported_group_sizes=(4, 8))
     save_calibration(path, calib, {"git_commit": "0" * 40})
     row = {r["regime"]: r for r in evidence.evidence_map(tmp_path)["rows"]}["Cost-model constants"]
     assert row["status"] == evidence.RECORDED
     assert row["evidence"].endswith(
-        "B1 bucket S=36 from 8192 tokens; B2-7 workqueue S=24; B8+ workqueue S=28")
+        "B1 bucket S=36 from 8192 tokens; B2-7 workqueue S=24 from 1024 tokens; "
+        "B8+ workqueue S=28 from 8192 tokens; G routed: 4, 8")
     # A calibration written before the boundary was fitted reads with the default: FlashInfer.
     record = json.loads(path.read_text())
     for key in ("boundary_route", "boundary_num_splits"):

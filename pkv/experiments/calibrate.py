@@ -1,5 +1,5 @@
 """The calibration rule: measure beta and lambda, fit C_min, the split operating points, the
-B1 context gate and the route of batches 2..7.
+route of batches 2..7, the context gate of each batch regime and the group sizes that are routed.
 
 Only the calibration seed may be used: every held-out result is judged with these constants, so
 fitting on a held-out seed would leak the evaluation into the policy. The output is the JSON that
@@ -19,12 +19,8 @@ from pkv.experiments.common import load_requests, model_shape, provenance_for, r
 
 
 def run(cfg: PkvConfig) -> list[Path]:
-    from pkv.calibration_probe import measure_launch_us, measure_read_gbps, time_steps, trace_steps
-    from pkv.cost_model import (ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, Calibration, fit_c_min,
-                                fit_context_gate, save_calibration)
-    from pkv.engines import build_engine
-    from pkv.kv_data import make_kv_pages
-    from pkv.route_policy import is_boundary_batch
+    from pkv.calibration_probe import measure_launch_us, measure_read_gbps
+    from pkv.cost_model import Calibration, fit_c_min, save_calibration
 
     exp = cfg.experiment
     if cfg.seed != exp.calibration_seed:
@@ -35,88 +31,37 @@ def run(cfg: PkvConfig) -> list[Path]:
                           "the split sweep needs at least one trace")
     settings = resolve_settings(cfg)
     shape = model_shape(cfg)
-    device, dtype = settings.device, settings.dtype
+    for i, probe in enumerate(exp.gate_probes):
+        if probe.group_size is not None and shape.num_qo_heads % probe.group_size:
+            raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.gate_probes[{i}].group_size' = "
+                              f"{probe.group_size!r}: must divide model.num_qo_heads={shape.num_qo_heads}")
     start = Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)")
 
-    read_gbps = measure_read_gbps(device, settings.probe_buffer_mib)
-    launch = measure_launch_us(device, launches=settings.launch_probe_reps)
+    read_gbps = measure_read_gbps(settings.device, settings.probe_buffer_mib)
+    launch = measure_launch_us(settings.device, launches=settings.launch_probe_reps)
     calib = dataclasses.replace(start, beta_gbps=read_gbps, lambda_us=launch["lambda_us"])
 
-    samples, plan_us, pkv_plan_us, sweeps, operating_points, kv_dtype_bytes = [], [], [], {}, {}, 2
+    sweep = _SplitSweep(cfg, settings, shape, calib)
     for ct in exp.calibration_traces:
-        trace = dataclasses.replace(load_trace_option(ct.trace), max_active=ct.max_active)
-        run_settings = resolve_settings(dataclasses.replace(cfg, trace=trace))
-        requests = load_requests(trace, cfg.seed, run_settings)
-        assignment, steps = trace_steps(
-            requests, page_size=trace.page_size, hole_fraction=trace.hole_fraction,
-            max_active=trace.max_active, num_steps=run_settings.warmup_steps + run_settings.measured_steps,
-            seed=cfg.seed)
-        k_pages, v_pages = make_kv_pages(assignment.num_physical_pages, shape, trace.page_size,
-                                         _torch_dtype(dtype), device, cfg.seed)
-        kv_dtype_bytes = k_pages.element_size()
-        timing = dict(shape=shape, k_pages=k_pages, v_pages=v_pages, dtype=_torch_dtype(dtype),
-                      device=device, seed=cfg.seed, reps=run_settings.reps, flush_l2=exp.flush_l2)
-        bucket = ct.route == "bucket_exact"
-        route = ROUTE_BUCKET if bucket else ROUTE_WORKQUEUE
-        totals, timed_by_splits = {}, {}
-        for splits in ct.split_candidates:
-            options = {"route": ct.route, "num_splits": splits}
-            if bucket:
-                options["bucket_num_splits"] = splits
-            engine = build_engine("persistentkv", shape=shape, device=device, calib=calib, options=options)
-            timed = time_steps(engine, route, steps, num_splits=splits, **timing)
-            totals[splits] = timed.total_us
-            timed_by_splits[splits] = timed
-            samples += timed.samples
-            pkv_plan_us += timed.plan_us
-        # FlashInfer-role steps at low occupancy are what pins C_min down; its plan() time is a constant too.
-        baseline = build_engine("flashinfer", shape=shape, device=device, calib=calib)
-        timed_fi = time_steps(baseline, ROUTE_FLASHINFER, steps, num_splits=None, **timing)
-        samples += timed_fi.samples
-        plan_us += timed_fi.plan_us
-        best = min(totals, key=totals.get)
-        boundary = not bucket and is_boundary_batch(trace.max_active)
-        field = "bucket_num_splits" if bucket else "boundary_num_splits" if boundary else "workqueue_num_splits"
-        operating_points[field] = best
-        # A best point at the end of the candidate list may have a better neighbour outside it.
-        at_edge = len(totals) > 1 and best in (min(totals), max(totals))
-        if at_edge:
-            print(f"pkv calibrate: {trace_name(trace)}: the fastest split count, {best}, is at the edge of "
-                  f"split_candidates {list(ct.split_candidates)}; widening them may find a faster one",
-                  file=sys.stderr)
-        sweeps[trace_name(trace)] = {
-            "route": route, "fits": field, "steps": len(steps), "selected_splits": best,
-            "selected_at_edge": at_edge,
-            "device_us_total_by_splits": {str(s): us for s, us in totals.items()},
-            "flashinfer_device_us_total": timed_fi.total_us,
-        }
-        if boundary:
-            # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at break-even on
-            # its GPU). Here the calibration seed's boundary steps decide, in device time; as for
-            # the context gate, CPU timings are recorded and the configured route kept.
-            faster = totals[best] < timed_fi.total_us
-            fitted = ROUTE_WORKQUEUE if faster else ROUTE_FLASHINFER
-            if settings.performance_result:
-                operating_points["boundary_route"] = fitted
-            sweeps[trace_name(trace)]["boundary_route"] = {
-                "fitted": fitted, "applied": settings.performance_result,
-                "speedup": timed_fi.total_us / totals[best]}
-        if bucket:
-            # The B1 steps, timed on both routes, also place the context gate. CPU timings say
-            # nothing about a GPU, so there the fit is recorded and the configured gate kept.
-            gate = fit_context_gate([int(max(s.step.seq_lens)) for s in timed_by_splits[best].samples],
-                                    [s.measured_us for s in timed_by_splits[best].samples],
-                                    [s.measured_us for s in timed_fi.samples], start.min_context_tokens)
-            if settings.performance_result:
-                operating_points["min_context_tokens"] = gate.min_context_tokens
-            sweeps[trace_name(trace)]["context_gate"] = {
-                "fitted_min_context_tokens": gate.min_context_tokens, "applied": settings.performance_result,
-                "reason": gate.reason, "classes": {str(k): v for k, v in gate.classes.items()}}
+        sweep.run(ct)
+    operating_points = sweep.operating_points
+    # The probes run the operating points just fitted, as the route policy will.
+    probes = _GateProbes(cfg, settings, shape, dataclasses.replace(calib, **operating_points), sweep.gate_steps)
+    for probe in exp.gate_probes:
+        probes.run(probe)
+    context_gates = probes.fit_context_gates(start)
+    group_fit = probes.fit_group_sizes(start)
+    if settings.performance_result:
+        # CPU timings say nothing about a GPU: there the fits are recorded and the configured
+        # gates kept.
+        operating_points.update({name: fit["fitted"] for name, fit in context_gates.items()})
+        operating_points["supported_group_sizes"] = tuple(group_fit["fitted"])
 
-    calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(plan_us),
-                                persistentkv_plan_us=statistics.median(pkv_plan_us), **operating_points)
-    fit = fit_c_min(samples, calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
-                    head_dim=shape.head_dim, kv_dtype_bytes=kv_dtype_bytes, refit_lambda=False)
+    calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(sweep.flashinfer_plan_us),
+                                persistentkv_plan_us=statistics.median(sweep.persistentkv_plan_us),
+                                **operating_points)
+    fit = fit_c_min(sweep.samples, calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
+                    head_dim=shape.head_dim, kv_dtype_bytes=sweep.kv_dtype_bytes, refit_lambda=False)
     calib = dataclasses.replace(
         calib, c_min=fit.c_min,
         source=f"calibrate rule: seed {cfg.seed}, profile {settings.profile}"
@@ -125,12 +70,206 @@ def run(cfg: PkvConfig) -> list[Path]:
     prov["measurements"] = {
         "read_gbps": read_gbps, "probe_buffer_mib": settings.probe_buffer_mib,
         "launch": launch, "launch_probe_reps": settings.launch_probe_reps,
-        "c_min_fit": dataclasses.asdict(fit), "split_sweeps": sweeps,
+        "c_min_fit": dataclasses.asdict(fit), "split_sweeps": sweep.records,
+        "gate_probes": probes.records, "context_gates": context_gates, "group_sizes": group_fit,
         "performance_result": settings.performance_result,
     }
     out = Path(cfg.out)
     save_calibration(out, calib, prov)
     return [out]
+
+
+def _gate_field(batch_size: int) -> str:
+    """The Calibration field holding the context gate of this batch size's regime."""
+    from pkv.cost_model import is_boundary_batch
+
+    if batch_size == 1:
+        return "min_context_tokens"
+    return "boundary_min_context_tokens" if is_boundary_batch(batch_size) else "workqueue_min_context_tokens"
+
+
+def _regime_batch(field: str) -> int:
+    """A batch size of the regime whose gate is ``field`` (the inverse of _gate_field)."""
+    from pkv.cost_model import FULL_BATCH
+
+    return {"min_context_tokens": 1, "boundary_min_context_tokens": FULL_BATCH - 1}.get(field, FULL_BATCH)
+
+
+class _TimedTrace:
+    """One calibration trace's steps and page pool, timed on PersistentKV and FlashInfer."""
+
+    def __init__(self, cfg: PkvConfig, settings, shape, trace):
+        from pkv.calibration_probe import trace_steps
+        from pkv.kv_data import make_kv_pages
+
+        run_settings = resolve_settings(dataclasses.replace(cfg, trace=trace))
+        requests = load_requests(trace, cfg.seed, run_settings)
+        assignment, self.steps = trace_steps(
+            requests, page_size=trace.page_size, hole_fraction=trace.hole_fraction,
+            max_active=trace.max_active, num_steps=run_settings.warmup_steps + run_settings.measured_steps,
+            seed=cfg.seed)
+        k_pages, v_pages = make_kv_pages(assignment.num_physical_pages, shape, trace.page_size,
+                                         _torch_dtype(settings.dtype), settings.device, cfg.seed)
+        self.kv_dtype_bytes = k_pages.element_size()
+        self.shape, self.device = shape, settings.device
+        self.timing = dict(shape=shape, k_pages=k_pages, v_pages=v_pages, dtype=_torch_dtype(settings.dtype),
+                           device=settings.device, seed=cfg.seed, reps=run_settings.reps,
+                           flush_l2=cfg.experiment.flush_l2)
+
+    def persistentkv(self, calib, route_option: str, splits: int):
+        from pkv.calibration_probe import time_steps
+        from pkv.cost_model import ROUTE_BUCKET, ROUTE_WORKQUEUE
+        from pkv.engines import build_engine
+
+        bucket = route_option == "bucket_exact"
+        options = {"route": route_option, "num_splits": splits}
+        if bucket:
+            options["bucket_num_splits"] = splits
+        engine = build_engine("persistentkv", shape=self.shape, device=self.device, calib=calib, options=options)
+        return time_steps(engine, ROUTE_BUCKET if bucket else ROUTE_WORKQUEUE, self.steps, num_splits=splits,
+                          **self.timing)
+
+    def flashinfer(self, calib):
+        from pkv.calibration_probe import time_steps
+        from pkv.cost_model import ROUTE_FLASHINFER
+        from pkv.engines import build_engine
+
+        baseline = build_engine("flashinfer", shape=self.shape, device=self.device, calib=calib)
+        return time_steps(baseline, ROUTE_FLASHINFER, self.steps, num_splits=None, **self.timing)
+
+
+def _gate_rows(pkv_timed, fi_timed) -> dict:
+    """Per step: the longest row and both routes' device times, the inputs of fit_context_gate."""
+    return {"contexts": [int(max(s.step.seq_lens)) for s in pkv_timed.samples],
+            "persistentkv_us": [s.measured_us for s in pkv_timed.samples],
+            "flashinfer_us": [s.measured_us for s in fi_timed.samples]}
+
+
+class _SplitSweep:
+    """The split sweep of each calibration trace: its operating point, and the timed steps that
+    C_min, the host plan times and the context gates are fitted from."""
+
+    def __init__(self, cfg, settings, shape, calib):
+        self.cfg, self.settings, self.shape, self.calib = cfg, settings, shape, calib
+        self.samples, self.flashinfer_plan_us, self.persistentkv_plan_us = [], [], []
+        self.operating_points, self.records, self.kv_dtype_bytes = {}, {}, 2
+        self.gate_steps: dict[str, list[dict]] = {}
+
+    def run(self, ct) -> None:
+        from pkv.cost_model import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, is_boundary_batch
+
+        trace = dataclasses.replace(load_trace_option(ct.trace), max_active=ct.max_active)
+        timed_trace = _TimedTrace(self.cfg, self.settings, self.shape, trace)
+        self.kv_dtype_bytes = timed_trace.kv_dtype_bytes
+        bucket = ct.route == "bucket_exact"
+        totals, timed_by_splits = {}, {}
+        for splits in ct.split_candidates:
+            timed = timed_trace.persistentkv(self.calib, ct.route, splits)
+            totals[splits] = timed.total_us
+            timed_by_splits[splits] = timed
+            self.samples += timed.samples
+            self.persistentkv_plan_us += timed.plan_us
+        # FlashInfer-role steps at low occupancy are what pins C_min down; its plan() time is a constant too.
+        timed_fi = timed_trace.flashinfer(self.calib)
+        self.samples += timed_fi.samples
+        self.flashinfer_plan_us += timed_fi.plan_us
+        best = min(totals, key=totals.get)
+        boundary = not bucket and is_boundary_batch(trace.max_active)
+        field = "bucket_num_splits" if bucket else "boundary_num_splits" if boundary else "workqueue_num_splits"
+        self.operating_points[field] = best
+        # A best point at the end of the candidate list may have a better neighbour outside it.
+        at_edge = len(totals) > 1 and best in (min(totals), max(totals))
+        if at_edge:
+            print(f"pkv calibrate: {trace_name(trace)}: the fastest split count, {best}, is at the edge of "
+                  f"split_candidates {list(ct.split_candidates)}; widening them may find a faster one",
+                  file=sys.stderr)
+        record = self.records[trace_name(trace)] = {
+            "route": ROUTE_BUCKET if bucket else ROUTE_WORKQUEUE, "fits": field, "steps": len(timed_trace.steps),
+            "selected_splits": best, "selected_at_edge": at_edge,
+            "device_us_total_by_splits": {str(s): us for s, us in totals.items()},
+            "flashinfer_device_us_total": timed_fi.total_us,
+        }
+        if boundary:
+            # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at break-even on
+            # its GPU). Here the calibration seed's boundary steps decide, in device time; as for
+            # the context gates, CPU timings are recorded and the configured route kept.
+            faster = totals[best] < timed_fi.total_us
+            fitted = ROUTE_WORKQUEUE if faster else ROUTE_FLASHINFER
+            if self.settings.performance_result:
+                self.operating_points["boundary_route"] = fitted
+            record["boundary_route"] = {"fitted": fitted, "applied": self.settings.performance_result,
+                                        "speedup": timed_fi.total_us / totals[best]}
+        # The route the policy takes in this batch regime (length buckets at B1, else the
+        # workqueue) also places the regime's context gate, at the split count just fitted.
+        if bucket == (trace.max_active == 1):
+            self.gate_steps.setdefault(_gate_field(trace.max_active), []).append(
+                {"source": f"split sweep {trace_name(trace)}", **_gate_rows(timed_by_splits[best], timed_fi)})
+
+
+class _GateProbes:
+    """Traces timed on both routes at the fitted operating points, only to place gates: the short
+    contexts of each regime's context gate, and the group sizes other than the model's."""
+
+    def __init__(self, cfg, settings, shape, fitted, gate_steps: dict[str, list[dict]]):
+        self.cfg, self.settings, self.shape, self.fitted = cfg, settings, shape, fitted
+        self.gate_steps = {name: list(rows) for name, rows in gate_steps.items()}
+        self.records: list[dict] = []
+        self.group_totals: dict[int, list[dict]] = {}
+
+    def run(self, probe) -> None:
+        from pkv.route_policy import RoutePolicy
+        from pkv.shape import ModelShape
+
+        base = load_trace_option(probe.trace)
+        trace = dataclasses.replace(
+            base, max_active=probe.max_active, length_scale=base.length_scale * probe.length_scale,
+            num_requests=probe.num_requests or base.num_requests)
+        group = probe.group_size or self.shape.group_size
+        shape = self.shape if group == self.shape.group_size else ModelShape(
+            num_qo_heads=self.shape.num_qo_heads, num_kv_heads=self.shape.num_qo_heads // group,
+            head_dim=self.shape.head_dim)
+        route, splits = RoutePolicy(self.fitted, num_kv_heads=shape.num_kv_heads, group_size=group,
+                                    head_dim=shape.head_dim).candidate(probe.max_active)
+        timed_trace = _TimedTrace(self.cfg, self.settings, shape, trace)
+        route_option = "bucket_exact" if probe.max_active == 1 else "workqueue"
+        timed = timed_trace.persistentkv(self.fitted, route_option, splits)
+        timed_fi = timed_trace.flashinfer(self.fitted)
+        name = f"{trace_name(trace)} x{probe.length_scale:g} G={group}"
+        record = {"probe": name, "route": route, "num_splits": splits, "group_size": group,
+                  "steps": len(timed_trace.steps), "persistentkv_device_us_total": timed.total_us,
+                  "flashinfer_device_us_total": timed_fi.total_us}
+        self.records.append(record)
+        if group == self.shape.group_size:
+            record["fits"] = _gate_field(probe.max_active)
+            self.gate_steps.setdefault(record["fits"], []).append({"source": f"probe {name}",
+                                                                   **_gate_rows(timed, timed_fi)})
+        else:
+            record["fits"] = "supported_group_sizes"
+            self.group_totals.setdefault(group, []).append(record)
+
+    def fit_context_gates(self, start) -> dict:
+        """Each regime's gate from every step timed in it (split sweep and probes)."""
+        from pkv.cost_model import fit_context_gate
+
+        fits = {}
+        for name, sources in self.gate_steps.items():
+            rows = {key: [v for src in sources for v in src[key]]
+                    for key in ("contexts", "persistentkv_us", "flashinfer_us")}
+            gate = fit_context_gate(rows["contexts"], rows["persistentkv_us"], rows["flashinfer_us"],
+                                    start.context_gate(_regime_batch(name)))
+            fits[name] = {"fitted": gate.min_context_tokens, "applied": self.settings.performance_result,
+                          "reason": gate.reason, "sources": [src["source"] for src in sources],
+                          "classes": {str(k): v for k, v in gate.classes.items()}}
+        return fits
+
+    def fit_group_sizes(self, start) -> dict:
+        """The configured group sizes, and each probed one where PersistentKV's device time beat
+        FlashInfer's on every probe of that G."""
+        opened = [g for g, records in self.group_totals.items()
+                  if all(r["persistentkv_device_us_total"] < r["flashinfer_device_us_total"] for r in records)]
+        fitted = sorted(set(start.supported_group_sizes) | set(opened))
+        return {"fitted": fitted, "applied": self.settings.performance_result,
+                "probed": sorted(self.group_totals), "opened": sorted(opened)}
 
 
 def _torch_dtype(name: str):

@@ -1,0 +1,52 @@
+"""The calibrate rule's gate fits, on hand-made timings (the CPU DAG runs them end to end)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from pkv.cost_model import Calibration
+from pkv.experiments.calibrate import _GateProbes, _gate_field, _regime_batch
+
+START = Calibration(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0, min_context_tokens=8192)
+
+
+def _probes(gate_steps=None, performance_result=True) -> _GateProbes:
+    settings = types.SimpleNamespace(performance_result=performance_result)
+    return _GateProbes(cfg=None, settings=settings, shape=None, fitted=START, gate_steps=gate_steps or {})
+
+
+@pytest.mark.parametrize("batch, field", [(1, "min_context_tokens"), (2, "boundary_min_context_tokens"),
+                                          (7, "boundary_min_context_tokens"), (8, "workqueue_min_context_tokens"),
+                                          (64, "workqueue_min_context_tokens")])
+def test_each_batch_size_has_the_gate_of_its_regime(batch, field):
+    assert _gate_field(batch) == field
+    assert _gate_field(_regime_batch(field)) == field
+
+
+def test_each_regime_gate_is_fitted_from_all_of_its_steps():
+    sweep = {"source": "split sweep", "contexts": [70000, 70000], "persistentkv_us": [90.0, 90.0],
+             "flashinfer_us": [100.0, 100.0]}
+    short = {"source": "probe short", "contexts": [1100, 4200], "persistentkv_us": [12.0, 15.0],
+             "flashinfer_us": [10.0, 18.0]}
+    fits = _probes({"workqueue_min_context_tokens": [sweep, short], "min_context_tokens": [sweep]}).fit_context_gates(START)
+    # PersistentKV wins at 4K and 64K, loses at 1K: the B8+ gate opens at 4K.
+    b8 = fits["workqueue_min_context_tokens"]
+    assert b8["fitted"] == 4096 and b8["applied"] is True
+    assert b8["sources"] == ["split sweep", "probe short"] and set(b8["classes"]) == {"1024", "4096", "65536"}
+    assert fits["min_context_tokens"]["fitted"] == 65536
+    assert "boundary_min_context_tokens" not in fits  # no steps timed there: the configured gate stands
+
+
+def test_a_group_size_opens_only_where_persistentkv_wins_every_probe():
+    probes = _probes()
+    probes.group_totals = {
+        1: [{"persistentkv_device_us_total": 90.0, "flashinfer_device_us_total": 100.0},
+            {"persistentkv_device_us_total": 50.0, "flashinfer_device_us_total": 60.0}],
+        8: [{"persistentkv_device_us_total": 90.0, "flashinfer_device_us_total": 100.0},
+            {"persistentkv_device_us_total": 61.0, "flashinfer_device_us_total": 60.0}],
+    }
+    fit = probes.fit_group_sizes(START)
+    assert fit == {"fitted": [1, 4], "applied": True, "probed": [1, 8], "opened": [1]}
+    assert _probes(performance_result=False).fit_group_sizes(START)["fitted"] == [4]
