@@ -50,3 +50,27 @@ def test_a_group_size_opens_only_where_persistentkv_wins_every_probe():
     fit = probes.fit_group_sizes(START)
     assert fit == {"fitted": [1, 4], "applied": True, "probed": [1, 8], "opened": [1]}
     assert _probes(performance_result=False).fit_group_sizes(START)["fitted"] == [4]
+
+
+def _swept(name, max_active, field, totals, fi_total, bucket=False, boundary=False):
+    timed = {s: types.SimpleNamespace(total_us=us, samples=[]) for s, us in totals.items()}
+    return {"name": name, "max_active": max_active, "bucket": bucket, "boundary": boundary, "field": field,
+            "steps": 4, "timed_by_splits": timed, "timed_fi": types.SimpleNamespace(total_us=fi_total, samples=[])}
+
+
+def test_traces_of_one_operating_point_are_decided_by_their_summed_time():
+    from pkv.experiments.calibrate import _SplitSweep
+
+    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=None, calib=START)
+    sweep._swept = [
+        # The ragged batch ranks 28 a hair ahead of 24; rows of one length separate them clearly.
+        _swept("bimodal_b8", 8, "workqueue_num_splits", {24: 100.2, 28: 100.0, 32: 101.0}, 105.0),
+        _swept("homogeneous_b8", 8, "workqueue_num_splits", {24: 200.0, 28: 204.0, 32: 203.0}, 201.0),
+        _swept("bimodal_b4", 4, "boundary_num_splits", {32: 90.0, 36: 88.0}, 89.0, boundary=True),
+    ]
+    points = sweep.operating_points()
+    assert points == {"workqueue_num_splits": 24, "boundary_num_splits": 36,
+                      "boundary_route": "persistentkv_workqueue"}
+    assert sweep.records["homogeneous_b8"]["fitted_with"] == ["bimodal_b8", "homogeneous_b8"]
+    assert sweep.records["bimodal_b8"]["selected_splits"] == 24
+    assert sweep.records["bimodal_b4"]["boundary_route"]["speedup"] == pytest.approx(89.0 / 88.0)

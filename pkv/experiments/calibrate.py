@@ -44,9 +44,10 @@ def run(cfg: PkvConfig) -> list[Path]:
     sweep = _SplitSweep(cfg, settings, shape, calib)
     for ct in exp.calibration_traces:
         sweep.run(ct)
-    operating_points = sweep.operating_points
+    operating_points = sweep.operating_points()
     # The probes run the operating points just fitted, as the route policy will.
-    probes = _GateProbes(cfg, settings, shape, dataclasses.replace(calib, **operating_points), sweep.gate_steps)
+    probes = _GateProbes(cfg, settings, shape, dataclasses.replace(calib, **operating_points),
+                         sweep.gate_steps(operating_points))
     for probe in exp.gate_probes:
         probes.run(probe)
     context_gates = probes.fit_context_gates(start)
@@ -146,64 +147,91 @@ def _gate_rows(pkv_timed, fi_timed) -> dict:
 
 
 class _SplitSweep:
-    """The split sweep of each calibration trace: its operating point, and the timed steps that
-    C_min, the host plan times and the context gates are fitted from."""
+    """The split sweep of the calibration traces: the operating point of each batch regime, and
+    the timed steps that C_min, the host plan times and the context gates are fitted from.
+
+    Traces that fit the same operating point (say a ragged and a uniform batch of 8 rows) are
+    decided together, by the split count with the least device time summed over them: one trace
+    alone can rank two neighbouring counts by noise while the other separates them clearly.
+    """
 
     def __init__(self, cfg, settings, shape, calib):
         self.cfg, self.settings, self.shape, self.calib = cfg, settings, shape, calib
         self.samples, self.flashinfer_plan_us, self.persistentkv_plan_us = [], [], []
-        self.operating_points, self.records, self.kv_dtype_bytes = {}, {}, 2
-        self.gate_steps: dict[str, list[dict]] = {}
+        self.records, self.kv_dtype_bytes = {}, 2
+        self._swept: list[dict] = []
 
     def run(self, ct) -> None:
-        from pkv.cost_model import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, is_boundary_batch
+        from pkv.cost_model import is_boundary_batch
 
         trace = dataclasses.replace(load_trace_option(ct.trace), max_active=ct.max_active)
         timed_trace = _TimedTrace(self.cfg, self.settings, self.shape, trace)
         self.kv_dtype_bytes = timed_trace.kv_dtype_bytes
         bucket = ct.route == "bucket_exact"
-        totals, timed_by_splits = {}, {}
+        timed_by_splits = {}
         for splits in ct.split_candidates:
-            timed = timed_trace.persistentkv(self.calib, ct.route, splits)
-            totals[splits] = timed.total_us
-            timed_by_splits[splits] = timed
+            timed = timed_by_splits[splits] = timed_trace.persistentkv(self.calib, ct.route, splits)
             self.samples += timed.samples
             self.persistentkv_plan_us += timed.plan_us
         # FlashInfer-role steps at low occupancy are what pins C_min down; its plan() time is a constant too.
         timed_fi = timed_trace.flashinfer(self.calib)
         self.samples += timed_fi.samples
         self.flashinfer_plan_us += timed_fi.plan_us
-        best = min(totals, key=totals.get)
         boundary = not bucket and is_boundary_batch(trace.max_active)
-        field = "bucket_num_splits" if bucket else "boundary_num_splits" if boundary else "workqueue_num_splits"
-        self.operating_points[field] = best
-        # A best point at the end of the candidate list may have a better neighbour outside it.
-        at_edge = len(totals) > 1 and best in (min(totals), max(totals))
-        if at_edge:
-            print(f"pkv calibrate: {trace_name(trace)}: the fastest split count, {best}, is at the edge of "
-                  f"split_candidates {list(ct.split_candidates)}; widening them may find a faster one",
-                  file=sys.stderr)
-        record = self.records[trace_name(trace)] = {
-            "route": ROUTE_BUCKET if bucket else ROUTE_WORKQUEUE, "fits": field, "steps": len(timed_trace.steps),
-            "selected_splits": best, "selected_at_edge": at_edge,
-            "device_us_total_by_splits": {str(s): us for s, us in totals.items()},
-            "flashinfer_device_us_total": timed_fi.total_us,
-        }
-        if boundary:
-            # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at break-even on
-            # its GPU). Here the calibration seed's boundary steps decide, in device time; as for
-            # the context gates, CPU timings are recorded and the configured route kept.
-            faster = totals[best] < timed_fi.total_us
-            fitted = ROUTE_WORKQUEUE if faster else ROUTE_FLASHINFER
-            if self.settings.performance_result:
-                self.operating_points["boundary_route"] = fitted
-            record["boundary_route"] = {"fitted": fitted, "applied": self.settings.performance_result,
-                                        "speedup": timed_fi.total_us / totals[best]}
-        # The route the policy takes in this batch regime (length buckets at B1, else the
-        # workqueue) also places the regime's context gate, at the split count just fitted.
-        if bucket == (trace.max_active == 1):
-            self.gate_steps.setdefault(_gate_field(trace.max_active), []).append(
-                {"source": f"split sweep {trace_name(trace)}", **_gate_rows(timed_by_splits[best], timed_fi)})
+        self._swept.append({
+            "name": trace_name(trace), "max_active": trace.max_active, "bucket": bucket, "boundary": boundary,
+            "field": "bucket_num_splits" if bucket else "boundary_num_splits" if boundary else "workqueue_num_splits",
+            "steps": len(timed_trace.steps), "timed_by_splits": timed_by_splits, "timed_fi": timed_fi})
+
+    def operating_points(self) -> dict:
+        """Each swept field's split count (and the boundary route), recording every trace's sweep."""
+        from pkv.cost_model import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE
+
+        points = {}
+        for field in dict.fromkeys(t["field"] for t in self._swept):
+            traces = [t for t in self._swept if t["field"] == field]
+            shared = set.intersection(*(set(t["timed_by_splits"]) for t in traces))
+            if not shared:
+                raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' = "
+                                  f"{[t['name'] for t in traces]}: traces that fit {field} share no split candidate")
+            summed = {s: sum(t["timed_by_splits"][s].total_us for t in traces) for s in sorted(shared)}
+            best = points[field] = min(summed, key=summed.get)
+            # A best point at the end of the candidate list may have a better neighbour outside it.
+            at_edge = len(summed) > 1 and best in (min(summed), max(summed))
+            if at_edge:
+                print(f"pkv calibrate: {field}: the fastest split count, {best}, is at the edge of the "
+                      f"candidates {sorted(summed)}; widening them may find a faster one", file=sys.stderr)
+            for t in traces:
+                record = self.records[t["name"]] = {
+                    "route": ROUTE_BUCKET if t["bucket"] else ROUTE_WORKQUEUE, "fits": field, "steps": t["steps"],
+                    "selected_splits": best, "selected_at_edge": at_edge,
+                    "fitted_with": [u["name"] for u in traces],
+                    "device_us_total_by_splits": {str(s): timed.total_us for s, timed in t["timed_by_splits"].items()},
+                    "flashinfer_device_us_total": t["timed_fi"].total_us,
+                }
+                if t["boundary"]:
+                    # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at
+                    # break-even on its GPU). Here the calibration seed's boundary steps decide, in
+                    # device time; as for the context gates, CPU timings are recorded and the
+                    # configured route kept.
+                    speedup = t["timed_fi"].total_us / t["timed_by_splits"][best].total_us
+                    fitted = ROUTE_WORKQUEUE if speedup > 1.0 else ROUTE_FLASHINFER
+                    if self.settings.performance_result:
+                        points["boundary_route"] = fitted
+                    record["boundary_route"] = {"fitted": fitted, "applied": self.settings.performance_result,
+                                                "speedup": speedup}
+        return points
+
+    def gate_steps(self, points: dict) -> dict[str, list[dict]]:
+        """The steps of each regime timed on the route the policy takes there (length buckets at
+        B1, else the workqueue) at the fitted split count: the long end of its context gate."""
+        steps: dict[str, list[dict]] = {}
+        for t in self._swept:
+            if t["bucket"] == (t["max_active"] == 1):
+                steps.setdefault(_gate_field(t["max_active"]), []).append(
+                    {"source": f"split sweep {t['name']}",
+                     **_gate_rows(t["timed_by_splits"][points[t["field"]]], t["timed_fi"])})
+        return steps
 
 
 class _GateProbes:
