@@ -135,6 +135,9 @@ class ExperimentConfig:
     launch_probe_reps: int = 200
     calibration_traces: List[CalibrationTraceConfig] = field(default_factory=list)
     gate_probes: List[GateProbeConfig] = field(default_factory=list)
+    # A gate's context class (or a probed group size) holds when PersistentKV's device time is
+    # within this fraction of FlashInfer's or better.
+    gate_tolerance: float = 0.02
 
 
 @dataclass
@@ -296,6 +299,8 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
                     or any(s < 1 for s in ct.split_candidates)):
                 raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(ct),
                             "needs max_active >= 1, route bucket_exact or workqueue, split_candidates >= 1")
+        if not (math.isfinite(exp.gate_tolerance) and 0 <= exp.gate_tolerance < 1):
+            raise bad("gate_tolerance", "must be a fraction in [0, 1)")
         for i, probe in enumerate(exp.gate_probes):
             if (probe.max_active < 1 or not probe.length_scale > 0 or not math.isfinite(probe.length_scale)
                     or (probe.group_size is not None and probe.group_size < 1)

@@ -531,21 +531,24 @@ class GateFit:
 
 
 def fit_context_gate(contexts: Sequence[int], persistentkv_us: Sequence[float], flashinfer_us: Sequence[float],
-                     configured: int) -> GateFit:
+                     configured: int, tolerance: float = 0.0) -> GateFit:
     """A context gate (Calibration.min_context_tokens, or the gate of batches of 2..7 or 8+ rows)
     from steps of that batch regime timed on both routes.
 
-    Steps are grouped by context class. The gate opens at the shortest class from which
-    PersistentKV's device time beats FlashInfer's in that class and in every longer class
-    measured; shorter contexts, measured or not, stay on FlashInfer. When FlashInfer is faster
-    in the longest class measured, the gate moves past it (never below ``configured``). With
-    no steps, ``configured`` stands.
+    Steps are grouped by context class. A class holds when PersistentKV's device time is at most
+    FlashInfer's times (1 + ``tolerance``): a tie within the spread of the measurement goes to
+    the route with the cheaper host path. The gate opens at the shortest class from which every
+    longer class measured holds; shorter contexts, measured or not, stay on FlashInfer. When the
+    longest class measured does not hold, the gate moves past it (never below ``configured``).
+    With no steps, ``configured`` stands.
     """
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"fit_context_gate: tolerance must be finite and >= 0, got {tolerance!r}")
     if not len(contexts) == len(persistentkv_us) == len(flashinfer_us):
         raise ValueError(f"fit_context_gate: {len(contexts)} contexts, {len(persistentkv_us)} PersistentKV "
                          f"and {len(flashinfer_us)} FlashInfer times; one of each per step")
     if not contexts:
-        return GateFit(int(configured), {}, "no B1 steps timed: configured gate kept")
+        return GateFit(int(configured), {}, "no steps timed: configured gate kept")
     classes: dict[int, dict] = {}
     for tokens, pkv, fi in zip(contexts, persistentkv_us, flashinfer_us):
         totals = classes.setdefault(context_class(tokens), {"steps": 0, "persistentkv_us": 0.0, "flashinfer_us": 0.0})
@@ -555,12 +558,14 @@ def fit_context_gate(contexts: Sequence[int], persistentkv_us: Sequence[float], 
     ordered = sorted(classes)
     gate = None
     for cls in reversed(ordered):
-        if classes[cls]["persistentkv_us"] >= classes[cls]["flashinfer_us"]:
+        if classes[cls]["persistentkv_us"] > classes[cls]["flashinfer_us"] * (1.0 + tolerance):
             break
         gate = cls
     if gate is None:
         gate = max(int(configured), 2 * ordered[-1])
-        reason = f"FlashInfer faster in the longest class measured ({ordered[-1]} tokens)"
+        margin = f" by more than {tolerance:.0%}" if tolerance else ""
+        reason = f"FlashInfer faster{margin} in the longest class measured ({ordered[-1]} tokens)"
     else:
-        reason = f"PersistentKV faster in every class measured from {gate} to {ordered[-1]} tokens"
+        band = f" (or within {tolerance:.0%})" if tolerance else ""
+        reason = f"PersistentKV faster{band} in every class measured from {gate} to {ordered[-1]} tokens"
     return GateFit(int(gate), {int(k): classes[k] for k in ordered}, reason)

@@ -278,3 +278,18 @@ def test_each_batch_regime_reads_its_own_context_gate():
     del old["boundary_min_context_tokens"], old["workqueue_min_context_tokens"]
     loaded = Calibration.from_mapping(old, "old.json")
     assert [loaded.context_gate(b) for b in (1, 4, 8)] == [PAPER.min_context_tokens] * 3
+
+
+def test_context_gate_tolerance_lets_a_tie_hold():
+    from pkv.cost_model import fit_context_gate
+
+    # 8K: PersistentKV 1.5% slower; 16K: faster.
+    args = ([8200, 17000], [10.15, 20.0], [10.0, 25.0], 4096)
+    assert fit_context_gate(*args).min_context_tokens == 16384
+    fit = fit_context_gate(*args, tolerance=0.02)
+    assert fit.min_context_tokens == 8192 and "within 2%" in fit.reason
+    # Losing the longest class by more than the tolerance moves the gate past it.
+    lost = fit_context_gate([17000], [26.0], [25.0], 4096, tolerance=0.02)
+    assert lost.min_context_tokens == 32768 and "by more than 2%" in lost.reason
+    with pytest.raises(ValueError, match="tolerance"):
+        fit_context_gate([17000], [26.0], [25.0], 4096, tolerance=-0.1)

@@ -47,7 +47,7 @@ def run(cfg: PkvConfig) -> list[Path]:
     operating_points = sweep.operating_points()
     # The probes run the operating points just fitted, as the route policy will.
     probes = _GateProbes(cfg, settings, shape, dataclasses.replace(calib, **operating_points),
-                         sweep.gate_steps(operating_points))
+                         sweep.gate_steps(operating_points), exp.gate_tolerance)
     for probe in exp.gate_probes:
         probes.run(probe)
     context_gates = probes.fit_context_gates(start)
@@ -238,8 +238,8 @@ class _GateProbes:
     """Traces timed on both routes at the fitted operating points, only to place gates: the short
     contexts of each regime's context gate, and the group sizes other than the model's."""
 
-    def __init__(self, cfg, settings, shape, fitted, gate_steps: dict[str, list[dict]]):
-        self.cfg, self.settings, self.shape, self.fitted = cfg, settings, shape, fitted
+    def __init__(self, cfg, settings, shape, fitted, gate_steps: dict[str, list[dict]], tolerance: float):
+        self.cfg, self.settings, self.shape, self.fitted, self.tolerance = cfg, settings, shape, fitted, tolerance
         self.gate_steps = {name: list(rows) for name, rows in gate_steps.items()}
         self.records: list[dict] = []
         self.group_totals: dict[int, list[dict]] = {}
@@ -284,19 +284,21 @@ class _GateProbes:
             rows = {key: [v for src in sources for v in src[key]]
                     for key in ("contexts", "persistentkv_us", "flashinfer_us")}
             gate = fit_context_gate(rows["contexts"], rows["persistentkv_us"], rows["flashinfer_us"],
-                                    start.context_gate(_regime_batch(name)))
+                                    start.context_gate(_regime_batch(name)), self.tolerance)
             fits[name] = {"fitted": gate.min_context_tokens, "applied": self.settings.performance_result,
-                          "reason": gate.reason, "sources": [src["source"] for src in sources],
+                          "tolerance": self.tolerance, "reason": gate.reason,
+                          "sources": [src["source"] for src in sources],
                           "classes": {str(k): v for k, v in gate.classes.items()}}
         return fits
 
     def fit_group_sizes(self, start) -> dict:
-        """The configured group sizes, and each probed one where PersistentKV's device time beat
-        FlashInfer's on every probe of that G."""
+        """The configured group sizes, and each probed one where PersistentKV's device time held
+        (beat FlashInfer's, or came within the tolerance) on every probe of that G."""
         opened = [g for g, records in self.group_totals.items()
-                  if all(r["persistentkv_device_us_total"] < r["flashinfer_device_us_total"] for r in records)]
+                  if all(r["persistentkv_device_us_total"] <= r["flashinfer_device_us_total"] * (1.0 + self.tolerance)
+                         for r in records)]
         fitted = sorted(set(start.supported_group_sizes) | set(opened))
-        return {"fitted": fitted, "applied": self.settings.performance_result,
+        return {"fitted": fitted, "applied": self.settings.performance_result, "tolerance": self.tolerance,
                 "probed": sorted(self.group_totals), "opened": sorted(opened)}
 
 
