@@ -59,9 +59,9 @@ def test_a_group_size_opens_only_where_persistentkv_wins_every_probe():
     assert tolerant.fit_group_sizes(START)["opened"] == [1, 8]
 
 
-def _swept(name, max_active, field, totals, fi_total, bucket=False, boundary=False):
+def _swept(name, max_active, field, totals, fi_total, bucket=False):
     timed = {s: types.SimpleNamespace(total_us=us, samples=[]) for s, us in totals.items()}
-    return {"name": name, "max_active": max_active, "bucket": bucket, "boundary": boundary, "field": field,
+    return {"name": name, "max_active": max_active, "bucket": bucket, "field": field,
             "steps": 4, "timed_by_splits": timed, "timed_fi": types.SimpleNamespace(total_us=fi_total, samples=[])}
 
 
@@ -73,7 +73,7 @@ def test_traces_of_one_operating_point_are_decided_by_their_summed_time():
         # The ragged batch ranks 28 a hair ahead of 24; rows of one length separate them clearly.
         _swept("bimodal_b8", 8, "workqueue_num_splits", {24: 100.2, 28: 100.0, 32: 101.0}, 105.0),
         _swept("homogeneous_b8", 8, "workqueue_num_splits", {24: 200.0, 28: 204.0, 32: 203.0}, 201.0),
-        _swept("bimodal_b4", 4, "boundary_num_splits", {32: 90.0, 36: 88.0}, 89.0, boundary=True),
+        _swept("bimodal_b4", 4, "boundary_num_splits", {32: 90.0, 36: 88.0}, 89.0),
     ]
     points = sweep.operating_points()
     assert points == {"workqueue_num_splits": 24, "boundary_num_splits": 36,

@@ -179,7 +179,7 @@ class _SplitSweep:
         self.flashinfer_plan_us += timed_fi.plan_us
         boundary = not bucket and is_boundary_batch(trace.max_active)
         self._swept.append({
-            "name": trace_name(trace), "max_active": trace.max_active, "bucket": bucket, "boundary": boundary,
+            "name": trace_name(trace), "max_active": trace.max_active, "bucket": bucket,
             "field": "bucket_num_splits" if bucket else "boundary_num_splits" if boundary else "workqueue_num_splits",
             "steps": len(timed_trace.steps), "timed_by_splits": timed_by_splits, "timed_fi": timed_fi})
 
@@ -202,24 +202,24 @@ class _SplitSweep:
                 print(f"pkv calibrate: {field}: the fastest split count, {best}, is at the edge of the "
                       f"candidates {sorted(summed)}; widening them may find a faster one", file=sys.stderr)
             for t in traces:
-                record = self.records[t["name"]] = {
+                self.records[t["name"]] = {
                     "route": ROUTE_BUCKET if t["bucket"] else ROUTE_WORKQUEUE, "fits": field, "steps": t["steps"],
                     "selected_splits": best, "selected_at_edge": at_edge,
                     "fitted_with": [u["name"] for u in traces],
                     "device_us_total_by_splits": {str(s): timed.total_us for s, timed in t["timed_by_splits"].items()},
                     "flashinfer_device_us_total": t["timed_fi"].total_us,
                 }
-                if t["boundary"]:
-                    # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at
-                    # break-even on its GPU). Here the calibration seed's boundary steps decide, in
-                    # device time; as for the context gates, CPU timings are recorded and the
-                    # configured route kept.
-                    speedup = t["timed_fi"].total_us / t["timed_by_splits"][best].total_us
-                    fitted = ROUTE_WORKQUEUE if speedup > 1.0 else ROUTE_FLASHINFER
-                    if self.settings.performance_result:
-                        points["boundary_route"] = fitted
-                    record["boundary_route"] = {"fitted": fitted, "applied": self.settings.performance_result,
-                                                "speedup": speedup}
+            if field == "boundary_num_splits":
+                # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at break-even
+                # on its GPU). Here the calibration seed's boundary steps decide, in device time;
+                # as for the context gates, CPU timings are recorded and the configured route kept.
+                speedup = sum(t["timed_fi"].total_us for t in traces) / summed[best]
+                fitted = ROUTE_WORKQUEUE if speedup > 1.0 else ROUTE_FLASHINFER
+                if self.settings.performance_result:
+                    points["boundary_route"] = fitted
+                for t in traces:
+                    self.records[t["name"]]["boundary_route"] = {
+                        "fitted": fitted, "applied": self.settings.performance_result, "speedup": speedup}
         return points
 
     def gate_steps(self, points: dict) -> dict[str, list[dict]]:
@@ -245,6 +245,7 @@ class _GateProbes:
         self.group_totals: dict[int, list[dict]] = {}
 
     def run(self, probe) -> None:
+        from pkv.cost_model import ROUTE_BUCKET
         from pkv.route_policy import RoutePolicy
         from pkv.shape import ModelShape
 
@@ -259,8 +260,7 @@ class _GateProbes:
         route, splits = RoutePolicy(self.fitted, num_kv_heads=shape.num_kv_heads, group_size=group,
                                     head_dim=shape.head_dim).candidate(probe.max_active)
         timed_trace = _TimedTrace(self.cfg, self.settings, shape, trace)
-        route_option = "bucket_exact" if probe.max_active == 1 else "workqueue"
-        timed = timed_trace.persistentkv(self.fitted, route_option, splits)
+        timed = timed_trace.persistentkv(self.fitted, "bucket_exact" if route == ROUTE_BUCKET else "workqueue", splits)
         timed_fi = timed_trace.flashinfer(self.fitted)
         name = f"{trace_name(trace)} x{probe.length_scale:g} G={group}"
         record = {"probe": name, "route": route, "num_splits": splits, "group_size": group,
