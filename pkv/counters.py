@@ -6,7 +6,7 @@ step must read and the partial-state bytes its splits write for the merge.
     decode launches   one per bucket launch; one for the workqueue
     merge launches    one per bucket launch with S > 1; workqueue: 1 if any pair has more
                       than one split (0 on either route for the fused-merge variant, which
-                      merges in the decode kernel)
+                      merges in the decode kernel, and for the bucket route's cluster merge)
     launches          decode launches + merge launches
     decode CTAs       sum of R * Hkv * S over bucket launches; T tasks for the workqueue
     useful KV bytes   sum_i seq_len_i * Hkv * d * 2 (K and V) * dtype bytes
@@ -14,7 +14,8 @@ step must read and the partial-state bytes its splits write for the merge.
                       slots * G * (d + 2) * 4. A bucket launch with S > 1 writes every
                       slot of its grid, empty splits included; the workqueue writes the
                       slots of pairs with more than one split (a single-split pair writes
-                      out directly).
+                      out directly). The cluster merge writes none: its splits merge through
+                      distributed shared memory.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def partial_state_bytes(num_slots: int, group_size: int, head_dim: int) -> int:
 
 
 def counters_for_buckets(plan: BucketPlan, step, num_sms: int, head_dim: int, kv_dtype_bytes: int = 2,
-                         fused_merge: bool = False) -> StepCounters:
+                         fused_merge: bool = False, cluster_merge: bool = False) -> StepCounters:
     _check_common(num_sms, head_dim, kv_dtype_bytes)
     hkv = plan.num_kv_heads
     decode_ctas = 0
@@ -70,7 +71,7 @@ def counters_for_buckets(plan: BucketPlan, step, num_sms: int, head_dim: int, kv
     for launch in plan.launches:
         slots = launch.num_slots(hkv)
         decode_ctas += slots
-        if launch.num_splits > 1:
+        if launch.num_splits > 1 and not cluster_merge:
             merged_slots += slots
             merge_launches += 0 if fused_merge else 1
     return StepCounters(

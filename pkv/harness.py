@@ -92,13 +92,16 @@ def default_num_sms(device) -> int:
     return os.cpu_count() or 1
 
 
-def uses_fused_merge(engine) -> bool:
-    """Whether the engine (or the PersistentKV engine inside an adaptive one) fuses the merge."""
+def merge_options(engine) -> dict:
+    """How the engine (or the PersistentKV engine inside an adaptive one) merges split states:
+    the fused_merge and cluster_merge options its counters follow."""
     inner = getattr(engine, "persistent", None)
-    return bool(getattr(engine, "fused_merge", False) or getattr(inner, "fused_merge", False))
+    return {name: bool(getattr(engine, name, False) or getattr(inner, name, False))
+            for name in ("fused_merge", "cluster_merge")}
 
 
-def step_counters(plan, step, shape, num_sms: int, kv_dtype_bytes: int, fused_merge: bool = False):
+def step_counters(plan, step, shape, num_sms: int, kv_dtype_bytes: int, fused_merge: bool = False,
+                  cluster_merge: bool = False):
     """Structural counters from the plan's type: workqueue, buckets, or one library call."""
     from pkv import counters
 
@@ -108,7 +111,7 @@ def step_counters(plan, step, shape, num_sms: int, kv_dtype_bytes: int, fused_me
                                                kv_dtype_bytes, fused_merge=fused_merge)
     if hasattr(schedule, "launches"):
         return counters.counters_for_buckets(schedule, step, num_sms, shape.head_dim, kv_dtype_bytes,
-                                             fused_merge=fused_merge)
+                                             fused_merge=fused_merge, cluster_merge=cluster_merge)
     return counters.counters_for_flashinfer(step, num_sms, shape.head_dim, kv_dtype_bytes,
                                             num_kv_heads=shape.num_kv_heads)
 
@@ -226,7 +229,7 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
     ref_limit = REF_REL_LIMIT[dtype]
 
     names = list(engines)
-    fused = {name: uses_fused_merge(engines[name]) for name in names}
+    merges = {name: merge_options(engines[name]) for name in names}
     records = {name: _EngineRecord() for name in names}
     total_steps = spec.warmup_steps + spec.measured_steps
     started = last_report = time.perf_counter()
@@ -271,8 +274,7 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
                 record.add_step(step, plan, plan_us=(planned - wall.started) * 1e6,
                                 issue_us=(issued - planned) * 1e6, wall_us=wall.elapsed_us,
                                 cuda_us=device_timer.elapsed_us, position=position)
-                record.counters.append(step_counters(plan, step, shape, sms, kv_dtype_bytes,
-                                                     fused[name]))
+                record.counters.append(step_counters(plan, step, shape, sms, kv_dtype_bytes, **merges[name]))
 
         for name in names:
             if name == baseline:

@@ -78,6 +78,10 @@ def test_small_batch_by_hand():
     fused = counters_for_workqueue(plan_workqueue(step, 2, 4, SplitPolicy(num_splits=4)), step, 4, 8,
                                    fused_merge=True)
     assert (fused.launches, fused.merge_launches, fused.merge_bytes) == (1, 0, 20 * 160)
+    # The cluster merge combines a pair's splits in distributed shared memory: no merge launch,
+    # no partial state written.
+    cluster = counters_for_buckets(plan_buckets(step, 2, 4, 4, "exact"), step, 4, 8, cluster_merge=True)
+    assert (cluster.launches, cluster.merge_launches, cluster.merge_bytes, cluster.decode_ctas) == (2, 0, 0, 20)
 
 
 def test_single_split_pairs_write_no_partial_state():

@@ -191,3 +191,14 @@ def test_step_report_groups_the_per_step_records(tmp_path):
     assert "ran first" in places_part and "ran second" in places_part
     with pytest.raises(FileNotFoundError, match="no result files"):
         report(tmp_path / "missing")
+
+
+def test_counters_follow_the_merge_option_of_the_engine_or_the_one_inside_it():
+    import types
+
+    plain = types.SimpleNamespace()
+    assert harness.merge_options(plain) == {"fused_merge": False, "cluster_merge": False}
+    cluster = types.SimpleNamespace(cluster_merge=True, fused_merge=False)
+    assert harness.merge_options(cluster) == {"fused_merge": False, "cluster_merge": True}
+    adaptive = types.SimpleNamespace(persistent=types.SimpleNamespace(fused_merge=True))
+    assert harness.merge_options(adaptive) == {"fused_merge": True, "cluster_merge": False}
