@@ -1,0 +1,114 @@
+"""What a calibration fitted, and the measurements behind each choice.
+
+The calibrate rule keeps every timing it decided from in the calibration JSON's provenance. This
+prints them as the route policy reads them: the operating point of each batch regime, each split
+sweep as FlashInfer / PersistentKV device time per split count (above 1: PersistentKV faster; the
+selected count marked), each regime's context gate with its context classes (marked where they
+held), the gate probes and the group sizes they opened:
+
+    python -m pkv.calibration_report artifacts/h200/calibration/calibration.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pkv.cost_model import FULL_BATCH, ROUTE_WORKQUEUE, load_calibration
+
+# Each batch regime: its label, a batch size in it and the Calibration field of its context gate.
+GATES = (("B1", 1, "min_context_tokens"), ("B2-7", FULL_BATCH - 1, "boundary_min_context_tokens"),
+         ("B8+", FULL_BATCH, "workqueue_min_context_tokens"))
+
+
+def _ratio(flashinfer_us: float, persistentkv_us: float) -> str:
+    return f"{flashinfer_us / persistentkv_us:.3f}" if persistentkv_us > 0 else "-"
+
+
+def operating_points(calib) -> list[str]:
+    boundary = (f"workqueue S={calib.boundary_num_splits}" if calib.boundary_route == ROUTE_WORKQUEUE
+                else "FlashInfer")
+    return [
+        f"B1    bucket S={calib.bucket_num_splits}, from {calib.context_gate(1)} tokens",
+        f"B2-7  {boundary}, from {calib.context_gate(FULL_BATCH - 1)} tokens",
+        f"B8+   workqueue S={calib.workqueue_num_splits}, from {calib.context_gate(FULL_BATCH)} tokens",
+        f"G routed to PersistentKV: {', '.join(str(g) for g in calib.supported_group_sizes)}",
+        f"beta {calib.beta_gbps:.0f} GB/s, lambda {calib.lambda_us:.2f} us, C_min {calib.c_min:g}, "
+        f"plan us FlashInfer {calib.flashinfer_plan_us:.1f} / PersistentKV {calib.persistentkv_plan_us:.1f}",
+    ]
+
+
+def split_sweeps(sweeps: dict) -> list[str]:
+    lines = []
+    for name, sweep in sweeps.items():
+        fi = float(sweep["flashinfer_device_us_total"])
+        cells = []
+        for splits, us in sweep["device_us_total_by_splits"].items():
+            mark = "*" if int(splits) == int(sweep["selected_splits"]) else ""
+            cells.append(f"{splits}{mark}: {_ratio(fi, float(us))}")
+        fits = sweep.get("fits", "")
+        together = sweep.get("fitted_with", [name])
+        with_others = f" (with {', '.join(t for t in together if t != name)})" if len(together) > 1 else ""
+        lines.append(f"{name} -> {fits}{with_others}: " + ", ".join(cells))
+        if "boundary_route" in sweep:
+            route = sweep["boundary_route"]
+            lines.append(f"  boundary route {route['fitted']} ({float(route['speedup']):.3f}x, "
+                         f"{'applied' if route['applied'] else 'not applied'})")
+    return lines
+
+
+def context_gates(gates: dict, calib) -> list[str]:
+    lines = []
+    for label, batch, field in GATES:
+        gate = gates.get(field)
+        if gate is None:
+            continue
+        fitted = int(gate["fitted"])
+        classes = []
+        for cls, totals in sorted(gate["classes"].items(), key=lambda kv: int(kv[0])):
+            held = "+" if int(cls) >= fitted else "-"
+            classes.append(f"{cls}{held} {_ratio(float(totals['flashinfer_us']), float(totals['persistentkv_us']))}")
+        lines.append(f"{label:<5} fitted {fitted}, in use {calib.context_gate(batch)}"
+                     f" ({'applied' if gate['applied'] else 'not applied'}): {gate['reason']}")
+        lines.append("      " + ", ".join(classes))
+    return lines
+
+
+def report(path: Path) -> str:
+    calib = load_calibration(path)
+    measured = json.loads(Path(path).read_text()).get("provenance", {}).get("measurements", {})
+    lines = [f"== {path}", *operating_points(calib)]
+    if measured.get("split_sweeps"):
+        lines += ["", "split sweeps (FlashInfer / PersistentKV device time; * selected):",
+                  *split_sweeps(measured["split_sweeps"])]
+    if measured.get("context_gates"):
+        lines += ["", "context gates (FlashInfer / PersistentKV device time per class; + at or above the gate):",
+                  *context_gates(measured["context_gates"], calib)]
+    if measured.get("gate_probes"):
+        lines += ["", "gate probes:"]
+        for probe in measured["gate_probes"]:
+            lines.append(f"{probe['probe']:<32}{probe['route']:<24}S={probe['num_splits']:<4}"
+                         f"{_ratio(float(probe['flashinfer_device_us_total']), float(probe['persistentkv_device_us_total']))}"
+                         f"  -> {probe['fits']}")
+    if measured.get("group_sizes"):
+        groups = measured["group_sizes"]
+        lines.append(f"group sizes probed {groups['probed']}, opened {groups['opened']}, "
+                     f"fitted {groups['fitted']} ({'applied' if groups['applied'] else 'not applied'})")
+    if not measured:
+        lines.append("(no measurements recorded: a configured, not a calibrated, file)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("calibrations", nargs="+", type=Path, help="calibration JSON files")
+    args = parser.parse_args(argv)
+    for path in args.calibrations:
+        print(report(path))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""pkv.calibration_report on hand-made calibrations (the CPU DAG test reads a fitted one)."""
+
+from __future__ import annotations
+
+from pkv import calibration_report
+from pkv.cost_model import Calibration, save_calibration
+
+CALIB = Calibration(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0, min_context_tokens=512,
+                    workqueue_min_context_tokens=4096, workqueue_num_splits=24, supported_group_sizes=(1, 4))
+MEASURED = {
+    "split_sweeps": {"bimodal_b8": {"fits": "workqueue_num_splits", "selected_splits": 24,
+                                    "device_us_total_by_splits": {"20": 110.0, "24": 100.0},
+                                    "flashinfer_device_us_total": 105.0}},
+    "context_gates": {"workqueue_min_context_tokens": {
+        "fitted": 4096, "applied": True, "reason": "PersistentKV faster in every class measured from 4096",
+        "classes": {"1024": {"steps": 2, "persistentkv_us": 12.0, "flashinfer_us": 10.0},
+                    "4096": {"steps": 2, "persistentkv_us": 20.0, "flashinfer_us": 22.0}}}},
+    "gate_probes": [{"probe": "bimodal_b8 x0.25 G=4", "route": "persistentkv_workqueue", "num_splits": 24,
+                     "persistentkv_device_us_total": 50.0, "flashinfer_device_us_total": 60.0,
+                     "fits": "workqueue_min_context_tokens"}],
+    "group_sizes": {"probed": [1, 8], "opened": [1], "fitted": [1, 4], "applied": True},
+}
+
+
+def test_report_names_each_choice_and_the_timings_behind_it(tmp_path):
+    path = tmp_path / "calibration.json"
+    save_calibration(path, CALIB, {"measurements": MEASURED})
+    text = calibration_report.report(path)
+    assert "B8+   workqueue S=24, from 4096 tokens" in text
+    assert "B2-7  FlashInfer, from 512 tokens" in text  # null gate: the B1 gate
+    assert "G routed to PersistentKV: 1, 4" in text
+    assert "bimodal_b8 -> workqueue_num_splits: 20: 0.955, 24*: 1.050" in text
+    assert "1024- 0.833, 4096+ 1.100" in text
+    assert "bimodal_b8 x0.25 G=4" in text and "1.200" in text
+    assert "opened [1]" in text
+
+
+def test_report_of_a_file_without_measurements(tmp_path, capsys):
+    path = tmp_path / "calibration.json"
+    save_calibration(path, CALIB, {})
+    assert calibration_report.main([str(path)]) == 0
+    assert "no measurements recorded" in capsys.readouterr().out
