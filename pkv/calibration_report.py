@@ -28,15 +28,14 @@ def _ratio(flashinfer_us: float, persistentkv_us: float) -> str:
 
 
 def operating_points(calib) -> list[str]:
-    boundary = (f"workqueue S={calib.boundary_num_splits}" if calib.boundary_route == ROUTE_WORKQUEUE
-                else "FlashInfer")
+    """The schedule the route policy uses in each batch regime, and the group sizes it routes."""
+    boundary = (f"workqueue S={calib.boundary_num_splits} from {calib.context_gate(FULL_BATCH - 1)} tokens"
+                if calib.boundary_route == ROUTE_WORKQUEUE else "FlashInfer")
     return [
-        f"B1    bucket S={calib.bucket_num_splits}, from {calib.context_gate(1)} tokens",
-        f"B2-7  {boundary}, from {calib.context_gate(FULL_BATCH - 1)} tokens",
-        f"B8+   workqueue S={calib.workqueue_num_splits}, from {calib.context_gate(FULL_BATCH)} tokens",
-        f"G routed to PersistentKV: {', '.join(str(g) for g in calib.supported_group_sizes)}",
-        f"beta {calib.beta_gbps:.0f} GB/s, lambda {calib.lambda_us:.2f} us, C_min {calib.c_min:g}, "
-        f"plan us FlashInfer {calib.flashinfer_plan_us:.1f} / PersistentKV {calib.persistentkv_plan_us:.1f}",
+        f"B1 bucket S={calib.bucket_num_splits} from {calib.context_gate(1)} tokens",
+        f"B2-7 {boundary}",
+        f"B8+ workqueue S={calib.workqueue_num_splits} from {calib.context_gate(FULL_BATCH)} tokens",
+        f"G routed: {', '.join(str(g) for g in calib.supported_group_sizes)}",
     ]
 
 
@@ -79,7 +78,9 @@ def context_gates(gates: dict, calib) -> list[str]:
 def report(path: Path) -> str:
     calib = load_calibration(path)
     measured = json.loads(Path(path).read_text()).get("provenance", {}).get("measurements", {})
-    lines = [f"== {path}", *operating_points(calib)]
+    lines = [f"== {path}", *operating_points(calib),
+             f"beta {calib.beta_gbps:.0f} GB/s, lambda {calib.lambda_us:.2f} us, C_min {calib.c_min:g}, plan us "
+             f"FlashInfer {calib.flashinfer_plan_us:.1f} / PersistentKV {calib.persistentkv_plan_us:.1f}"]
     if measured.get("split_sweeps"):
         lines += ["", "split sweeps (FlashInfer / PersistentKV device time; * selected):",
                   *split_sweeps(measured["split_sweeps"])]

@@ -126,7 +126,8 @@ class _Builder:
 def calibration_evidence(path: Path) -> str:
     """What the calibration fitted, in the words of the route policy: the operating point of each
     batch regime, so the table says which schedule a held-out row was routed to and why."""
-    from pkv.cost_model import FULL_BATCH, ROUTE_WORKQUEUE, Calibration, CalibrationError
+    from pkv.calibration_report import operating_points
+    from pkv.cost_model import Calibration, CalibrationError
 
     text = f"calibration JSON fitted on seed {CALIBRATION_SEED}"
     record = read_json(path) if path.is_file() else None
@@ -137,12 +138,7 @@ def calibration_evidence(path: Path) -> str:
         calib = Calibration.from_mapping(fitted, str(path))
     except CalibrationError:
         return text
-    boundary = (f"workqueue S={calib.boundary_num_splits} from {calib.context_gate(FULL_BATCH - 1)} tokens"
-                if calib.boundary_route == ROUTE_WORKQUEUE else "FlashInfer")
-    groups = ", ".join(str(g) for g in calib.supported_group_sizes)
-    return (f"{text}: B1 bucket S={calib.bucket_num_splits} from {calib.context_gate(1)} tokens; "
-            f"B2-7 {boundary}; B8+ workqueue S={calib.workqueue_num_splits} from "
-            f"{calib.context_gate(FULL_BATCH)} tokens; G routed: {groups}")
+    return f"{text}: " + "; ".join(operating_points(calib))
 
 
 def evidence_map(root: Path) -> dict[str, Any]:

@@ -23,12 +23,13 @@ MEASURED = {
 
 
 def test_report_names_each_choice_and_the_timings_behind_it(tmp_path):
+    # The B2-7 gate is null (the B1 gate) and its route FlashInfer.
     path = tmp_path / "calibration.json"
     save_calibration(path, CALIB, {"measurements": MEASURED})
     text = calibration_report.report(path)
-    assert "B8+   workqueue S=24, from 4096 tokens" in text
-    assert "B2-7  FlashInfer, from 512 tokens" in text  # null gate: the B1 gate
-    assert "G routed to PersistentKV: 1, 4" in text
+    assert "B8+ workqueue S=24 from 4096 tokens" in text
+    assert "B1 bucket S=32 from 512 tokens" in text and "B2-7 FlashInfer\n" in text
+    assert "G routed: 1, 4" in text
     assert "bimodal_b8 -> workqueue_num_splits: 20: 0.955, 24*: 1.050" in text
     assert "1024- 0.833, 4096+ 1.100" in text
     assert "bimodal_b8 x0.25 G=4" in text and "1.200" in text
