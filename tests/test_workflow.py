@@ -41,6 +41,8 @@ def test_dry_run_plans_every_rule_for_the_cpu(tmp_path):
     assert counts["evaluate"] == 45
     assert counts["isolated"] == 3
     assert f"{tmp_path}/cpu/tables/table8.tex" in proc.stdout
+    # An edit of the calibration's sweeps, probes or tolerance is a new calibration.
+    assert re.search(r"rule calibrate:\n\s+input: .*conf/experiment/calibrate\.yaml", proc.stdout)
 
 
 def test_gpu_smoke_axes_cover_every_family(tmp_path):

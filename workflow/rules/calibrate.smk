@@ -6,6 +6,8 @@ rule calibrate:
     input:
         build=BUILD_RECORD,
         gpu_constants=f"conf/gpu/{GPU}.yaml",
+        # the sweeps, probes and tolerance: an edit there is a new calibration
+        settings="conf/experiment/calibrate.yaml",
     output:
         CALIBRATION,
     log:
