@@ -16,11 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from pkv.cost_model import FULL_BATCH, ROUTE_WORKQUEUE, load_calibration
+from pkv.cost_model import CONTEXT_GATE_FIELDS, FULL_BATCH, ROUTE_WORKQUEUE, load_calibration
 
-# Each batch regime: its label, a batch size in it and the Calibration field of its context gate.
-GATES = (("B1", 1, "min_context_tokens"), ("B2-7", FULL_BATCH - 1, "boundary_min_context_tokens"),
-         ("B8+", FULL_BATCH, "workqueue_min_context_tokens"))
+# Each batch regime's label, keyed like CONTEXT_GATE_FIELDS by a batch size of the regime.
+REGIME_LABELS = {1: "B1", FULL_BATCH - 1: "B2-7", FULL_BATCH: "B8+"}
 
 
 def _ratio(flashinfer_us: float, persistentkv_us: float) -> str:
@@ -60,7 +59,8 @@ def split_sweeps(sweeps: dict) -> list[str]:
 
 def context_gates(gates: dict, calib) -> list[str]:
     lines = []
-    for label, batch, field in GATES:
+    for batch, field in CONTEXT_GATE_FIELDS.items():
+        label = REGIME_LABELS[batch]
         gate = gates.get(field)
         if gate is None:
             continue

@@ -55,6 +55,19 @@ def is_boundary_batch(batch_size: int) -> bool:
     return 1 < batch_size < FULL_BATCH
 
 
+# The Calibration field holding each batch regime's context gate, keyed by a batch size of the
+# regime: B1, 2..7 rows, 8+ rows.
+CONTEXT_GATE_FIELDS = {1: "min_context_tokens", FULL_BATCH - 1: "boundary_min_context_tokens",
+                       FULL_BATCH: "workqueue_min_context_tokens"}
+
+
+def context_gate_field(batch_size: int) -> str:
+    """The Calibration field holding the context gate of this batch size's regime."""
+    if batch_size <= 1:
+        return CONTEXT_GATE_FIELDS[1]
+    return CONTEXT_GATE_FIELDS[FULL_BATCH - 1 if is_boundary_batch(batch_size) else FULL_BATCH]
+
+
 # Range searched by fit_c_min: from a quarter CTA per SM (below any useful target) to 64
 # CTAs per SM (above what one SM can keep resident for these kernels), step 0.25.
 C_MIN_GRID = np.arange(1, 257) * 0.25
@@ -160,10 +173,7 @@ class Calibration:
     def context_gate(self, batch_size: int) -> int:
         """Tokens the longest row of a step of ``batch_size`` rows needs before PersistentKV is
         considered: the gate of its batch regime (B1, 2..7 rows, 8+ rows)."""
-        if batch_size <= 1:
-            return self.min_context_tokens
-        gate = (self.boundary_min_context_tokens if batch_size < FULL_BATCH
-                else self.workqueue_min_context_tokens)
+        gate = getattr(self, context_gate_field(batch_size))
         return self.min_context_tokens if gate is None else gate
 
     def to_json_dict(self) -> dict:

@@ -7,7 +7,8 @@ import types
 import pytest
 
 from pkv.cost_model import Calibration
-from pkv.experiments.calibrate import _GateProbes, _gate_field, _regime_batch
+from pkv.cost_model import CONTEXT_GATE_FIELDS, context_gate_field
+from pkv.experiments.calibrate import _GateProbes
 
 START = Calibration(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0, min_context_tokens=8192)
 
@@ -22,8 +23,8 @@ def _probes(gate_steps=None, performance_result=True, tolerance=0.0) -> _GatePro
                                           (7, "boundary_min_context_tokens"), (8, "workqueue_min_context_tokens"),
                                           (64, "workqueue_min_context_tokens")])
 def test_each_batch_size_has_the_gate_of_its_regime(batch, field):
-    assert _gate_field(batch) == field
-    assert _gate_field(_regime_batch(field)) == field
+    assert context_gate_field(batch) == field
+    assert context_gate_field({f: b for b, f in CONTEXT_GATE_FIELDS.items()}[field]) == field
 
 
 def test_each_regime_gate_is_fitted_from_all_of_its_steps():
@@ -39,7 +40,8 @@ def test_each_regime_gate_is_fitted_from_all_of_its_steps():
     assert fits["min_context_tokens"]["fitted"] == 65536
     assert "boundary_min_context_tokens" not in fits  # no steps timed there: the configured gate stands
     # 1K loses by 20%, past any tolerance; with 25% it holds too.
-    assert _probes({"g": [sweep, short]}, tolerance=0.25).fit_context_gates(START)["g"]["fitted"] == 1024
+    wide = _probes({"workqueue_min_context_tokens": [sweep, short]}, tolerance=0.25).fit_context_gates(START)
+    assert wide["workqueue_min_context_tokens"]["fitted"] == 1024
 
 
 def test_a_group_size_opens_only_where_persistentkv_wins_every_probe():

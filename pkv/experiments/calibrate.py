@@ -80,22 +80,6 @@ def run(cfg: PkvConfig) -> list[Path]:
     return [out]
 
 
-def _gate_field(batch_size: int) -> str:
-    """The Calibration field holding the context gate of this batch size's regime."""
-    from pkv.cost_model import is_boundary_batch
-
-    if batch_size == 1:
-        return "min_context_tokens"
-    return "boundary_min_context_tokens" if is_boundary_batch(batch_size) else "workqueue_min_context_tokens"
-
-
-def _regime_batch(field: str) -> int:
-    """A batch size of the regime whose gate is ``field`` (the inverse of _gate_field)."""
-    from pkv.cost_model import FULL_BATCH
-
-    return {"min_context_tokens": 1, "boundary_min_context_tokens": FULL_BATCH - 1}.get(field, FULL_BATCH)
-
-
 class _TimedTrace:
     """One calibration trace's steps and page pool, timed on PersistentKV and FlashInfer."""
 
@@ -225,10 +209,12 @@ class _SplitSweep:
     def gate_steps(self, points: dict) -> dict[str, list[dict]]:
         """The steps of each regime timed on the route the policy takes there (length buckets at
         B1, else the workqueue) at the fitted split count: the long end of its context gate."""
+        from pkv.cost_model import context_gate_field
+
         steps: dict[str, list[dict]] = {}
         for t in self._swept:
             if t["bucket"] == (t["max_active"] == 1):
-                steps.setdefault(_gate_field(t["max_active"]), []).append(
+                steps.setdefault(context_gate_field(t["max_active"]), []).append(
                     {"source": f"split sweep {t['name']}",
                      **_gate_rows(t["timed_by_splits"][points[t["field"]]], t["timed_fi"])})
         return steps
@@ -245,7 +231,7 @@ class _GateProbes:
         self.group_totals: dict[int, list[dict]] = {}
 
     def run(self, probe) -> None:
-        from pkv.cost_model import ROUTE_BUCKET
+        from pkv.cost_model import ROUTE_BUCKET, context_gate_field
         from pkv.route_policy import RoutePolicy
         from pkv.shape import ModelShape
 
@@ -268,7 +254,7 @@ class _GateProbes:
                   "flashinfer_device_us_total": timed_fi.total_us}
         self.records.append(record)
         if group == self.shape.group_size:
-            record["fits"] = _gate_field(probe.max_active)
+            record["fits"] = context_gate_field(probe.max_active)
             self.gate_steps.setdefault(record["fits"], []).append({"source": f"probe {name}",
                                                                    **_gate_rows(timed, timed_fi)})
         else:
@@ -277,14 +263,15 @@ class _GateProbes:
 
     def fit_context_gates(self, start) -> dict:
         """Each regime's gate from every step timed in it (split sweep and probes)."""
-        from pkv.cost_model import fit_context_gate
+        from pkv.cost_model import CONTEXT_GATE_FIELDS, fit_context_gate
 
+        regime_batch = {name: batch for batch, name in CONTEXT_GATE_FIELDS.items()}
         fits = {}
         for name, sources in self.gate_steps.items():
             rows = {key: [v for src in sources for v in src[key]]
                     for key in ("contexts", "persistentkv_us", "flashinfer_us")}
             gate = fit_context_gate(rows["contexts"], rows["persistentkv_us"], rows["flashinfer_us"],
-                                    start.context_gate(_regime_batch(name)), self.tolerance)
+                                    start.context_gate(regime_batch[name]), self.tolerance)
             fits[name] = {"fitted": gate.min_context_tokens, "applied": self.settings.performance_result,
                           "tolerance": self.tolerance, "reason": gate.reason,
                           "sources": [src["source"] for src in sources],
