@@ -1,6 +1,6 @@
 // Thin torch binding over step_plan.h: the step planners as CPU ops (torch.ops.pkv.plan_*).
 // Built into the CUDA extension and, on machines without CUDA, into a CPU-only library, so the
-// planner is tested against pkv/schedule.py everywhere.
+// planner is tested against pkv/pipeline/schedule.py everywhere.
 #include <torch/library.h>
 
 #include <algorithm>

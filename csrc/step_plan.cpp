@@ -1,4 +1,4 @@
-// Host-side decode-step planning; see step_plan.h. Formulas and orders follow pkv/schedule.py.
+// Host-side decode-step planning; see step_plan.h. Formulas and orders follow pkv/pipeline/schedule.py.
 #include "step_plan.h"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// Host-side decode-step planning in C++: the same plans as pkv/schedule.py (which stays the
+// Host-side decode-step planning in C++: the same plans as pkv/pipeline/schedule.py (which stays the
 // specification; tests compare the two element by element), produced in a few microseconds
 // instead of the tens that numpy's per-call overhead costs on a fast GPU's decode step.
 //
@@ -20,7 +20,7 @@ namespace pkv {
 enum PlanRoute : int64_t { kRouteWorkqueue = 0, kRouteBuckets = 1 };
 enum PlanLayoutField : int { kLayoutRoute = 0, kLayoutBatch, kLayoutTableWidth, kLayoutNumSlots, kLayoutRouteFields };
 
-// Mirrors pkv.schedule.SplitPolicy.
+// Mirrors pkv.pipeline.schedule.SplitPolicy.
 struct SplitPolicyArgs {
   bool balanced;
   int64_t num_splits;
@@ -38,7 +38,7 @@ int64_t workqueue_row_splits(const int32_t* seq_lens, int64_t batch, int64_t num
 int64_t workqueue_num_tasks(const int32_t* row_splits, int64_t batch, int64_t num_kv_heads);
 
 // Tasks (row, kvh, split, tile_begin, tile_end), longest first and ties by slot, exactly as
-// pkv.schedule.plan_workqueue orders them, and split_offsets [B * Hkv + 1].
+// pkv.pipeline.schedule.plan_workqueue orders them, and split_offsets [B * Hkv + 1].
 void fill_workqueue(const int32_t* seq_lens, const int32_t* row_splits, int64_t batch, int64_t num_kv_heads,
                     int32_t* tasks, int32_t* split_offsets);
 
@@ -49,7 +49,7 @@ struct BucketLaunchShape {
   int64_t route_len;
 };
 
-// pkv.schedule.plan_buckets: exact mode makes one launch per distinct length, longest first
+// pkv.pipeline.schedule.plan_buckets: exact mode makes one launch per distinct length, longest first
 // (rows of one launch in ascending order); masked mode one launch over every row at the longest
 // length. Writes the rows to row_indices[0..batch) and returns the launches.
 std::vector<BucketLaunchShape> plan_bucket_launches(const int32_t* seq_lens, int64_t batch, int64_t num_splits,

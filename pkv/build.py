@@ -156,7 +156,7 @@ def check_compile(arches: tuple[str, ...] = ("90a", "80")) -> list[str]:
 
 def write_record(path: Path) -> dict:
     from pkv.provenance import collect_provenance
-    from pkv.results import write_json_atomic
+    from pkv.report.results import write_json_atomic
 
     import torch
 

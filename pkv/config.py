@@ -48,7 +48,7 @@ class ConfigError(ValueError):
 class TraceConfig:
     """One request trace: a synthetic family or an external file, and how it is paged and batched."""
 
-    family: str = MISSING  # a pkv.traces family, or "external"
+    family: str = MISSING  # a pkv.pipeline.traces family, or "external"
     name: Optional[str] = None  # results name; None = "<family>_b<max_active>"
     num_requests: int = 32
     max_active: int = 8
@@ -56,9 +56,9 @@ class TraceConfig:
     decode_len_range: List[int] = field(default_factory=lambda: [16, 64])
     page_size: int = 16
     hole_fraction: float = 0.0
-    arrivals: Optional[str] = None  # arrival process of pkv.traces; None = the generator's default
+    arrivals: Optional[str] = None  # arrival process of pkv.pipeline.traces; None = the generator's default
     arrival_rate: Optional[float] = None
-    # external traces only: the file and the reader's options (pkv.trace_readers.read_trace)
+    # external traces only: the file and the reader's options (pkv.pipeline.trace_readers.read_trace)
     path: Optional[str] = None
     max_context: Optional[int] = None
     overlong: Optional[str] = None
@@ -347,7 +347,7 @@ def _check_gpu(gpu: Mapping[str, Any], where: str) -> None:
 
 
 def _trace_families() -> tuple[str, ...]:
-    from pkv.traces import TRACE_FAMILIES
+    from pkv.pipeline.traces import TRACE_FAMILIES
 
     return tuple(TRACE_FAMILIES)
 

@@ -28,14 +28,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pkv.counters import (
+from pkv.pipeline.counters import (
     PARTIAL_STATE_BYTES,
     StepCounters,
     counters_for_buckets,
     counters_for_flashinfer,
     estimate_workqueue_counters,
 )
-from pkv.schedule import SPLIT_KINDS, TILE_TOKENS, SplitPolicy, plan_buckets
+from pkv.pipeline.schedule import SPLIT_KINDS, TILE_TOKENS, SplitPolicy, plan_buckets
 
 ROUTE_FLASHINFER = "flashinfer"
 ROUTE_BUCKET = "persistentkv_bucket"

@@ -18,10 +18,10 @@ for tool in memcheck racecheck; do
   echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
 done
 if [ -z "${SKIP_BENCH:-}" ]; then  # SKIP_BENCH=1: checks and host times only
-  python3 -m pkv.kernel_bench --out "$OUT/kernel_bench.json" ${BENCH_ARGS:-} 2>"$OUT/bench.err"
+  python3 -m pkv.measure.kernel_bench --out "$OUT/kernel_bench.json" ${BENCH_ARGS:-} 2>"$OUT/bench.err"
   tail -3 "$OUT/bench.err"
 fi
-[ -n "${BENCH_WRITE_FLUSH:-}" ] && python3 -m pkv.kernel_bench --flush write --out "$OUT/kernel_bench_writeflush.json" --cases b1_8k b1_32k b8_bimodal 2>/dev/null | tail -4
+[ -n "${BENCH_WRITE_FLUSH:-}" ] && python3 -m pkv.measure.kernel_bench --flush write --out "$OUT/kernel_bench_writeflush.json" --cases b1_8k b1_32k b8_bimodal 2>/dev/null | tail -4
 if [ -z "${SKIP_HOST:-}" ]; then  # SKIP_HOST=1: no host-time split
-  python3 -m pkv.host_bench --calibration conf/gpu/h200.yaml --out "$OUT/host_bench.json" 2>&1 | tail -25
+  python3 -m pkv.measure.host_bench --calibration conf/gpu/h200.yaml --out "$OUT/host_bench.json" 2>&1 | tail -25
 fi

@@ -5,7 +5,7 @@
 #   BASELINE=<dir>: a checkout of the baseline, inside this tree so it travels with it, e.g.
 #     mkdir -p .device/baseline && git archive <rev> | tar -x -C .device/baseline
 #     (the GPU machine's copy of .git may be stale, so the baseline is exported here, not there)
-#   CASES="b1_8k b1_32k ...": the pkv.kernel_bench cases (default below).
+#   CASES="b1_8k b1_32k ...": the pkv.measure.kernel_bench cases (default below).
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 BASELINE=${BASELINE:?set BASELINE to the baseline checkout}
@@ -16,6 +16,6 @@ export PYTHONPATH=/tmp/site:$PWD PKV_CACHE_DIR=$PWD/.cache/pkv PYTHONUNBUFFERED=
 python3 -m pkv.build 2>&1 | tail -1
 echo "== baseline ($BASELINE)"
 # shellcheck disable=SC2086
-python3 -m pkv.kernel_bench --out "$OUT/baseline_bench.json" --cases $CASES 2>"$OUT/baseline_bench.err"
+python3 -m pkv.measure.kernel_bench --out "$OUT/baseline_bench.json" --cases $CASES 2>"$OUT/baseline_bench.err"
 # The device tool brings back a limited number of files: the logs travel as one archive too.
 cd "$OUT" && tar czf logs.tgz ./*.log ./*.err 2>/dev/null

@@ -10,11 +10,11 @@ import numpy as np
 import torch
 
 from pkv.engines.persistentkv import PersistentKVEngine
-from pkv.kv_data import make_kv_pages, make_queries
-from pkv.pages import assign_pages
-from pkv.schedule import SplitPolicy
+from pkv.measure.kv_data import make_kv_pages, make_queries
+from pkv.pipeline.pages import assign_pages
+from pkv.pipeline.schedule import SplitPolicy
 from pkv.shape import ModelShape
-from pkv.step import build_step
+from pkv.pipeline.step import build_step
 
 
 def main() -> None:

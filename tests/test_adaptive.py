@@ -4,18 +4,18 @@ import numpy as np
 import pytest
 import torch
 
-from pkv.accuracy import compare
+from pkv.measure.accuracy import compare
 from pkv.engines import ENGINE_NAMES, EngineUnavailable, build_engine
 from pkv.engines.adaptive import AdaptiveEngine, AdaptivePlan
 from pkv.engines.dense import dense_decode
 from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
-from pkv.kv_data import make_kv_pages, make_queries
+from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.shape import ModelShape
 
-schedule = pytest.importorskip("pkv.schedule")
-pages_mod = pytest.importorskip("pkv.pages")
-step_mod = pytest.importorskip("pkv.step")
+schedule = pytest.importorskip("pkv.pipeline.schedule")
+pages_mod = pytest.importorskip("pkv.pipeline.pages")
+step_mod = pytest.importorskip("pkv.pipeline.step")
 
 SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
 

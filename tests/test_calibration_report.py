@@ -1,8 +1,8 @@
-"""pkv.calibration_report on hand-made calibrations (the CPU DAG test reads a fitted one)."""
+"""pkv.report.calibration_report on hand-made calibrations (the CPU DAG test reads a fitted one)."""
 
 from __future__ import annotations
 
-from pkv import calibration_report
+from pkv.report import calibration_report
 from pkv.cost_model import Calibration, save_calibration
 
 CALIB = Calibration(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0, min_context_tokens=512,

@@ -20,7 +20,7 @@ from pkv.cost_model import (
     load_calibration,
     save_calibration,
 )
-from pkv.step import build_step
+from pkv.pipeline.step import build_step
 
 CONF_GPU = Path(__file__).resolve().parents[1] / "conf" / "gpu"
 SHAPE = dict(num_kv_heads=8, group_size=4, head_dim=128)

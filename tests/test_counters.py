@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pkv.counters import (
+from pkv.pipeline.counters import (
     MIB,
     StepCounters,
     counters_for_buckets,
@@ -12,8 +12,8 @@ from pkv.counters import (
     estimate_workqueue_counters,
     summarize,
 )
-from pkv.schedule import SplitPolicy, plan_buckets, plan_workqueue
-from pkv.step import build_step
+from pkv.pipeline.schedule import SplitPolicy, plan_buckets, plan_workqueue
+from pkv.pipeline.step import build_step
 
 HKV, G, D = 8, 4, 128
 

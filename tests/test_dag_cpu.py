@@ -107,7 +107,7 @@ def test_calibration_records_every_gate_fit_but_keeps_the_cpu_gates(finished_dag
     assert record["calibration"]["boundary_min_context_tokens"] is None
     assert record["calibration"]["workqueue_min_context_tokens"] is None
     assert record["calibration"]["supported_group_sizes"] == [4]
-    from pkv.calibration_report import report
+    from pkv.report.calibration_report import report
 
     text = report(finished_dag / "artifacts/cpu/calibration/calibration.json")
     assert "context gates" in text and "gate probes" in text and "(not applied)" in text

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from pkv.accuracy import compare
+from pkv.measure.accuracy import compare
 from pkv.engines.dense import dense_decode
 from pkv.engines.sdpa import SdpaEngine
-from pkv.kv_data import make_kv_pages, make_queries
+from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.shape import ModelShape
 
-pages_mod = pytest.importorskip("pkv.pages")
-step_mod = pytest.importorskip("pkv.step")
+pages_mod = pytest.importorskip("pkv.pipeline.pages")
+step_mod = pytest.importorskip("pkv.pipeline.step")
 
 P = 16
 

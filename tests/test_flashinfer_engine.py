@@ -16,7 +16,7 @@ import torch
 
 from pkv.engines import flashinfer as fi
 from pkv.shape import ModelShape
-from pkv.step import build_step
+from pkv.pipeline.step import build_step
 
 
 class _Wrapper:

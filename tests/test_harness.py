@@ -3,17 +3,17 @@
 import numpy as np
 import pytest
 
-from pkv import harness
+from pkv.measure import harness
 from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
-from pkv.harness import CorrectnessError, TraceRunSpec, run_trace
+from pkv.measure.harness import CorrectnessError, TraceRunSpec, run_trace
 from pkv.shape import ModelShape
 
-traces = pytest.importorskip("pkv.traces")
-serving = pytest.importorskip("pkv.serving")
-pages_mod = pytest.importorskip("pkv.pages")
-schedule = pytest.importorskip("pkv.schedule")
-pytest.importorskip("pkv.counters")
+traces = pytest.importorskip("pkv.pipeline.traces")
+serving = pytest.importorskip("pkv.pipeline.serving")
+pages_mod = pytest.importorskip("pkv.pipeline.pages")
+schedule = pytest.importorskip("pkv.pipeline.schedule")
+pytest.importorskip("pkv.pipeline.counters")
 
 SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
 METRIC_KEYS = {
@@ -163,8 +163,8 @@ def test_device_time_comes_from_a_second_run_of_each_measured_step():
 
 
 def test_step_report_groups_the_per_step_records(tmp_path):
-    from pkv.results import result_envelope, write_json_atomic
-    from pkv.step_report import group_steps, report, wall_by_position
+    from pkv.report.results import result_envelope, write_json_atomic
+    from pkv.report.step_report import group_steps, report, wall_by_position
 
     spec = tiny_spec()
     results = run_trace(spec, SHAPE, engines(), "sdpa", progress=False)

@@ -5,12 +5,12 @@ import pytest
 from pkv.engines.base import Engine, EngineUnavailable
 from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
-from pkv.isolated import autotune_splits, isolated_batch, kv_bytes_read
+from pkv.measure.isolated import autotune_splits, isolated_batch, kv_bytes_read
 from pkv.shape import ModelShape
 
-schedule = pytest.importorskip("pkv.schedule")
-pytest.importorskip("pkv.pages")
-pytest.importorskip("pkv.step")
+schedule = pytest.importorskip("pkv.pipeline.schedule")
+pytest.importorskip("pkv.pipeline.pages")
+pytest.importorskip("pkv.pipeline.step")
 
 SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
 

@@ -17,9 +17,9 @@ EDGE_LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, 31, 32, 33, 63, 65, 1000, 4097]
 
 
 def _case(seq_lens, shape, dtype, seed, peaked=True, hole_fraction=0.5):
-    from pkv.kv_data import make_kv_pages, make_queries
-    from pkv.pages import assign_pages
-    from pkv.step import build_step
+    from pkv.measure.kv_data import make_kv_pages, make_queries
+    from pkv.pipeline.pages import assign_pages
+    from pkv.pipeline.step import build_step
 
     assignment = assign_pages(seq_lens, PAGE, hole_fraction, seed)
     step = build_step(0, np.arange(len(seq_lens)), np.asarray(seq_lens, dtype=np.int32),
@@ -67,7 +67,7 @@ def _run_poisoned(engine, step, q, k, v):
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("route", ["workqueue", "bucket_exact", "bucket_masked"])
 def test_routes_match_float64(route, group, dtype, fused):
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128)
@@ -89,7 +89,7 @@ def test_routes_match_float64(route, group, dtype, fused):
 def test_ring_depths_match_float64(route, group, stages):
     """Every cp.async ring depth, with warps that own fewer chunks than the page-table lookahead
     (short splits) and many more (long single splits)."""
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128)
@@ -105,7 +105,7 @@ def test_ring_depths_match_float64(route, group, stages):
 @pytest.mark.parametrize("kind", ["fixed", "balanced"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_workqueue_random_batches(kind, fused):
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape()
@@ -126,7 +126,7 @@ def test_workqueue_random_batches(kind, fused):
 def test_partial_states_match_reference():
     """The kernels' split states equal the torch reference's, slot by slot."""
     from pkv.engines.reference import ReferenceEngine
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape()
@@ -147,7 +147,7 @@ def test_partial_states_match_reference():
 
 
 def test_long_context_b1():
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape()
@@ -164,7 +164,7 @@ def test_long_context_b1():
 def test_fused_merge_at_the_split_limit_g8(route):
     """The fused merge's shared-memory scratch at its bound: 1024 slots of G = 8, many of them empty."""
     from pkv.engines.persistentkv import MAX_MERGE_SPLITS
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape(num_qo_heads=64, num_kv_heads=8, head_dim=128)
@@ -183,7 +183,7 @@ def test_fused_merge_at_the_split_limit_g8(route):
 def test_run_plan_matches_per_op_launches(route, group, fused):
     """run() plans in C++ and issues every launch from C++ (run_plan, scratch allocated there):
     its output equals the per-op launches of the numpy plan bit for bit, and float64."""
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128)
@@ -218,7 +218,7 @@ def test_cluster_merge_matches_float64(route, group, dtype):
     """Splits merged through distributed shared memory: every split count up to the 16-CTA
     cluster, fewer splits than query heads (a CTA merges several heads), empty splits at the
     edge lengths, and partial-state scratch that stays untouched (poisoned and still NaN)."""
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     _needs_clusters()
@@ -256,7 +256,7 @@ def test_cluster_merge_cuda_graph_replay():
 def test_run_plan_scratch_alignment_with_odd_head_counts(route):
     """Hkv = 3, G = 2: slot counts that are not multiples of 4, so run_plan's padding between the
     m and l regions of its one scratch buffer is exercised."""
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape(num_qo_heads=6, num_kv_heads=3, head_dim=128)
@@ -273,7 +273,7 @@ def test_run_plan_scratch_alignment_with_odd_head_counts(route):
 
 @pytest.mark.parametrize("route", ["workqueue", "bucket_exact"])
 def test_cuda_graph_replay_matches_eager(route):
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape()
@@ -304,7 +304,7 @@ def test_bad_inputs_name_the_field():
 def test_warm_up_runs_each_kernel_set_once():
     """prepare() runs a plan untimed the first time its kernels are needed, then never again for
     the same kernels; a step that needs the merge too is a new kernel set."""
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     shape = ModelShape()

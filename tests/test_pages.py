@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pkv.pages import assign_pages, universe_size
+from pkv.pipeline.pages import assign_pages, universe_size
 
 
 def _lens(n, seed=0):

@@ -1,18 +1,18 @@
-"""ReferenceEngine executes pkv.schedule plans exactly: compared with the float64 dense path."""
+"""ReferenceEngine executes pkv.pipeline.schedule plans exactly: compared with the float64 dense path."""
 
 import numpy as np
 import pytest
 import torch
 
-from pkv.accuracy import PAPER_MAX_ABS, PAPER_MEAN_ABS, check_within, compare
+from pkv.measure.accuracy import PAPER_MAX_ABS, PAPER_MEAN_ABS, check_within, compare
 from pkv.engines.dense import dense_decode
 from pkv.engines.reference import ReferenceEngine, work_items
-from pkv.kv_data import make_kv_pages, make_queries
+from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.shape import ModelShape
 
-schedule = pytest.importorskip("pkv.schedule")
-pages_mod = pytest.importorskip("pkv.pages")
-step_mod = pytest.importorskip("pkv.step")
+schedule = pytest.importorskip("pkv.pipeline.schedule")
+pages_mod = pytest.importorskip("pkv.pipeline.pages")
+step_mod = pytest.importorskip("pkv.pipeline.step")
 
 P = 16
 ROUTES = ("workqueue", "bucket_exact", "bucket_masked")

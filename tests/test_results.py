@@ -4,8 +4,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pkv import results
-from pkv.results import (
+from pkv.report import results
+from pkv.report.results import (
     RESULT_SCHEMA,
     ResultFileError,
     iter_results,

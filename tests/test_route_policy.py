@@ -8,7 +8,7 @@ import pytest
 
 from pkv.cost_model import Calibration, estimate_route_us
 from pkv.route_policy import RouteDecision, RoutePolicy
-from pkv.step import build_step
+from pkv.pipeline.step import build_step
 
 PAPER = Calibration(gpu="rtx3060", num_sms=28, beta_gbps=331.2, lambda_us=8.19, c_min=4.0)
 SHAPE = dict(num_kv_heads=8, group_size=4, head_dim=128)

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from pkv.schedule import (
+from pkv.pipeline.schedule import (
     TILE_TOKENS,
     SplitPolicy,
     nonempty_splits,
@@ -15,7 +15,7 @@ from pkv.schedule import (
     row_tiles,
     split_range,
 )
-from pkv.step import build_step
+from pkv.pipeline.step import build_step
 
 EDGE_LENGTHS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 639, 640, 641]
 

@@ -3,10 +3,10 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from pkv.pages import assign_pages
-from pkv.serving import ContinuousDecoder, decode_plan_summary
-from pkv.step import StepBatch, build_step
-from pkv.traces import Request, synthetic_trace
+from pkv.pipeline.pages import assign_pages
+from pkv.pipeline.serving import ContinuousDecoder, decode_plan_summary
+from pkv.pipeline.step import StepBatch, build_step
+from pkv.pipeline.traces import Request, synthetic_trace
 
 
 def _check_flashinfer_matches_block_table(step: StepBatch):

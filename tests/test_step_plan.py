@@ -1,4 +1,4 @@
-"""The C++ step planner (csrc/step_plan.cpp) against pkv.schedule, its specification.
+"""The C++ step planner (csrc/step_plan.cpp) against pkv.pipeline.schedule, its specification.
 
 Runs on the CPU: where there is no GPU the planner is built on its own as a CPU library. Every
 array of the packed plan must equal the numpy plan's, element by element, for random batches,
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pkv.schedule import SplitPolicy, plan_buckets, plan_workqueue
-from pkv.step import build_step
+from pkv.pipeline.schedule import SplitPolicy, plan_buckets, plan_workqueue
+from pkv.pipeline.step import build_step
 
 EDGE_LENGTHS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 639, 640, 641, 4097, 65536]
 PAGE = 16

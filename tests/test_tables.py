@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from pkv import evidence, table_data, tables
+from pkv.report import evidence, table_data, tables
 from pkv.provenance import collect_provenance
-from pkv.results import result_envelope, write_json_atomic
-from pkv.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
+from pkv.report.results import result_envelope, write_json_atomic
+from pkv.report.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
 
 FIXTURE = Path(__file__).parent / "fixtures" / "results" / "fake_gpu"
 
@@ -279,7 +279,7 @@ def test_trace_labels(name, label):
 
 
 def test_header_names_the_sources_of_a_dirty_commit():
-    from pkv.table_data import Inputs
+    from pkv.report.table_data import Inputs
 
     inputs = Inputs()
     inputs.add({"provenance": {"git_commit": "0123456789abcdef", "git_dirty": True, "source_digest": "feedbeef"}})

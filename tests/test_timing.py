@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 
-from pkv.accuracy import AccuracyError, check_within, compare, require_within
-from pkv.mlp_tail import GatedMLPTail
-from pkv.nvtx_ranges import nvtx_range
+from pkv.measure.accuracy import AccuracyError, check_within, compare, require_within
+from pkv.measure.mlp_tail import GatedMLPTail
+from pkv.measure.nvtx_ranges import nvtx_range
 from pkv.shape import ModelShape
-from pkv.timing import DeviceTimer, L2Flusher, TimingStats, WallTimer, summarize_us, time_device_us
+from pkv.measure.timing import DeviceTimer, L2Flusher, TimingStats, WallTimer, summarize_us, time_device_us
 
 
 def test_time_device_us_measures_cpu_work():
@@ -114,7 +114,7 @@ def test_model_shape_validation():
 
 
 def test_time_interleaved_us_rotates_the_order_and_keeps_round_medians():
-    from pkv.timing import time_interleaved_us
+    from pkv.measure.timing import time_interleaved_us
 
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}

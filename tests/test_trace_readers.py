@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from pkv.make_fixture import make_mixed_fixture
-from pkv.trace_readers import TraceError, read_trace, write_trace_csv
-from pkv.traces import Request
+from pkv.pipeline.make_fixture import make_mixed_fixture
+from pkv.pipeline.trace_readers import TraceError, read_trace, write_trace_csv
+from pkv.pipeline.traces import Request
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("PKV_SHARED_DIR", REPO.parent / "shared"))

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pkv.traces import K, TRACE_FAMILIES, ZIPF_EXPONENT, Request, synthetic_trace
+from pkv.pipeline.traces import K, TRACE_FAMILIES, ZIPF_EXPONENT, Request, synthetic_trace
 
 
 def _prompts(trace):

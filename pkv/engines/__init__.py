@@ -23,7 +23,7 @@ __all__ = ["Engine", "EnginePlan", "EngineUnavailable", "ENGINE_NAMES", "OPTION_
 
 
 def _persistent_kwargs(options: dict, calib) -> dict:
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
 
     num_splits = options.get("num_splits",
                              getattr(calib, "workqueue_num_splits", None) if calib else None)
@@ -69,7 +69,7 @@ def build_engine(name: str, *, shape, device, calib=None, options: dict | None =
 
     Options: route, num_splits, split_kind, bucket_num_splits, fused_merge (PersistentKV and
     reference); cuda_graph and planner ("native" C++ or "numpy", the CUDA PersistentKV engine
-    only; the reference engine always plans with pkv.schedule); allow_b4 (adaptive);
+    only; the reference engine always plans with pkv.pipeline.schedule); allow_b4 (adaptive);
     use_tensor_cores, page_size (FlashInfer). Unset split
     options come from ``calib`` when given. Raises EngineUnavailable when the role cannot run
     here, ValueError for unknown names or options.

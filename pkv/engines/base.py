@@ -23,7 +23,7 @@ class EnginePlan:
 
     ``route`` uses the route policy's names ("flashinfer", "persistentkv_bucket",
     "persistentkv_workqueue") so the harness can count routes the same way for every engine.
-    ``schedule`` is the ``pkv.schedule`` plan (BucketPlan or WorkqueuePlan) or None for
+    ``schedule`` is the ``pkv.pipeline.schedule`` plan (BucketPlan or WorkqueuePlan) or None for
     engines that schedule internally; the harness derives structural counters from it.
     ``tensors`` holds whatever the engine uploaded for ``run`` (block table, lengths, ...).
     """

@@ -1,4 +1,4 @@
-"""The PersistentKV CUDA engine: executes pkv.schedule plans with the torch.ops.pkv kernels.
+"""The PersistentKV CUDA engine: executes pkv.pipeline.schedule plans with the torch.ops.pkv kernels.
 
 Same constructor and methods as pkv.engines.reference.ReferenceEngine, which computes the same
 plans in torch; the GPU tests compare the two on every route.
@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from pkv.engines.base import Engine, check_decode_inputs
-from pkv.schedule import BucketLaunch, BucketPlan, SplitPolicy, WorkqueuePlan, plan_buckets, plan_workqueue
+from pkv.pipeline.schedule import BucketLaunch, BucketPlan, SplitPolicy, WorkqueuePlan, plan_buckets, plan_workqueue
 
 ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
-# native: the C++ planner of the extension (csrc/step_plan.cpp); numpy: pkv.schedule, the
+# native: the C++ planner of the extension (csrc/step_plan.cpp); numpy: pkv.pipeline.schedule, the
 # specification it is tested against (and the path to compare host time with).
 PLANNERS = ("native", "numpy")
 RING_STAGES = (2, 3, 4)  # cp.async ring depths the decode kernels are built for (csrc/launch_impl.cuh)

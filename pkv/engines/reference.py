@@ -1,6 +1,6 @@
 """Torch execution of PersistentKV plans: the kernels' partial-state math, on any device.
 
-The reference engine executes exactly the tasks of a ``pkv.schedule`` plan (workqueue tasks
+The reference engine executes exactly the tasks of a ``pkv.pipeline.schedule`` plan (workqueue tasks
 or bucket CTAs), writes the split partial states in the layouts of docs/architecture.md and
 merges them. GPU tests compare the CUDA kernels' states against ``partial_states`` slot by
 slot, and the CPU profile uses this engine as the PersistentKV stand-in.
@@ -22,7 +22,7 @@ import torch
 
 from pkv.engines.base import Engine, EnginePlan, check_decode_inputs
 
-# The unit of KV work fixed by docs/architecture.md (pkv.schedule.TILE_TOKENS).
+# The unit of KV work fixed by docs/architecture.md (pkv.pipeline.schedule.TILE_TOKENS).
 TILE_TOKENS = 32
 
 ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
@@ -163,7 +163,7 @@ class ReferenceEngine(Engine):
                 or bucket_num_splits < 1:
             raise ValueError(f"bucket_num_splits must be a positive int, got {bucket_num_splits!r}")
         if split_policy is None:
-            from pkv.schedule import SplitPolicy
+            from pkv.pipeline.schedule import SplitPolicy
 
             split_policy = SplitPolicy()
         self.shape = shape
@@ -200,7 +200,7 @@ class ReferenceEngine(Engine):
         return "masked" if self.route == "bucket_masked" else "exact"
 
     def _plan_workqueue(self, step, policy) -> EnginePlan:
-        from pkv.schedule import plan_workqueue
+        from pkv.pipeline.schedule import plan_workqueue
 
         schedule = plan_workqueue(step, self.shape.num_kv_heads, self.shape.group_size, policy)
         splits = int(policy.num_splits) if policy.kind == "fixed" else int(schedule.max_splits)
@@ -213,7 +213,7 @@ class ReferenceEngine(Engine):
         return self._upload(plan)
 
     def _plan_buckets(self, step, num_splits: int, mode: str) -> EnginePlan:
-        from pkv.schedule import plan_buckets
+        from pkv.pipeline.schedule import plan_buckets
 
         schedule = plan_buckets(step, self.shape.num_kv_heads, self.shape.group_size, num_splits,
                                 mode=mode)

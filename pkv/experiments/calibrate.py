@@ -19,7 +19,7 @@ from pkv.experiments.common import load_requests, model_shape, provenance_for, r
 
 
 def run(cfg: PkvConfig) -> list[Path]:
-    from pkv.calibration_probe import measure_launch_us, measure_read_gbps
+    from pkv.measure.calibration_probe import measure_launch_us, measure_read_gbps
     from pkv.cost_model import Calibration, fit_c_min, save_calibration
 
     exp = cfg.experiment
@@ -84,8 +84,8 @@ class _TimedTrace:
     """One calibration trace's steps and page pool, timed on PersistentKV and FlashInfer."""
 
     def __init__(self, cfg: PkvConfig, settings, shape, trace):
-        from pkv.calibration_probe import trace_steps
-        from pkv.kv_data import make_kv_pages
+        from pkv.measure.calibration_probe import trace_steps
+        from pkv.measure.kv_data import make_kv_pages
 
         run_settings = resolve_settings(dataclasses.replace(cfg, trace=trace))
         requests = load_requests(trace, cfg.seed, run_settings)
@@ -102,7 +102,7 @@ class _TimedTrace:
                            flush_l2=cfg.experiment.flush_l2)
 
     def persistentkv(self, calib, route_option: str, splits: int):
-        from pkv.calibration_probe import time_steps
+        from pkv.measure.calibration_probe import time_steps
         from pkv.cost_model import ROUTE_BUCKET, ROUTE_WORKQUEUE
         from pkv.engines import build_engine
 
@@ -115,7 +115,7 @@ class _TimedTrace:
                           **self.timing)
 
     def flashinfer(self, calib):
-        from pkv.calibration_probe import time_steps
+        from pkv.measure.calibration_probe import time_steps
         from pkv.cost_model import ROUTE_FLASHINFER
         from pkv.engines import build_engine
 
@@ -290,6 +290,6 @@ class _GateProbes:
 
 
 def _torch_dtype(name: str):
-    from pkv.kv_data import resolve_dtype
+    from pkv.measure.kv_data import resolve_dtype
 
     return resolve_dtype(name)

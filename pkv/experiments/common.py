@@ -101,7 +101,7 @@ def trace_name(trace: TraceConfig) -> str:
 def load_requests(trace: TraceConfig, seed: int, settings: RunSettings) -> list:
     """The trace's requests: a seeded synthetic family or the first num_requests of a file."""
     if trace.family == EXTERNAL_FAMILY:
-        from pkv.trace_readers import read_trace
+        from pkv.pipeline.trace_readers import read_trace
 
         options: dict[str, Any] = {"length_scale": settings.length_scale}
         for key in ("max_context", "overlong", "step_ms"):
@@ -111,7 +111,7 @@ def load_requests(trace: TraceConfig, seed: int, settings: RunSettings) -> list:
         if not requests:
             raise ConfigError(f"conf/trace/external.yaml: field 'trace.path' = {trace.path!r}: no requests")
         return requests
-    from pkv.traces import synthetic_trace
+    from pkv.pipeline.traces import synthetic_trace
 
     options = {"length_scale": settings.length_scale, "decode_len_range": tuple(trace.decode_len_range)}
     for key in ("arrivals", "arrival_rate"):
@@ -190,7 +190,7 @@ def write_all_or_nothing(files: Mapping[str | os.PathLike, Any]) -> list[Path]:
     A run that times several engines produces one file per engine; a reader (and Snakemake) must
     never find some engines of a run without the others.
     """
-    from pkv.results import write_json_atomic
+    from pkv.report.results import write_json_atomic
 
     written: list[Path] = []
     try:

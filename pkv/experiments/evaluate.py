@@ -1,6 +1,6 @@
 """Trace runs (Tables 2, 3, 4): every engine of the experiment on one trace and seed, side by side.
 
-All engines of a run see the same requests, page tables and K,V tensors (pkv.harness builds them
+All engines of a run see the same requests, page tables and K,V tensors (pkv.measure.harness builds them
 once), so their files share one run_id and their ratios mean something. Engines that cannot be
 built here (library missing, no GPU) get a "skipped" record with the reason; if the baseline is
 one of them, nothing can be compared and every engine of the run is recorded as skipped.
@@ -19,8 +19,8 @@ from pkv.experiments.common import (
 
 def run_trace_experiment(cfg: PkvConfig) -> list[Path]:
     """Run cfg's trace with every engine of cfg.experiment and write out/<engine>.json for each."""
-    from pkv.harness import TraceRunSpec, run_trace
-    from pkv.results import result_envelope
+    from pkv.measure.harness import TraceRunSpec, run_trace
+    from pkv.report.results import result_envelope
 
     exp, trace = cfg.experiment, cfg.trace
     settings = resolve_settings(cfg)
@@ -54,7 +54,7 @@ def run_trace_experiment(cfg: PkvConfig) -> list[Path]:
         elif label in skipped:
             body = {"skipped": skipped[label]}
         else:
-            raise RuntimeError(f"pkv.harness.run_trace returned no metrics for engine {label!r}")
+            raise RuntimeError(f"pkv.measure.harness.run_trace returned no metrics for engine {label!r}")
         files[engine_file(cfg.out, label)] = result_envelope(
             exp.name, record_trace, label, baseline_engine=exp.baseline, run_id=run_id,
             performance_result=settings.performance_result, variant=cfg.variant, provenance=prov, **body,

@@ -13,7 +13,7 @@ from pkv.config import PkvConfig
 from pkv.experiments.common import (
     load_calibration_for, model_shape, new_run_id, provenance_for, resolve_settings, trace_record,
 )
-from pkv.results import RESULT_SCHEMA
+from pkv.report.results import RESULT_SCHEMA
 
 # Several engines can play one method; the fastest one that runs is the method's number.
 _FLASHINFER_PATHS = ("flashinfer_tc", "flashinfer_cc")
@@ -61,8 +61,8 @@ def _best(method: str, results: dict, skipped: dict) -> dict:
 
 
 def run(cfg: PkvConfig) -> list[Path]:
-    from pkv.isolated import isolated_batch
-    from pkv.results import write_json_atomic
+    from pkv.measure.isolated import isolated_batch
+    from pkv.report.results import write_json_atomic
 
     exp, trace = cfg.experiment, cfg.trace
     settings = resolve_settings(cfg)

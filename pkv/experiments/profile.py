@@ -56,7 +56,7 @@ class NcuParseError(ValueError):
 
 
 def range_name(label: str) -> str:
-    """The NVTX range pkv.harness puts an engine's decode calls in: "<engine label>_decode"."""
+    """The NVTX range pkv.measure.harness puts an engine's decode calls in: "<engine label>_decode"."""
     return f"{label}_decode"
 
 
@@ -141,8 +141,8 @@ def parse_ncu_csv(text: str, source: str = "<ncu csv>") -> list[dict]:
 
 
 def _profiled_trace(cfg: PkvConfig) -> None:
-    """The inner run under ncu; pkv.harness puts each engine's run() in the range "<engine>_decode"."""
-    from pkv.harness import TraceRunSpec, run_trace
+    """The inner run under ncu; pkv.measure.harness puts each engine's run() in the range "<engine>_decode"."""
+    from pkv.measure.harness import TraceRunSpec, run_trace
 
     exp, trace = cfg.experiment, cfg.trace
     settings = resolve_settings(cfg)
@@ -176,7 +176,7 @@ def run(cfg: PkvConfig, overrides: Sequence[str] = ()) -> list[Path]:
     """Write cfg.out (ncu_counters.json); `overrides` are the CLI's, replayed for the inner run."""
     import torch
 
-    from pkv.results import write_json_atomic
+    from pkv.report.results import write_json_atomic
 
     settings = resolve_settings(cfg)
     if os.environ.get(CHILD_ENV) == "1":

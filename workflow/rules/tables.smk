@@ -17,4 +17,4 @@ rule tables:
     conda:
         CONDA_ENV
     shell:
-        f"{PYTHON} -m pkv.tables --root {{params.root}} --out {{params.out}} > {{log}} 2>&1"
+        f"{PYTHON} -m pkv.report.tables --root {{params.root}} --out {{params.out}} > {{log}} 2>&1"

@@ -22,9 +22,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from pkv.pages import PageAssignment
-from pkv.step import StepBatch, build_step
-from pkv.traces import Request
+from pkv.pipeline.pages import PageAssignment
+from pkv.pipeline.step import StepBatch, build_step
+from pkv.pipeline.traces import Request
 
 
 def _check_limits(max_active, max_steps) -> None:

@@ -7,7 +7,7 @@ then checks the fastest configuration of each engine against float64. It reports
 ratio to the faster FlashInfer and as a fraction of the read-bandwidth floor
 (KV bytes / read bandwidth measured in the same run).
 
-    python -m pkv.kernel_bench --out artifacts/h200/kernel_bench/decode.json
+    python -m pkv.measure.kernel_bench --out artifacts/h200/kernel_bench/decode.json
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ CONFIRM_ROUNDS = 5  # interleaved rounds that re-time the fastest FlashInfer and
 
 def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
     """Streaming read bandwidth: a reduction over a buffer far larger than L2."""
-    from pkv.timing import time_device_us
+    from pkv.measure.timing import time_device_us
 
     buf = torch.ones(nbytes // 2, dtype=torch.float16, device=device)
     stats = time_device_us(lambda: buf.sum(dtype=torch.float32), reps=reps, warmup=2)
@@ -56,7 +56,7 @@ def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
 def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False):
     """(label, PersistentKVEngine options) of the sweep; clusters adds the cluster merge (sm_90+)."""
     from pkv.engines.persistentkv import RING_STAGES
-    from pkv.schedule import SplitPolicy
+    from pkv.pipeline.schedule import SplitPolicy
 
     for stages in RING_STAGES:
         if batch == 1:
@@ -89,7 +89,7 @@ def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False):
 def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
     """Where a B1 bucket call's time goes: a one-element kernel (launch and event overhead), the
     decode launch alone, and decode + separate merge, all with the same L2 flush."""
-    from pkv.timing import time_device_us
+    from pkv.measure.timing import time_device_us
 
     tiny = torch.zeros(1, device=q.device)
     out = torch.empty_like(q)
@@ -114,11 +114,11 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
     from pkv.engines.dense import dense_decode
     from pkv.engines.flashinfer import FlashInferEngine
     from pkv.engines.persistentkv import PersistentKVEngine
-    from pkv.harness import REF_REL_LIMIT
-    from pkv.kv_data import make_kv_pages, make_queries
-    from pkv.pages import assign_pages
-    from pkv.step import build_step
-    from pkv.timing import time_device_us, time_interleaved_us
+    from pkv.measure.harness import REF_REL_LIMIT
+    from pkv.measure.kv_data import make_kv_pages, make_queries
+    from pkv.pipeline.pages import assign_pages
+    from pkv.pipeline.step import build_step
+    from pkv.measure.timing import time_device_us, time_interleaved_us
 
     device = "cuda"
     assignment = assign_pages(seq_lens, 16, 0.5, seed)
@@ -199,15 +199,15 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=20260622)
     parser.add_argument("--flush", choices=("read", "write"), default="read",
-                        help="how L2 is evicted before each timed call (see pkv.timing.L2Flusher)")
+                        help="how L2 is evicted before each timed call (see pkv.measure.timing.L2Flusher)")
     args = parser.parse_args(argv)
     from pkv.provenance import collect_provenance
-    from pkv.results import write_json_atomic
+    from pkv.report.results import write_json_atomic
     from pkv.shape import ModelShape
-    from pkv.timing import L2Flusher
+    from pkv.measure.timing import L2Flusher
 
     if not torch.cuda.is_available():
-        write_json_atomic(args.out, {"schema": "pkv.kernel_bench/1", "skipped": "no GPU",
+        write_json_atomic(args.out, {"schema": "pkv.measure.kernel_bench/1", "skipped": "no GPU",
                                      "provenance": collect_provenance(seed=args.seed)})
         print("skipped: no GPU")
         return 0
@@ -219,9 +219,9 @@ def main(argv=None) -> int:
     start = time.time()
     cases = {name: run_case(name, CASES[name], shape, flusher, read_gbps, args.reps, args.seed, log)
              for name in args.cases}
-    record = {"schema": "pkv.kernel_bench/1", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
+    record = {"schema": "pkv.measure.kernel_bench/1", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
               "hole_fraction": 0.5, "reps": args.reps, "flush": args.flush, "seconds": time.time() - start, "cases": cases,
-              "command": "python -m pkv.kernel_bench " + " ".join(argv or sys.argv[1:]),
+              "command": "python -m pkv.measure.kernel_bench " + " ".join(argv or sys.argv[1:]),
               "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps}, seed=args.seed)}
     write_json_atomic(args.out, record)
     print(f"{'case':<12}{'floor us':>9}{'FI tc':>9}{'FI cc':>9}{'PKV':>9}{'x FI':>8}{'confirmed':>10}"

@@ -6,7 +6,7 @@ sweep as FlashInfer / PersistentKV device time per split count (above 1: Persist
 selected count marked), each regime's context gate with its context classes (marked where they
 held), the gate probes and the group sizes they opened:
 
-    python -m pkv.calibration_report artifacts/h200/calibration/calibration.json
+    python -m pkv.report.calibration_report artifacts/h200/calibration/calibration.json
 """
 
 from __future__ import annotations

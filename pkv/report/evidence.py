@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pkv.results import read_json
-from pkv.table_data import (
+from pkv.report.results import read_json
+from pkv.report.table_data import (
     CALIBRATION_SEED,
     GQA_TRACE,
     PAPER_MLP_TRACES,
@@ -126,7 +126,7 @@ class _Builder:
 def calibration_evidence(path: Path) -> str:
     """What the calibration fitted, in the words of the route policy: the operating point of each
     batch regime, so the table says which schedule a held-out row was routed to and why."""
-    from pkv.calibration_report import operating_points
+    from pkv.report.calibration_report import operating_points
     from pkv.cost_model import Calibration, CalibrationError
 
     text = f"calibration JSON fitted on seed {CALIBRATION_SEED}"

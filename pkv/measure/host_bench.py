@@ -6,9 +6,9 @@ device time alone (L2 flushed). Every step is timed twice: in a tight loop, and 
 flush and a GPU hold the host waits out, as the serving harness times its steps. PersistentKV runs
 with its C++ planner ("native") and with the numpy planner it is tested against.
 
-    python -m pkv.host_bench --calibration artifacts/h200/calibration/calibration.json \\
+    python -m pkv.measure.host_bench --calibration artifacts/h200/calibration/calibration.json \\
         --out artifacts/h200/host_bench/host.json
-    python -m pkv.host_bench --calibration conf/gpu/h200.yaml --out /tmp/host.json
+    python -m pkv.measure.host_bench --calibration conf/gpu/h200.yaml --out /tmp/host.json
 
 Decode kernels of a few tens of microseconds on a fast GPU make the host path a large part of a
 serving step, so this is measured, not guessed. On a machine without a GPU it records why it did
@@ -53,7 +53,7 @@ def engine_specs() -> dict[str, tuple[str, dict]]:
 def wall_split(engine, q, k, v, step, reps: int, between=None) -> dict[str, float]:
     """Medians of plan, run issue, wait for the GPU and the whole synchronized step (us).
     ``between`` runs before each step, outside the timing."""
-    from pkv.timing import WallTimer
+    from pkv.measure.timing import WallTimer
 
     samples = []
     for _ in range(reps):
@@ -71,10 +71,10 @@ def wall_split(engine, q, k, v, step, reps: int, between=None) -> dict[str, floa
 
 def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log) -> dict:
     from pkv.engines import build_engine
-    from pkv.kv_data import make_kv_pages, make_queries
-    from pkv.pages import assign_pages
-    from pkv.step import build_step
-    from pkv.timing import hold_device, time_device_us
+    from pkv.measure.kv_data import make_kv_pages, make_queries
+    from pkv.pipeline.pages import assign_pages
+    from pkv.pipeline.step import build_step
+    from pkv.measure.timing import hold_device, time_device_us
 
     assignment = assign_pages(seq_lens, 16, 0.0, seed)
     step = build_step(0, np.arange(len(seq_lens)), np.asarray(seq_lens, dtype=np.int32), assignment.pages, 16)
@@ -112,16 +112,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import yaml
 
-    from pkv.calibration_probe import measure_launch_us
+    from pkv.measure.calibration_probe import measure_launch_us
     from pkv.cost_model import Calibration, load_calibration
     from pkv.provenance import collect_provenance
-    from pkv.results import write_json_atomic
+    from pkv.report.results import write_json_atomic
     from pkv.shape import ModelShape
-    from pkv.timing import L2Flusher
+    from pkv.measure.timing import L2Flusher
 
     config = {"cases": args.cases, "reps": args.reps, "calibration": str(args.calibration)}
     if not torch.cuda.is_available():
-        write_json_atomic(args.out, {"schema": "pkv.host_bench/1", "skipped": "no GPU",
+        write_json_atomic(args.out, {"schema": "pkv.measure.host_bench/1", "skipped": "no GPU",
                                      "provenance": collect_provenance(config=config, seed=args.seed)})
         print("skipped: no GPU")
         return 0
@@ -136,9 +136,9 @@ def main(argv=None) -> int:
     # How fast this host issues a plain torch op, to compare runs on different machines.
     op_issue_us = measure_launch_us("cuda")["host_us"]
     log(f"one torch op (x.add_(1)) issue: {op_issue_us:.1f} us")
-    record = {"schema": "pkv.host_bench/1", "seconds": time.time() - start, "reps": args.reps,
+    record = {"schema": "pkv.measure.host_bench/1", "seconds": time.time() - start, "reps": args.reps,
               "torch_op_issue_us": op_issue_us, "cases": cases,
-              "command": "python -m pkv.host_bench " + " ".join(argv or sys.argv[1:]),
+              "command": "python -m pkv.measure.host_bench " + " ".join(argv or sys.argv[1:]),
               "provenance": collect_provenance(config=config, seed=args.seed)}
     write_json_atomic(args.out, record)
     return 0

@@ -1,8 +1,8 @@
 """Render the paper's tables from a results root through the Jinja templates in paper_tables/.
 
-    python -m pkv.tables --root artifacts/<gpu> --out artifacts/<gpu>/tables
+    python -m pkv.report.tables --root artifacts/<gpu> --out artifacts/<gpu>/tables
 
-Numbers come from pkv.table_data (and pkv.evidence for Table 6); the templates hold the layout;
+Numbers come from pkv.report.table_data (and pkv.report.evidence for Table 6); the templates hold the layout;
 this module only turns typed cells into Markdown or LaTeX text.
 """
 
@@ -17,11 +17,11 @@ from typing import Any
 
 import jinja2
 
-from pkv import evidence, table_data
-from pkv.results import write_text_atomic
-from pkv.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
+from pkv.report import evidence, table_data
+from pkv.report.results import write_text_atomic
+from pkv.report.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "paper_tables"
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "paper_tables"
 FORMATS = ("md", "tex")
 
 TABLE_BUILDERS: dict[int, Callable[[Path], dict[str, Any]]] = {
@@ -146,7 +146,7 @@ def render_all(root: Path, out_dir: Path, templates_dir: Path = TEMPLATES_DIR) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pkv.tables", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pkv.report.tables", description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, required=True, help="results root, e.g. artifacts/<gpu>")
     parser.add_argument("--out", type=Path, required=True, help="folder for table<K>.md and table<K>.tex")
     parser.add_argument("--templates", type=Path, default=TEMPLATES_DIR, help="folder of table templates")
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths = render_all(args.root, args.out, args.templates)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"pkv.tables: {exc}", file=sys.stderr)
+        print(f"pkv.report.tables: {exc}", file=sys.stderr)
         return 1
     for path in paths:
         print(path)

@@ -5,7 +5,7 @@ regimes of the synthetic families (short interactive contexts, mid-size document
 long contexts) and which arrive as a Poisson stream. At max_active 8 its steps are ragged and
 admission keeps refilling freed slots, which is what the trace-file replay path must exercise.
 
-    python -m pkv.make_fixture [output.csv]
+    python -m pkv.pipeline.make_fixture [output.csv]
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pkv.trace_readers import write_trace_csv
-from pkv.traces import K, Request
+from pkv.pipeline.trace_readers import write_trace_csv
+from pkv.pipeline.traces import K, Request
 
 FIXTURE_SEED = 20260601
 FIXTURE_NUM_REQUESTS = 32
@@ -28,7 +28,7 @@ FIXTURE_MIX = (
     (0.25, (12 * K, 32 * K)),
     (0.25, (32 * K, 64 * K)),
 )
-DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "traces" / "fixture_mixed.csv"
+DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "traces" / "fixture_mixed.csv"
 
 
 def make_mixed_fixture(seed: int = FIXTURE_SEED, num_requests: int = FIXTURE_NUM_REQUESTS) -> list[Request]:
@@ -51,7 +51,7 @@ def make_mixed_fixture(seed: int = FIXTURE_SEED, num_requests: int = FIXTURE_NUM
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) > 1:
-        print("usage: python -m pkv.make_fixture [output.csv]", file=sys.stderr)
+        print("usage: python -m pkv.pipeline.make_fixture [output.csv]", file=sys.stderr)
         return 2
     out = Path(args[0]) if args else DEFAULT_OUTPUT
     write_trace_csv(out, make_mixed_fixture())

@@ -3,7 +3,7 @@
 All engines of a run see the same page assignment, the same K,V tensors (allocated once, sized
 by the assignment) and the same queries. Per step and engine: the L2 flush (untimed), then
 synchronized wall time of plan + run (+ the MLP tail); then, after another flush, the device time
-of a second run of the same plan, queued behind a GPU-side hold (pkv.timing.hold_device) so the
+of a second run of the same plan, queued behind a GPU-side hold (pkv.measure.timing.hold_device) so the
 events time device work and not the host's launch latency.
 Each engine's output is checked against the baseline engine's before the step counts (fp32
 compare, the paper's bounds); every ``check_every`` measured steps all engines are also
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pkv.accuracy import PAPER_MAX_ABS, PAPER_MEAN_ABS, AccuracyError, check_within, compare
+from pkv.measure.accuracy import PAPER_MAX_ABS, PAPER_MEAN_ABS, AccuracyError, check_within, compare
 from pkv.engines.dense import dense_decode
-from pkv.kv_data import make_kv_pages, make_queries, resolve_dtype
-from pkv.mlp_tail import GatedMLPTail
-from pkv.nvtx_ranges import nvtx_range, validate_range_name
-from pkv.timing import DeviceTimer, L2Flusher, WallTimer, hold_device
+from pkv.measure.kv_data import make_kv_pages, make_queries, resolve_dtype
+from pkv.measure.mlp_tail import GatedMLPTail
+from pkv.measure.nvtx_ranges import nvtx_range, validate_range_name
+from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer, hold_device
 
 # Relative error against float64 above which an engine (or the baseline itself) is wrong
 # rather than merely rounded: a few ulps of the output dtype.
@@ -103,7 +103,7 @@ def merge_options(engine) -> dict:
 def step_counters(plan, step, shape, num_sms: int, kv_dtype_bytes: int, fused_merge: bool = False,
                   cluster_merge: bool = False):
     """Structural counters from the plan's type: workqueue, buckets, or one library call."""
-    from pkv import counters
+    from pkv.pipeline import counters
 
     schedule = getattr(plan, "schedule", None)
     if hasattr(schedule, "tasks"):
@@ -159,7 +159,7 @@ class _EngineRecord:
     def metrics(self, implementation: str) -> dict:
         selected = self.routes.most_common(1)[0][0] if self.routes else None
         splits = self.splits.most_common(1)[0][0] if self.splits else None
-        from pkv import counters
+        from pkv.pipeline import counters
 
         return {
             "steps": self.steps,
@@ -203,8 +203,8 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
               num_sms: int | None = None) -> dict[str, dict]:
     """Run every engine on every decode step of the trace; return each engine's metrics dict
     (the result contract's "metrics", plus "implementation")."""
-    from pkv.pages import assign_pages
-    from pkv.serving import ContinuousDecoder
+    from pkv.pipeline.pages import assign_pages
+    from pkv.pipeline.serving import ContinuousDecoder
 
     if not engines:
         raise ValueError("run_trace needs at least one engine")

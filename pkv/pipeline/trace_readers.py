@@ -1,4 +1,4 @@
-"""Request-trace files: read the supported formats into :class:`pkv.traces.Request` lists.
+"""Request-trace files: read the supported formats into :class:`pkv.pipeline.traces.Request` lists.
 
 Formats, chosen by the file extension and then by the header or the first record:
 
@@ -50,7 +50,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
-from pkv.traces import Request
+from pkv.pipeline.traces import Request
 
 OVERLONG_POLICIES = ("truncate", "drop", "error")
 

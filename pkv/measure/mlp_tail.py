@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pkv.kv_data import resolve_dtype
+from pkv.measure.kv_data import resolve_dtype
 
 
 class GatedMLPTail:

@@ -6,7 +6,7 @@ directory, the steps of each group and their mean plan, issue, wall and device t
 in a table can be traced to the steps behind it; then each engine's mean wall time by its place in
 the step's order, which the harness rotates:
 
-    python -m pkv.step_report artifacts/h200/evaluate/bucketed_b1/seed20260623
+    python -m pkv.report.step_report artifacts/h200/evaluate/bucketed_b1/seed20260623
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from pkv.results import read_result
+from pkv.report.results import read_result
 
 TIMES = ("plan_us", "issue_us", "wall_us", "cuda_us")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pkv.timing import L2Flusher, synchronize, time_device_us
+from pkv.measure.timing import L2Flusher, synchronize, time_device_us
 
 _MIB = 1 << 20
 
@@ -66,7 +66,7 @@ def time_steps(engine, route: str, steps, shape, k_pages, v_pages, *, dtype, dev
                num_splits: int | None, reps: int, flush_l2: bool = True) -> TimedSteps:
     """Median device time of engine.run on each step, as pkv.cost_model.CostSample rows."""
     from pkv.cost_model import CostSample
-    from pkv.kv_data import make_queries
+    from pkv.measure.kv_data import make_queries
 
     flusher = L2Flusher(device) if flush_l2 else None
     samples, plan_us, total = [], [], 0.0
@@ -88,8 +88,8 @@ def time_steps(engine, route: str, steps, shape, k_pages, v_pages, *, dtype, dev
 def trace_steps(requests, *, page_size: int, hole_fraction: float, max_active: int, num_steps: int,
                 seed: int):
     """The page assignment and the first num_steps StepBatches of a continuous-batching replay."""
-    from pkv.pages import assign_pages
-    from pkv.serving import ContinuousDecoder
+    from pkv.pipeline.pages import assign_pages
+    from pkv.pipeline.serving import ContinuousDecoder
 
     assignment = assign_pages([r.total_len for r in requests], page_size, hole_fraction, seed)
     steps = list(ContinuousDecoder(list(requests), assignment, max_active, max_steps=num_steps).steps())

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pkv.schedule import BucketPlan, SplitPolicy, WorkqueuePlan, row_splits
+from pkv.pipeline.schedule import BucketPlan, SplitPolicy, WorkqueuePlan, row_splits
 
 MIB = 2**20
 PARTIAL_STATE_BYTES = 4  # m, l and acc are float32

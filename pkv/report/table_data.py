@@ -3,7 +3,7 @@
 The templates in paper_tables/ own the layout; this module owns the arithmetic (ratios within one
 run, mean and sample standard deviation over seeds) and says, for every cell it cannot fill, why.
 Cells are typed values (Num, MeanStd, Sci, Text, Missing) so that one set of rows renders to both
-Markdown and LaTeX; pkv.tables formats them.
+Markdown and LaTeX; pkv.report.tables formats them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from pkv.results import ResultFileError, read_json, validate_result
+from pkv.report.results import ResultFileError, read_json, validate_result
 
 CALIBRATION_SEED = 20260622
 
