@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pkv.atomic_io import write_text_atomic
+
 UNKNOWN = "unknown"
 NOT_INSTALLED = "not installed"
 
@@ -110,10 +112,7 @@ def write_source_stamp(path) -> dict:
         raise ValueError(f"source stamp: {_SOURCE_DIR} has uncommitted changes; commit them first, "
                          f"since a stamp names a commit:\n{status.rstrip()}")
     stamp = {"git_commit": head.strip(), "source_digest": source_digest()}
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(stamp, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(stamp, indent=2) + "\n")
     return stamp
 
 

@@ -40,9 +40,7 @@ import csv
 import io
 import json
 import math
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from datetime import date
 from fractions import Fraction
@@ -50,6 +48,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
+from pkv.atomic_io import write_text_atomic
 from pkv.pipeline.traces import Request
 
 OVERLONG_POLICIES = ("truncate", "drop", "error")
@@ -442,21 +441,10 @@ TRACE_CSV_COLUMNS = ("request_id", "arrival_step", "prompt_len", "decode_len")
 
 
 def write_trace_csv(path, requests: Iterable[Request]) -> Path:
-    """Write requests in the plain CSV form atomically (temp file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", newline="", encoding="utf-8") as fh:
-            writer = csv.writer(fh, lineterminator="\n")
-            writer.writerow(TRACE_CSV_COLUMNS)
-            for r in requests:
-                writer.writerow((r.request_id, r.arrival_step, r.prompt_len, r.decode_len))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    """Write requests in the plain CSV form, atomically (pkv.atomic_io)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(TRACE_CSV_COLUMNS)
+    for r in requests:
+        writer.writerow((r.request_id, r.arrival_step, r.prompt_len, r.decode_len))
+    return write_text_atomic(path, buffer.getvalue())

@@ -1,8 +1,6 @@
 """Result files: the envelope every DAG output shares, atomic writes, and reading them back.
 
-A reader (the table renderer, a later rule, a user's notebook) must never see half a file, so
-every write goes to a temporary file in the destination folder, is fsynced, and is then renamed
-over the destination: os.replace is atomic within one filesystem.
+Every write goes through pkv.atomic_io, so a reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -10,10 +8,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from pkv.atomic_io import write_text_atomic
 
 RESULT_SCHEMA = "pkv.result/1"
 
@@ -55,37 +54,6 @@ def _first_non_finite(obj: Any, where: str = "$") -> str | None:
     if callable(tolist) and not isinstance(obj, (str, bytes)):
         return _first_non_finite(tolist(), where)
     return None
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write text to path so that readers see either the old file or the whole new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        try:
-            os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
-        raise
-    # Persist the rename itself; not every filesystem allows opening a directory.
-    try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return path
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
-    return path
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, *, allow_nan: bool = False) -> Path:
