@@ -7,7 +7,7 @@ negative length, an unknown trace family, a page size that is not a power of two
 the cost model refuses) is checked by `validate`, whose errors name the YAML file, the field and
 the value.
 
-The `gpu` group files hold the fields of `pkv.cost_model.Calibration`; that class owns their
+The `gpu` group files hold the fields of `pkv.policy.Calibration`; that class owns their
 meaning, so the schema keeps them as a plain mapping and `validate` hands them to
 `Calibration.from_mapping`.
 """
@@ -27,6 +27,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from pkv.pipeline.schedule import SPLIT_KINDS
+from pkv.policy.calibration import Calibration
+from pkv.policy.route import MERGE_KINDS, SCHEDULES
+
 # The repository's conf/ folder; rules and tests compose from it.
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -34,7 +38,6 @@ EXTERNAL_FAMILY = "external"
 PROFILES = ("cpu", "gpu")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 DEVICES = ("cpu", "cuda")
-ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
 PLANNERS = ("native", "numpy")
 # Which module of pkv.experiments runs an experiment; several experiments share a driver.
 DRIVERS = ("evaluate", "isolated", "calibrate", "ablate", "profile")
@@ -73,8 +76,8 @@ class EngineConfig:
     num_splits: Optional[int] = None
     split_kind: Optional[str] = None
     bucket_num_splits: Optional[int] = None
-    fused_merge: bool = False
-    allow_b4: bool = False
+    merge: str = "launch"
+    open_few_rows: bool = False
     use_tensor_cores: Optional[bool] = None
     cuda_graph: bool = False
     planner: str = "native"
@@ -251,8 +254,12 @@ def _check_trace(trace: TraceConfig, where: str, families: Sequence[str]) -> Non
 
 
 def _check_engine(engine: EngineConfig, where: str) -> None:
-    if engine.route not in ROUTES:
-        raise _fail(where, "engine.route", engine.route, f"must be one of {list(ROUTES)}")
+    if engine.route not in SCHEDULES:
+        raise _fail(where, "engine.route", engine.route, f"must be one of {list(SCHEDULES)}")
+    if engine.merge not in MERGE_KINDS:
+        raise _fail(where, "engine.merge", engine.merge, f"must be one of {list(MERGE_KINDS)}")
+    if engine.split_kind is not None and engine.split_kind not in SPLIT_KINDS:
+        raise _fail(where, "engine.split_kind", engine.split_kind, f"must be one of {list(SPLIT_KINDS)} or null")
     if engine.planner not in PLANNERS:
         raise _fail(where, "engine.planner", engine.planner, f"must be one of {list(PLANNERS)}")
     for name in ("num_splits", "bucket_num_splits"):
@@ -338,8 +345,6 @@ def _check_top(cfg: PkvConfig) -> None:
 
 
 def _check_gpu(gpu: Mapping[str, Any], where: str) -> None:
-    from pkv.cost_model import Calibration
-
     try:
         Calibration.from_mapping(dict(gpu), where)
     except (TypeError, KeyError) as exc:

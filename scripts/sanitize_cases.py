@@ -12,33 +12,34 @@ import torch
 from pkv.engines.persistentkv import PersistentKVEngine
 from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.pipeline.pages import assign_pages
-from pkv.pipeline.schedule import SplitPolicy
-from pkv.shape import ModelShape
 from pkv.pipeline.step import build_step
+from pkv.policy.choose import PinnedRoutePolicy
+from pkv.policy.route import MERGE_CLUSTER, MERGE_FUSED, ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
+from pkv.shape import ModelShape
 
 
 def main() -> None:
     lengths = [1, 17, 33, 640, 3000]
     clustered = ()  # the cluster merge needs sm_90
     if torch.cuda.get_device_capability()[0] >= 9:
-        clustered = (dict(route="bucket_exact", bucket_num_splits=16, cluster_merge=True),
-                     dict(route="bucket_masked", bucket_num_splits=5, cluster_merge=True, stages=3))
+        clustered = ((StepRoute(ROUTE_BUCKET, 16, merge=MERGE_CLUSTER), 2),
+                     (StepRoute(ROUTE_BUCKET, 5, bucket_mode="masked", merge=MERGE_CLUSTER), 3))
     for group, dtype in ((4, "float16"), (8, "bfloat16"), (1, "float16")):
         shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8)
         assignment = assign_pages(lengths, 16, 0.5, seed=group)
         step = build_step(0, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), assignment.pages, 16)
         k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, dtype, "cuda", seed=group)
         q = make_queries(len(lengths), shape, dtype, "cuda", seed=group + 1)
-        for options in (dict(route="workqueue", split_policy=SplitPolicy(num_splits=8)),
-                        dict(route="workqueue", split_policy=SplitPolicy(num_splits=8), fused_merge=True),
-                        dict(route="bucket_masked", bucket_num_splits=16),
-                        dict(route="bucket_masked", bucket_num_splits=16, fused_merge=True),
-                        dict(route="bucket_exact", bucket_num_splits=1),
-                        dict(route="bucket_exact", bucket_num_splits=8),
-                        dict(route="bucket_exact", bucket_num_splits=1, stages=3),
-                        dict(route="workqueue", split_policy=SplitPolicy(num_splits=2), stages=4),
-                        *clustered):
-            engine = PersistentKVEngine(shape, **options)
+        for route, stages in ((StepRoute(ROUTE_WORKQUEUE, 8), 2),
+                              (StepRoute(ROUTE_WORKQUEUE, 8, merge=MERGE_FUSED), 2),
+                              (StepRoute(ROUTE_BUCKET, 16, bucket_mode="masked"), 2),
+                              (StepRoute(ROUTE_BUCKET, 16, bucket_mode="masked", merge=MERGE_FUSED), 2),
+                              (StepRoute(ROUTE_BUCKET, 1), 2),
+                              (StepRoute(ROUTE_BUCKET, 8), 2),
+                              (StepRoute(ROUTE_BUCKET, 1), 3),
+                              (StepRoute(ROUTE_WORKQUEUE, 2), 4),
+                              *clustered):
+            engine = PersistentKVEngine(shape, policy=PinnedRoutePolicy(route), stages=stages)
             out = engine.run(q, k, v, engine.plan(step))
             torch.cuda.synchronize()
             assert not torch.isnan(out).any()

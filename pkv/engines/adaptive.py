@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pkv.engines.base import Engine
+from pkv.policy.route import ROUTE_FLASHINFER
 
 
 @dataclass
@@ -30,19 +31,21 @@ class AdaptivePlan:
         return getattr(self.inner, "kernel_variant", None)
 
     @property
+    def merge(self):
+        return self.decision.route.merge
+
+    @property
     def num_splits(self):
-        if self.route == "flashinfer":
-            return getattr(self.inner, "num_splits", None)
-        return int(self.decision.num_splits)
+        return int(self.decision.route.num_splits)
 
 
 class AdaptiveEngine(Engine):
-    """Asks the route policy per step, then plans and runs the chosen engine."""
+    """Asks the route policy per step, then plans and runs the route it chose."""
 
     def __init__(self, policy, persistent: Engine, fallback: Engine) -> None:
-        if not hasattr(persistent, "plan_for"):
+        if not hasattr(persistent, "plan_route"):
             raise ValueError(
-                f"AdaptiveEngine needs a persistent engine with plan_for(step, decision), "
+                f"AdaptiveEngine needs a persistent engine with plan_route(step, route), "
                 f"got {persistent!r}")
         self.policy = policy
         self.persistent = persistent
@@ -52,25 +55,25 @@ class AdaptiveEngine(Engine):
 
     def plan(self, step):
         decision = self.policy.choose(step)
-        if decision.route == "flashinfer":
+        if decision.route.name == ROUTE_FLASHINFER:
             # The fallback's plan as it is: on a step that ends on FlashInfer, everything the
             # adaptive engine adds to FlashInfer's own host time is the route check. Wrapping the
             # plan cost about 0.35 us a step on the development CPU, several times that on the
             # GPU machine's host, where these steps take about 230 us of wall time.
             return self.fallback.plan(step)
-        inner = self.persistent.plan_for(step, decision)
-        return AdaptivePlan(route=decision.route, decision=decision, inner=inner, step=step)
+        inner = self.persistent.plan_route(step, decision.route)
+        return AdaptivePlan(route=decision.route.name, decision=decision, inner=inner, step=step)
 
     def prepare(self, step, q, k_pages, v_pages) -> None:
         # Either engine may be chosen for this step; both get their one-off work untimed: the
         # fallback its variant probe, the persistent engine a first run of the route and split
         # count the policy picks (warm_up runs each kernel set once per process).
         self.fallback.prepare(step, q, k_pages, v_pages)
-        decision = self.policy.choose(step)
-        if decision.route != "flashinfer":
-            self.persistent.warm_up(self.persistent.plan_for(step, decision), q, k_pages, v_pages)
+        route = self.policy.choose(step).route
+        if route.name != ROUTE_FLASHINFER:
+            self.persistent.warm_up(self.persistent.plan_route(step, route), q, k_pages, v_pages)
 
     def run(self, q, k_pages, v_pages, plan):
-        if plan.route == "flashinfer":
+        if plan.route == ROUTE_FLASHINFER:
             return self.fallback.run(q, k_pages, v_pages, plan)
         return self.persistent.run(q, k_pages, v_pages, plan.inner)

@@ -32,6 +32,7 @@ class EnginePlan:
     step: Any
     schedule: Any = None
     num_splits: int | None = None
+    merge: str = "launch"  # the route's merge kind (pkv.policy.route.MERGE_KINDS)
     tensors: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 

@@ -1,7 +1,8 @@
-"""The PersistentKV CUDA engine: executes pkv.pipeline.schedule plans with the torch.ops.pkv kernels.
+"""The PersistentKV CUDA engine: executes a policy's routes with the torch.ops.pkv kernels.
 
 Same constructor and methods as pkv.engines.reference.ReferenceEngine, which computes the same
-plans in torch; the GPU tests compare the two on every route.
+plans in torch; the GPU tests compare the two on every route. The engine plans and runs the
+StepRoute it is handed; the route, split count and merge kind are the policy's (pkv.policy).
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ import functools
 import numpy as np
 import torch
 
+from pkv import ops
 from pkv.engines.base import Engine, check_decode_inputs
 from pkv.pipeline.schedule import BucketLaunch, BucketPlan, SplitPolicy, WorkqueuePlan, plan_buckets, plan_workqueue
-
-ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
+from pkv.policy.choose import PinnedRoutePolicy, describe_policy, pinned_route
+from pkv.policy.route import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
 # native: the C++ planner of the extension (csrc/step_plan.cpp); numpy: pkv.pipeline.schedule, the
 # specification it is tested against (and the path to compare host time with).
 PLANNERS = ("native", "numpy")
 RING_STAGES = (2, 3, 4)  # cp.async ring depths the decode kernels are built for (csrc/launch_impl.cuh)
 MAX_MERGE_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
-MAX_CLUSTER_SPLITS = 16  # kMaxClusterSplits: one thread-block cluster holds a pair's splits
+# The route's merge kind as run_plan's merge_kind code (csrc/step_plan.h).
+_MERGE_CODES = {MERGE_LAUNCH: ops.MERGE_LAUNCH, MERGE_FUSED: ops.MERGE_FUSED, MERGE_CLUSTER: ops.MERGE_CLUSTER}
 
 
 def _int32(array) -> np.ndarray:
@@ -39,7 +42,7 @@ def _pack(arrays: list) -> torch.Tensor:
 
 
 # Packed plan layout (csrc/step_plan.h): route code, then fields of the int list.
-_ROUTE_CODES = {"persistentkv_workqueue": 0, "persistentkv_bucket": 1}
+_ROUTE_CODES = {ROUTE_WORKQUEUE: 0, ROUTE_BUCKET: 1}
 _ROUTE_FIELDS = 4  # [route, batch, table_width, num_slots] come first
 
 
@@ -66,6 +69,7 @@ class DevicePlan:
     num_kv_heads: int
     group_size: int
     bucket_mode: str = "exact"
+    merge: str = MERGE_LAUNCH
     _schedule: object = None
 
     @property
@@ -79,7 +83,7 @@ class DevicePlan:
     @property
     def widest_split(self) -> int:
         """Most splits of any (row, KV head): above 1 the step needs a merge."""
-        if self.route == "persistentkv_workqueue":
+        if self.route == ROUTE_WORKQUEUE:
             return int(self.layout[_ROUTE_FIELDS + 1])
         return max(self.launch_shapes()[1], default=1)
 
@@ -90,7 +94,7 @@ class DevicePlan:
 
     def _parts(self, meta: torch.Tensor) -> list:
         batch, width = self.batch_size, int(self.layout[2])
-        if self.route == "persistentkv_workqueue":
+        if self.route == ROUTE_WORKQUEUE:
             sizes = [batch * width, batch, 5 * int(self.layout[_ROUTE_FIELDS]), batch * self.num_kv_heads + 1]
         else:
             sizes = [batch * width, batch, *self.launch_shapes()[0]]
@@ -110,22 +114,22 @@ class DevicePlan:
 
     @property
     def tasks(self) -> torch.Tensor | None:
-        return self.views[2].view(-1, 5) if self.route == "persistentkv_workqueue" else None
+        return self.views[2].view(-1, 5) if self.route == ROUTE_WORKQUEUE else None
 
     @property
     def split_offsets(self) -> torch.Tensor | None:
-        return self.views[3] if self.route == "persistentkv_workqueue" else None
+        return self.views[3] if self.route == ROUTE_WORKQUEUE else None
 
     @property
     def bucket_rows(self) -> list:
-        return self.views[2:] if self.route == "persistentkv_bucket" else []
+        return self.views[2:] if self.route == ROUTE_BUCKET else []
 
     @property
     def schedule(self):
         """The numpy plan (WorkqueuePlan or BucketPlan) this packed plan holds."""
         if self._schedule is None:
             host = [part.numpy() for part in self._parts(self.host_meta)]
-            if self.route == "persistentkv_workqueue":
+            if self.route == ROUTE_WORKQUEUE:
                 self._schedule = WorkqueuePlan(host[2].reshape(-1, 5), host[3], self.num_kv_heads, self.group_size,
                                                self.widest_split)
             else:
@@ -139,36 +143,21 @@ class DevicePlan:
 class PersistentKVEngine(Engine):
     name = "persistentkv"
 
-    def __init__(self, shape, *, route: str = "workqueue", split_policy: SplitPolicy | None = None,
-                 bucket_num_splits: int = 32, fused_merge: bool = False, cluster_merge: bool = False,
-                 device: str = "cuda", cuda_graph: bool = False, stages: int = 2, planner: str = "native"):
-        if route not in ROUTES:
-            raise ValueError(f"persistentkv route must be one of {ROUTES}, got {route!r}")
-        if cluster_merge and (fused_merge or route == "workqueue"):
-            raise ValueError(f"persistentkv cluster_merge is a bucket-route merge and excludes fused_merge, got "
-                             f"route={route!r}, fused_merge={fused_merge!r}")
+    def __init__(self, shape, *, policy=None, device: str = "cuda", cuda_graph: bool = False, stages: int = 2,
+                 planner: str = "native"):
         if planner not in PLANNERS:
             raise ValueError(f"persistentkv planner must be one of {PLANNERS}, got {planner!r}")
-        from pkv import ops
-
+        if stages not in RING_STAGES:
+            raise ValueError(f"persistentkv stages must be one of {RING_STAGES}, got {stages!r}")
         self.device = torch.device(device)
         # On the CPU the engine plans (tests read its packed plans back) but cannot run.
         self.ops = ops.load() if self.device.type == "cuda" else ops.load_planner()
         self.shape = shape
-        self.route = route
-        self.split_policy = split_policy or SplitPolicy()
-        self._policies_by_splits: dict[int, SplitPolicy] = {}
-        self.bucket_num_splits = int(bucket_num_splits)
-        self.fused_merge = bool(fused_merge)
-        self.cluster_merge = bool(cluster_merge)
+        self.policy = policy if policy is not None else PinnedRoutePolicy(pinned_route("workqueue", None))
         self.cuda_graph = bool(cuda_graph)
-        if stages not in RING_STAGES:
-            raise ValueError(f"persistentkv stages must be one of {RING_STAGES}, got {stages!r}")
         self.stages = int(stages)
         self.planner = planner
-        self.implementation = f"cuda:{route}" + ("+fused_merge" if fused_merge else "") + \
-            ("+cluster_merge" if cluster_merge else "") + \
-            ("+cuda_graph" if cuda_graph else "")
+        self.implementation = f"cuda:{describe_policy(self.policy)}" + ("+cuda_graph" if cuda_graph else "")
         self._counters = torch.zeros(0, dtype=torch.int32, device=self.device)
         self._graphs: dict[tuple, _GraphedStep] = {}
         self._checked: set = set()
@@ -176,52 +165,30 @@ class PersistentKVEngine(Engine):
 
     # ---- planning (host) -------------------------------------------------------------------
     def plan(self, step) -> DevicePlan:
-        return self._plan_route(step, self.route, None)
+        return self.plan_route(step, self.policy.choose(step).route)
 
-    def plan_for(self, step, decision) -> DevicePlan:
-        """Plan with a route decision's route and split count (used by the adaptive engine)."""
-        if decision.route == "persistentkv_workqueue":
-            return self._plan_route(step, "workqueue", decision.num_splits)
-        if decision.route == "persistentkv_bucket":
-            route = self.route if self.route != "workqueue" else "bucket_exact"
-            return self._plan_route(step, route, decision.num_splits)
-        raise ValueError(f"persistentkv cannot run route {decision.route!r}")
-
-    def _plan_route(self, step, route: str, num_splits: int | None) -> DevicePlan:
+    def plan_route(self, step, route: StepRoute) -> DevicePlan:
+        """Plan the step on a PersistentKV route the policy chose."""
         hkv, g = self.shape.num_kv_heads, self.shape.group_size
-        if route == "workqueue":
-            policy = self.split_policy
-            if num_splits is not None and num_splits != policy.num_splits:
-                policy = self._policy_with_splits(int(num_splits))
+        if route.name == ROUTE_WORKQUEUE:
+            policy = route.split_policy
             host_meta, layout, schedule = self._pack_workqueue(step, policy)
             splits = int(policy.num_splits) if policy.kind == "fixed" else int(layout[_ROUTE_FIELDS + 1])
-            mode = "exact"
+        elif route.name == ROUTE_BUCKET:
+            splits = route.num_splits
+            host_meta, layout, schedule = self._pack_buckets(step, splits, route.bucket_mode)
         else:
-            splits = self.bucket_num_splits if num_splits is None else int(num_splits)
-            if self.cluster_merge and splits > MAX_CLUSTER_SPLITS:
-                raise ValueError(f"persistentkv cluster_merge takes at most {MAX_CLUSTER_SPLITS} splits (one "
-                                 f"thread-block cluster per (row, KV head)), got num_splits={splits}")
-            mode = "exact" if route == "bucket_exact" else "masked"
-            host_meta, layout, schedule = self._pack_buckets(step, splits, mode)
+            raise ValueError(f"persistentkv cannot run route {route.name!r}")
         # A pageable source is staged by cudaMemcpyAsync before it returns, so this upload
         # neither waits for the GPU nor races the release of the host buffer.
-        plan = DevicePlan(route="persistentkv_workqueue" if route == "workqueue" else "persistentkv_bucket",
-                          step=step, num_splits=splits, meta=host_meta.to(self.device, non_blocking=True),
-                          layout=layout, host_meta=host_meta, num_kv_heads=hkv, group_size=g, bucket_mode=mode,
+        plan = DevicePlan(route=route.name, step=step, num_splits=splits,
+                          meta=host_meta.to(self.device, non_blocking=True), layout=layout, host_meta=host_meta,
+                          num_kv_heads=hkv, group_size=g, bucket_mode=route.bucket_mode, merge=route.merge,
                           _schedule=schedule)
         if plan.widest_split > MAX_MERGE_SPLITS:
             raise ValueError(f"persistentkv merges at most {MAX_MERGE_SPLITS} splits per (row, KV head), "
                              f"the plan has {plan.widest_split}")
         return plan
-
-    def _policy_with_splits(self, num_splits: int) -> SplitPolicy:
-        # The adaptive engine asks for the boundary's split count on every B2..7 step; building
-        # and validating a SplitPolicy each time would be per-step host work.
-        policy = self._policies_by_splits.get(num_splits)
-        if policy is None:
-            policy = self._policies_by_splits[num_splits] = dataclasses.replace(self.split_policy,
-                                                                                num_splits=num_splits)
-        return policy
 
     def _pack_workqueue(self, step, policy: SplitPolicy):
         hkv = self.shape.num_kv_heads
@@ -272,10 +239,11 @@ class PersistentKVEngine(Engine):
         self._check(q, k_pages, v_pages, plan)
         if self.cuda_graph:
             return self._run_graphed(q, k_pages, v_pages, plan)
-        fused = self.fused_merge and plan.widest_split > 1
-        counters = self._pair_counters(plan.batch_size * self.shape.num_kv_heads) if fused else None
+        # A plan without a split to merge runs the plain launch, with no counters to hand over.
+        merge = plan.merge if plan.widest_split > 1 else MERGE_LAUNCH
+        counters = self._pair_counters(plan.batch_size * self.shape.num_kv_heads) if merge == MERGE_FUSED else None
         return self.ops.run_plan(q, k_pages, v_pages, plan.meta, plan.layout, self.shape.sm_scale, self.stages,
-                                 counters, self.cluster_merge)
+                                 _MERGE_CODES[merge], counters)
 
     def prepare(self, step, q, k_pages, v_pages) -> None:
         self.warm_up(self.plan(step), q, k_pages, v_pages)
@@ -285,8 +253,8 @@ class PersistentKVEngine(Engine):
         launch in a process pays milliseconds of one-off work (lazy module loading, the shared-
         memory opt-in; a CUDA graph's capture): in a timed step that cost lands on whichever
         step first takes the route, and a few milliseconds swamp a 20-100 us step."""
-        # Stages, G and the fused merge are fixed per engine; a graph is captured per layout.
-        key = (plan.route, plan.widest_split > 1, q.dtype, self.cuda_graph and tuple(plan.layout))
+        # Stages and G are fixed per engine; a graph is captured per layout.
+        key = (plan.route, plan.merge, plan.widest_split > 1, q.dtype, self.cuda_graph and tuple(plan.layout))
         if key in self._warmed:
             return
         self.run(q, k_pages, v_pages, plan)
@@ -321,7 +289,7 @@ class PersistentKVEngine(Engine):
         ops, scale = self.ops, self.shape.sm_scale
         hkv = self.shape.num_kv_heads
         if plan.tasks is not None:
-            fused = self.fused_merge and plan.widest_split > 1
+            fused = plan.merge == MERGE_FUSED and plan.widest_split > 1
             counters = self._pair_counters(plan.batch_size * hkv) if fused else None
             ops.workqueue_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, plan.tasks,
                                  plan.split_offsets, scale, out, part_m, part_l, part_acc, counters, self.stages)
@@ -332,11 +300,12 @@ class PersistentKVEngine(Engine):
         for rows, s in zip(plan.bucket_rows, plan.launch_shapes()[1]):
             slots = rows.numel() * hkv * s
             m, l, acc = part_m[offset:offset + slots], part_l[offset:offset + slots], part_acc[offset:offset + slots]
-            fused = self.fused_merge and s > 1
+            fused = plan.merge == MERGE_FUSED and s > 1
+            cluster = plan.merge == MERGE_CLUSTER
             counters = self._pair_counters(rows.numel() * hkv) if fused else None
             ops.bucket_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, rows, s, scale, out, m, l, acc,
-                              counters, self.stages, self.cluster_merge)
-            if s > 1 and not fused and not self.cluster_merge:
+                              counters, self.stages, cluster)
+            if s > 1 and not fused and not cluster:
                 ops.merge_states(m, l, acc, rows, None, hkv, s, out)
             offset += slots
 

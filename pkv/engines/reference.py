@@ -21,11 +21,10 @@ import numpy as np
 import torch
 
 from pkv.engines.base import Engine, EnginePlan, check_decode_inputs
+from pkv.pipeline.schedule import TILE_TOKENS, plan_buckets, plan_workqueue
+from pkv.policy.choose import PinnedRoutePolicy, describe_policy, pinned_route
+from pkv.policy.route import MERGE_FUSED, ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
 
-# The unit of KV work fixed by docs/architecture.md (pkv.pipeline.schedule.TILE_TOKENS).
-TILE_TOKENS = 32
-
-ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
 
 # Elements (tokens * head_dim) gathered per K or V chunk: bounds peak memory while keeping
 # each chunk large enough that torch's batched matmuls dominate the Python overhead.
@@ -145,81 +144,48 @@ def _compute_dtype(q: torch.Tensor, k_pages: torch.Tensor) -> torch.dtype:
 
 
 class ReferenceEngine(Engine):
-    """PersistentKV's schedules executed with torch ops (same constructor as the CUDA engine)."""
+    """PersistentKV's routes executed with torch ops (same constructor as the CUDA engine)."""
 
-    def __init__(
-        self,
-        shape,
-        *,
-        route: str = "workqueue",
-        split_policy=None,
-        bucket_num_splits: int = 32,
-        fused_merge: bool = False,
-        device="cpu",
-    ) -> None:
-        if route not in ROUTES:
-            raise ValueError(f"ReferenceEngine route must be one of {ROUTES}, got {route!r}")
-        if isinstance(bucket_num_splits, bool) or not isinstance(bucket_num_splits, int) \
-                or bucket_num_splits < 1:
-            raise ValueError(f"bucket_num_splits must be a positive int, got {bucket_num_splits!r}")
-        if split_policy is None:
-            from pkv.pipeline.schedule import SplitPolicy
-
-            split_policy = SplitPolicy()
+    def __init__(self, shape, *, policy=None, device="cpu") -> None:
         self.shape = shape
-        self.route = route
-        self.split_policy = split_policy
-        self.bucket_num_splits = bucket_num_splits
-        self.fused_merge = bool(fused_merge)
+        self.policy = policy if policy is not None else PinnedRoutePolicy(pinned_route("workqueue", None))
         self.device = torch.device(device)
         self.name = "reference"
-        # The merge is the same exact reduction whether fused or not; the flag is recorded so
+        # The merge is the same exact reduction whatever its kind; the route is recorded so
         # results say which variant's plan was executed.
-        self.implementation = f"reference:{route}" + ("+fused_merge" if self.fused_merge else "")
+        self.implementation = f"reference:{describe_policy(self.policy)}"
 
     # -- planning -------------------------------------------------------------------------
 
     def plan(self, step) -> EnginePlan:
-        if self.route == "workqueue":
-            return self._plan_workqueue(step, self.split_policy)
-        return self._plan_buckets(step, self.bucket_num_splits, self._bucket_mode())
+        return self.plan_route(step, self.policy.choose(step).route)
 
-    def plan_for(self, step, decision) -> EnginePlan:
-        """Plan with a route decision's route and split count (used by the adaptive engine)."""
-        if decision.route == "persistentkv_workqueue":
-            policy = dataclasses.replace(self.split_policy, num_splits=int(decision.num_splits))
-            return self._plan_workqueue(step, policy)
-        if decision.route == "persistentkv_bucket":
-            return self._plan_buckets(step, int(decision.num_splits), self._bucket_mode())
-        raise ValueError(
-            f"{type(self).__name__}.plan_for cannot execute route {decision.route!r}; "
-            "expected 'persistentkv_workqueue' or 'persistentkv_bucket'"
-        )
+    def plan_route(self, step, route: StepRoute) -> EnginePlan:
+        """Plan the step on a PersistentKV route the policy chose."""
+        if route.name == ROUTE_WORKQUEUE:
+            return self._plan_workqueue(step, route)
+        if route.name == ROUTE_BUCKET:
+            return self._plan_buckets(step, route)
+        raise ValueError(f"{type(self).__name__} cannot execute route {route.name!r}; "
+                         f"expected {ROUTE_WORKQUEUE!r} or {ROUTE_BUCKET!r}")
 
-    def _bucket_mode(self) -> str:
-        return "masked" if self.route == "bucket_masked" else "exact"
-
-    def _plan_workqueue(self, step, policy) -> EnginePlan:
-        from pkv.pipeline.schedule import plan_workqueue
-
+    def _plan_workqueue(self, step, route: StepRoute) -> EnginePlan:
+        policy = route.split_policy
         schedule = plan_workqueue(step, self.shape.num_kv_heads, self.shape.group_size, policy)
         splits = int(policy.num_splits) if policy.kind == "fixed" else int(schedule.max_splits)
-        plan = EnginePlan(route="persistentkv_workqueue", step=step, schedule=schedule,
-                          num_splits=splits)
-        if self.fused_merge:
+        plan = EnginePlan(route=ROUTE_WORKQUEUE, step=step, schedule=schedule, num_splits=splits, merge=route.merge)
+        if route.merge == MERGE_FUSED:
             # One completion counter per (row, kvh) pair, zero at rest (the fused variant's plan).
             pairs = len(step.seq_lens) * self.shape.num_kv_heads
             plan.tensors["pair_counters"] = torch.zeros(pairs, dtype=torch.int32, device=self.device)
         return self._upload(plan)
 
-    def _plan_buckets(self, step, num_splits: int, mode: str) -> EnginePlan:
-        from pkv.pipeline.schedule import plan_buckets
-
-        schedule = plan_buckets(step, self.shape.num_kv_heads, self.shape.group_size, num_splits,
-                                mode=mode)
-        splits = max((int(launch.num_splits) for launch in schedule.launches), default=num_splits)
-        plan = EnginePlan(route="persistentkv_bucket", step=step, schedule=schedule,
-                          num_splits=splits, extra={"bucket_mode": mode})
+    def _plan_buckets(self, step, route: StepRoute) -> EnginePlan:
+        schedule = plan_buckets(step, self.shape.num_kv_heads, self.shape.group_size, route.num_splits,
+                                mode=route.bucket_mode)
+        splits = max((int(launch.num_splits) for launch in schedule.launches), default=route.num_splits)
+        plan = EnginePlan(route=ROUTE_BUCKET, step=step, schedule=schedule, num_splits=splits,
+                          merge=route.merge, extra={"bucket_mode": route.bucket_mode})
         return self._upload(plan)
 
     def _upload(self, plan: EnginePlan) -> EnginePlan:

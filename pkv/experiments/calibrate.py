@@ -3,7 +3,7 @@ route of batches 2..7, the context gate of each batch regime and the group sizes
 
 Only the calibration seed may be used: every held-out result is judged with these constants, so
 fitting on a held-out seed would leak the evaluation into the policy. The output is the JSON that
-pkv.cost_model.load_calibration reads; the raw measurements (sweep totals, fit residual) ride along
+pkv.policy.load_calibration reads; the raw measurements (sweep totals, fit residual) ride along
 in its provenance.
 """
 
@@ -15,13 +15,21 @@ import sys
 from pathlib import Path
 
 from pkv.config import ConfigError, PkvConfig, load_trace_option
+from pkv.engines import build_engine
 from pkv.experiments.common import load_requests, model_shape, provenance_for, resolve_settings, trace_name
+from pkv.measure.calibration_probe import measure_launch_us, measure_read_gbps, time_steps, trace_steps
+from pkv.measure.kv_data import make_kv_pages, resolve_dtype
+from pkv.policy.calibration import Calibration, save_calibration
+from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy
+from pkv.policy.estimator import Estimator
+from pkv.policy.fits import fit_c_min, fit_context_gate, fit_regime_route, fit_split_count, group_size_holds
+from pkv.policy.regime import FEW_ROWS, SINGLE_ROW, regime_of
+from pkv.policy.route import FLASHINFER_ROUTE, ROUTE_BUCKET, ROUTE_WORKQUEUE, SCHEDULES, StepRoute
+from pkv.report.calibration_report import fitted_field
+from pkv.shape import ModelShape
 
 
 def run(cfg: PkvConfig) -> list[Path]:
-    from pkv.measure.calibration_probe import measure_launch_us, measure_read_gbps
-    from pkv.cost_model import Calibration, fit_c_min, save_calibration
-
     exp = cfg.experiment
     if cfg.seed != exp.calibration_seed:
         raise ConfigError(f"conf/experiment/calibrate.yaml: field 'seed' = {cfg.seed!r}: calibration runs on "
@@ -46,23 +54,24 @@ def run(cfg: PkvConfig) -> list[Path]:
         sweep.run(ct)
     operating_points = sweep.operating_points()
     # The probes run the operating points just fitted, as the route policy will.
-    probes = _GateProbes(cfg, settings, shape, dataclasses.replace(calib, **operating_points),
+    probes = _GateProbes(cfg, settings, shape, _apply(calib, operating_points),
                          sweep.gate_steps(operating_points), exp.gate_tolerance)
     for probe in exp.gate_probes:
         probes.run(probe)
     context_gates = probes.fit_context_gates(start)
     group_fit = probes.fit_group_sizes(start)
+    calib = _apply(calib, operating_points)
     if settings.performance_result:
         # CPU timings say nothing about a GPU: there the fits are recorded and the configured
         # gates kept.
-        operating_points.update({name: fit["fitted"] for name, fit in context_gates.items()})
-        operating_points["supported_group_sizes"] = tuple(group_fit["fitted"])
-
+        for fit in context_gates.values():
+            calib = calib.with_regime(fit["regime"], min_context_tokens=fit["fitted"])
+        calib = dataclasses.replace(calib, supported_group_sizes=tuple(group_fit["fitted"]))
     calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(sweep.flashinfer_plan_us),
-                                persistentkv_plan_us=statistics.median(sweep.persistentkv_plan_us),
-                                **operating_points)
-    fit = fit_c_min(sweep.samples, calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
-                    head_dim=shape.head_dim, kv_dtype_bytes=sweep.kv_dtype_bytes, refit_lambda=False)
+                                persistentkv_plan_us=statistics.median(sweep.persistentkv_plan_us))
+    estimator = Estimator(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
+                          head_dim=shape.head_dim, kv_dtype_bytes=sweep.kv_dtype_bytes)
+    fit = fit_c_min(sweep.samples, estimator, refit_lambda=False)
     calib = dataclasses.replace(
         calib, c_min=fit.c_min,
         source=f"calibrate rule: seed {cfg.seed}, profile {settings.profile}"
@@ -80,47 +89,39 @@ def run(cfg: PkvConfig) -> list[Path]:
     return [out]
 
 
+def _apply(calib: Calibration, points: dict) -> Calibration:
+    """The calibration with the fitted operating points: {regime: {parameter: value}}."""
+    for regime, params in points.items():
+        calib = calib.with_regime(regime, **params)
+    return calib
+
+
 class _TimedTrace:
     """One calibration trace's steps and page pool, timed on PersistentKV and FlashInfer."""
 
     def __init__(self, cfg: PkvConfig, settings, shape, trace):
-        from pkv.measure.calibration_probe import trace_steps
-        from pkv.measure.kv_data import make_kv_pages
-
         run_settings = resolve_settings(dataclasses.replace(cfg, trace=trace))
         requests = load_requests(trace, cfg.seed, run_settings)
         assignment, self.steps = trace_steps(
             requests, page_size=trace.page_size, hole_fraction=trace.hole_fraction,
             max_active=trace.max_active, num_steps=run_settings.warmup_steps + run_settings.measured_steps,
             seed=cfg.seed)
-        k_pages, v_pages = make_kv_pages(assignment.num_physical_pages, shape, trace.page_size,
-                                         _torch_dtype(settings.dtype), settings.device, cfg.seed)
+        dtype = resolve_dtype(settings.dtype)
+        k_pages, v_pages = make_kv_pages(assignment.num_physical_pages, shape, trace.page_size, dtype,
+                                         settings.device, cfg.seed)
         self.kv_dtype_bytes = k_pages.element_size()
         self.shape, self.device = shape, settings.device
-        self.timing = dict(shape=shape, k_pages=k_pages, v_pages=v_pages, dtype=_torch_dtype(settings.dtype),
+        self.timing = dict(shape=shape, k_pages=k_pages, v_pages=v_pages, dtype=dtype,
                            device=settings.device, seed=cfg.seed, reps=run_settings.reps,
                            flush_l2=cfg.experiment.flush_l2)
 
-    def persistentkv(self, calib, route_option: str, splits: int):
-        from pkv.measure.calibration_probe import time_steps
-        from pkv.cost_model import ROUTE_BUCKET, ROUTE_WORKQUEUE
-        from pkv.engines import build_engine
+    def persistentkv(self, route: StepRoute):
+        engine = build_engine("persistentkv", shape=self.shape, device=self.device, policy=PinnedRoutePolicy(route))
+        return time_steps(engine, route, self.steps, **self.timing)
 
-        bucket = route_option == "bucket_exact"
-        options = {"route": route_option, "num_splits": splits}
-        if bucket:
-            options["bucket_num_splits"] = splits
-        engine = build_engine("persistentkv", shape=self.shape, device=self.device, calib=calib, options=options)
-        return time_steps(engine, ROUTE_BUCKET if bucket else ROUTE_WORKQUEUE, self.steps, num_splits=splits,
-                          **self.timing)
-
-    def flashinfer(self, calib):
-        from pkv.measure.calibration_probe import time_steps
-        from pkv.cost_model import ROUTE_FLASHINFER
-        from pkv.engines import build_engine
-
-        baseline = build_engine("flashinfer", shape=self.shape, device=self.device, calib=calib)
-        return time_steps(baseline, ROUTE_FLASHINFER, self.steps, num_splits=None, **self.timing)
+    def flashinfer(self):
+        baseline = build_engine("flashinfer", shape=self.shape, device=self.device)
+        return time_steps(baseline, FLASHINFER_ROUTE, self.steps, **self.timing)
 
 
 def _gate_rows(pkv_timed, fi_timed) -> dict:
@@ -135,8 +136,7 @@ class _SplitSweep:
     the timed steps that C_min, the host plan times and the context gates are fitted from.
 
     Traces that fit the same operating point (say a ragged and a uniform batch of 8 rows) are
-    decided together, by the split count with the least device time summed over them: one trace
-    alone can rank two neighbouring counts by noise while the other separates them clearly.
+    decided together, by the split count with the least device time summed over them.
     """
 
     def __init__(self, cfg, settings, shape, calib):
@@ -146,77 +146,73 @@ class _SplitSweep:
         self._swept: list[dict] = []
 
     def run(self, ct) -> None:
-        from pkv.cost_model import is_boundary_batch
-
         trace = dataclasses.replace(load_trace_option(ct.trace), max_active=ct.max_active)
         timed_trace = _TimedTrace(self.cfg, self.settings, self.shape, trace)
         self.kv_dtype_bytes = timed_trace.kv_dtype_bytes
-        bucket = ct.route == "bucket_exact"
+        route_name, bucket_mode = SCHEDULES[ct.route]
         timed_by_splits = {}
         for splits in ct.split_candidates:
-            timed = timed_by_splits[splits] = timed_trace.persistentkv(self.calib, ct.route, splits)
+            route = StepRoute(route_name, int(splits), self.calib.workqueue_split_kind, bucket_mode)
+            timed = timed_by_splits[splits] = timed_trace.persistentkv(route)
             self.samples += timed.samples
             self.persistentkv_plan_us += timed.plan_us
         # FlashInfer-role steps at low occupancy are what pins C_min down; its plan() time is a constant too.
-        timed_fi = timed_trace.flashinfer(self.calib)
+        timed_fi = timed_trace.flashinfer()
         self.samples += timed_fi.samples
         self.flashinfer_plan_us += timed_fi.plan_us
-        boundary = not bucket and is_boundary_batch(trace.max_active)
+        # The bucket sweep fits the single-row regime whatever its batch; the workqueue, its batch's.
+        regime = SINGLE_ROW if route_name == ROUTE_BUCKET else regime_of(trace.max_active)
         self._swept.append({
-            "name": trace_name(trace), "max_active": trace.max_active, "bucket": bucket,
-            "field": "bucket_num_splits" if bucket else "boundary_num_splits" if boundary else "workqueue_num_splits",
+            "name": trace_name(trace), "max_active": trace.max_active, "route": route_name, "regime": regime,
             "steps": len(timed_trace.steps), "timed_by_splits": timed_by_splits, "timed_fi": timed_fi})
 
     def operating_points(self) -> dict:
-        """Each swept field's split count (and the boundary route), recording every trace's sweep."""
-        from pkv.cost_model import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE
-
+        """{regime: {"num_splits": S (, "route": R)}} of each swept regime, recording every trace's sweep."""
         points = {}
-        for field in dict.fromkeys(t["field"] for t in self._swept):
-            traces = [t for t in self._swept if t["field"] == field]
+        for regime in dict.fromkeys(t["regime"] for t in self._swept):
+            field = fitted_field(regime, "num_splits")
+            traces = [t for t in self._swept if t["regime"] == regime]
             shared = set.intersection(*(set(t["timed_by_splits"]) for t in traces))
             if not shared:
                 raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' = "
                                   f"{[t['name'] for t in traces]}: traces that fit {field} share no split candidate")
             summed = {s: sum(t["timed_by_splits"][s].total_us for t in traces) for s in sorted(shared)}
-            best = points[field] = min(summed, key=summed.get)
-            # A best point at the end of the candidate list may have a better neighbour outside it.
-            at_edge = len(summed) > 1 and best in (min(summed), max(summed))
-            if at_edge:
-                print(f"pkv calibrate: {field}: the fastest split count, {best}, is at the edge of the "
-                      f"candidates {sorted(summed)}; widening them may find a faster one", file=sys.stderr)
+            split_fit = fit_split_count(summed)
+            points[regime] = {"num_splits": split_fit.num_splits}
+            if split_fit.at_edge:
+                print(f"pkv calibrate: {field}: the fastest split count, {split_fit.num_splits}, is at the edge of "
+                      f"the candidates {sorted(summed)}; widening them may find a faster one", file=sys.stderr)
             for t in traces:
                 self.records[t["name"]] = {
-                    "route": ROUTE_BUCKET if t["bucket"] else ROUTE_WORKQUEUE, "fits": field, "steps": t["steps"],
-                    "selected_splits": best, "selected_at_edge": at_edge,
+                    "route": t["route"], "fits": field, "steps": t["steps"],
+                    "selected_splits": split_fit.num_splits, "selected_at_edge": split_fit.at_edge,
                     "fitted_with": [u["name"] for u in traces],
                     "device_us_total_by_splits": {str(s): timed.total_us for s, timed in t["timed_by_splits"].items()},
                     "flashinfer_device_us_total": t["timed_fi"].total_us,
                 }
-            if field == "boundary_num_splits":
+            if regime == FEW_ROWS:
                 # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at break-even
-                # on its GPU). Here the calibration seed's boundary steps decide, in device time;
-                # as for the context gates, CPU timings are recorded and the configured route kept.
-                speedup = sum(t["timed_fi"].total_us for t in traces) / summed[best]
-                fitted = ROUTE_WORKQUEUE if speedup > 1.0 else ROUTE_FLASHINFER
+                # on its GPU). Here the calibration seed's steps decide, in device time; as for the
+                # context gates, CPU timings are recorded and the configured route kept.
+                route, speedup = fit_regime_route(summed[split_fit.num_splits],
+                                                  sum(t["timed_fi"].total_us for t in traces), ROUTE_WORKQUEUE)
                 if self.settings.performance_result:
-                    points["boundary_route"] = fitted
+                    points[regime]["route"] = route
                 for t in traces:
-                    self.records[t["name"]]["boundary_route"] = {
-                        "fitted": fitted, "applied": self.settings.performance_result, "speedup": speedup}
+                    self.records[t["name"]]["regime_route"] = {
+                        "fits": fitted_field(regime, "route"), "fitted": route,
+                        "applied": self.settings.performance_result, "speedup": speedup}
         return points
 
     def gate_steps(self, points: dict) -> dict[str, list[dict]]:
         """The steps of each regime timed on the route the policy takes there (length buckets at
         B1, else the workqueue) at the fitted split count: the long end of its context gate."""
-        from pkv.cost_model import context_gate_field
-
         steps: dict[str, list[dict]] = {}
         for t in self._swept:
-            if t["bucket"] == (t["max_active"] == 1):
-                steps.setdefault(context_gate_field(t["max_active"]), []).append(
-                    {"source": f"split sweep {t['name']}",
-                     **_gate_rows(t["timed_by_splits"][points[t["field"]]], t["timed_fi"])})
+            if (t["route"] == ROUTE_BUCKET) == (t["max_active"] == 1):
+                rows = _gate_rows(t["timed_by_splits"][points[t["regime"]]["num_splits"]], t["timed_fi"])
+                steps.setdefault(regime_of(t["max_active"]), []).append(
+                    {"source": f"split sweep {t['name']}", **rows})
         return steps
 
 
@@ -231,10 +227,6 @@ class _GateProbes:
         self.group_totals: dict[int, list[dict]] = {}
 
     def run(self, probe) -> None:
-        from pkv.cost_model import ROUTE_BUCKET, context_gate_field
-        from pkv.route_policy import RoutePolicy
-        from pkv.shape import ModelShape
-
         base = load_trace_option(probe.trace)
         trace = dataclasses.replace(
             base, max_active=probe.max_active, length_scale=base.length_scale * probe.length_scale,
@@ -243,53 +235,48 @@ class _GateProbes:
         shape = self.shape if group == self.shape.group_size else ModelShape(
             num_qo_heads=self.shape.num_qo_heads, num_kv_heads=self.shape.num_qo_heads // group,
             head_dim=self.shape.head_dim)
-        route, splits = RoutePolicy(self.fitted, num_kv_heads=shape.num_kv_heads, group_size=group,
-                                    head_dim=shape.head_dim).candidate(probe.max_active)
+        regime = regime_of(probe.max_active)
+        # The route the policy would estimate this regime's steps on, opened where the
+        # calibration closed it: a probe measures the candidate, not the gate.
+        params = self.fitted.regime(regime)
+        route = RoutePolicy(self.fitted.with_regime(regime, route=params.route if params.route != "flashinfer"
+                                                    else ROUTE_WORKQUEUE),
+                            num_kv_heads=shape.num_kv_heads, group_size=group,
+                            head_dim=shape.head_dim).candidate(probe.max_active)
         timed_trace = _TimedTrace(self.cfg, self.settings, shape, trace)
-        timed = timed_trace.persistentkv(self.fitted, "bucket_exact" if route == ROUTE_BUCKET else "workqueue", splits)
-        timed_fi = timed_trace.flashinfer(self.fitted)
+        timed = timed_trace.persistentkv(route)
+        timed_fi = timed_trace.flashinfer()
         name = f"{trace_name(trace)} x{probe.length_scale:g} G={group}"
-        record = {"probe": name, "route": route, "num_splits": splits, "group_size": group,
+        record = {"probe": name, "route": route.name, "num_splits": route.num_splits, "group_size": group,
                   "steps": len(timed_trace.steps), "persistentkv_device_us_total": timed.total_us,
                   "flashinfer_device_us_total": timed_fi.total_us}
         self.records.append(record)
         if group == self.shape.group_size:
-            record["fits"] = context_gate_field(probe.max_active)
-            self.gate_steps.setdefault(record["fits"], []).append({"source": f"probe {name}",
-                                                                   **_gate_rows(timed, timed_fi)})
+            record["fits"] = fitted_field(regime, "min_context_tokens")
+            self.gate_steps.setdefault(regime, []).append({"source": f"probe {name}", **_gate_rows(timed, timed_fi)})
         else:
             record["fits"] = "supported_group_sizes"
             self.group_totals.setdefault(group, []).append(record)
 
-    def fit_context_gates(self, start) -> dict:
+    def fit_context_gates(self, start: Calibration) -> dict:
         """Each regime's gate from every step timed in it (split sweep and probes)."""
-        from pkv.cost_model import CONTEXT_GATE_FIELDS, fit_context_gate
-
-        regime_batch = {name: batch for batch, name in CONTEXT_GATE_FIELDS.items()}
         fits = {}
-        for name, sources in self.gate_steps.items():
+        for regime, sources in self.gate_steps.items():
             rows = {key: [v for src in sources for v in src[key]]
                     for key in ("contexts", "persistentkv_us", "flashinfer_us")}
             gate = fit_context_gate(rows["contexts"], rows["persistentkv_us"], rows["flashinfer_us"],
-                                    start.context_gate(regime_batch[name]), self.tolerance)
-            fits[name] = {"fitted": gate.min_context_tokens, "applied": self.settings.performance_result,
-                          "tolerance": self.tolerance, "reason": gate.reason,
-                          "sources": [src["source"] for src in sources],
-                          "classes": {str(k): v for k, v in gate.classes.items()}}
+                                    start.regime(regime).min_context_tokens, self.tolerance)
+            fits[fitted_field(regime, "min_context_tokens")] = {
+                            "regime": regime, "fitted": gate.min_context_tokens, "applied": self.settings.performance_result,
+                            "tolerance": self.tolerance, "reason": gate.reason,
+                            "sources": [src["source"] for src in sources],
+                            "classes": {str(k): v for k, v in gate.classes.items()}}
         return fits
 
-    def fit_group_sizes(self, start) -> dict:
+    def fit_group_sizes(self, start: Calibration) -> dict:
         """The configured group sizes, and each probed one where PersistentKV's device time held
         (beat FlashInfer's, or came within the tolerance) on every probe of that G."""
-        opened = [g for g, records in self.group_totals.items()
-                  if all(r["persistentkv_device_us_total"] <= r["flashinfer_device_us_total"] * (1.0 + self.tolerance)
-                         for r in records)]
+        opened = [g for g, records in self.group_totals.items() if group_size_holds(records, self.tolerance)]
         fitted = sorted(set(start.supported_group_sizes) | set(opened))
         return {"fitted": fitted, "applied": self.settings.performance_result, "tolerance": self.tolerance,
                 "probed": sorted(self.group_totals), "opened": sorted(opened)}
-
-
-def _torch_dtype(name: str):
-    from pkv.measure.kv_data import resolve_dtype
-
-    return resolve_dtype(name)

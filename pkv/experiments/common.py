@@ -15,24 +15,27 @@ from pathlib import Path
 from typing import Any
 
 from pkv.config import EXTERNAL_FAMILY, ConfigError, EngineConfig, PkvConfig, TraceConfig
+from pkv.engines import OPTION_NAMES, EngineUnavailable, build_engine
+from pkv.policy.calibration import Calibration, load_calibration
+from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, pinned_route
+from pkv.policy.overrides import apply_engine_options, kernel_variants
+from pkv.policy.route import MERGE_LAUNCH
 
 # Engine labels that are one engine role with fixed options: a run can time several schedules of
 # PersistentKV side by side, each written to its own <label>.json.
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "persistentkv_exact": ("persistentkv", {"route": "bucket_exact"}),
+    "persistentkv_exact_cluster": ("persistentkv", {"route": "bucket_exact", "merge": "cluster"}),
     "persistentkv_masked": ("persistentkv", {"route": "bucket_masked"}),
     "persistentkv_workqueue": ("persistentkv", {"route": "workqueue"}),
-    "persistentkv_workqueue_fused": ("persistentkv", {"route": "workqueue", "fused_merge": True}),
+    "persistentkv_workqueue_fused": ("persistentkv", {"route": "workqueue", "merge": "fused"}),
     "persistentkv_workqueue_graph": ("persistentkv", {"route": "workqueue", "cuda_graph": True}),
 }
 
-# Which EngineConfig fields each role understands; other roles build with their defaults.
-_PKV_OPTIONS = ("route", "num_splits", "split_kind", "bucket_num_splits", "fused_merge", "cuda_graph", "planner")
-_ROLE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "persistentkv": _PKV_OPTIONS,
-    "adaptive": _PKV_OPTIONS + ("allow_b4", "use_tensor_cores"),
-    "flashinfer": ("use_tensor_cores",),
-}
+# EngineConfig fields that say what PersistentKV runs: the run's calibration takes the first four
+# (pkv.policy.overrides), the policy of each engine the last two.
+_CALIBRATION_OPTIONS = ("num_splits", "bucket_num_splits", "split_kind", "open_few_rows")
+_ROUTE_OPTIONS = ("route", "merge")
 
 
 @dataclass(frozen=True)
@@ -134,44 +137,50 @@ def trace_record(trace: TraceConfig, seed: int, settings: RunSettings, num_reque
 
 
 def engine_role_and_options(label: str, engine: EngineConfig) -> tuple[str, dict[str, Any]]:
-    """(role for build_engine, options) of an engine label; the label's own options win."""
+    """(role for build_engine, the EngineConfig fields that apply to it); the label's own win."""
     role, fixed = ENGINE_VARIANTS.get(label, (label, {}))
-    allowed = _ROLE_OPTIONS.get(role, ())
-    options = {k: getattr(engine, k) for k in allowed if getattr(engine, k) is not None}
-    # Booleans that are off are the engines' defaults too; passing them keeps the record explicit.
+    options = {k: getattr(engine, k) for k in (*_ROUTE_OPTIONS, *OPTION_NAMES) if hasattr(engine, k)}
     options.update(fixed)
-    return role, options
+    return role, {k: v for k, v in options.items() if v is not None}
+
+
+def run_calibration(cfg: PkvConfig):
+    """The calibration every engine of this run decides with: the frozen calibration JSON when
+    given (else the starting constants of conf/gpu/<gpu>.yaml), with the run's engine options
+    (an ablation's split count or opened regime) applied once, here."""
+    calib = load_calibration(cfg.calibration) if cfg.calibration else \
+        Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)")
+    return apply_engine_options(calib, **{k: getattr(cfg.engine, k) for k in _CALIBRATION_OPTIONS})
+
+
+def engine_policy(role: str, options: Mapping[str, Any], shape, calib):
+    """The policy an engine role runs: the calibrated RoutePolicy for "adaptive", one pinned
+    schedule for a PersistentKV engine, none for the baselines."""
+    variants = kernel_variants(options.get("route", "workqueue"), options.get("merge", MERGE_LAUNCH))
+    if role == "adaptive":
+        return RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
+                           head_dim=shape.head_dim, variants=variants)
+    if role in ("persistentkv", "reference"):
+        return PinnedRoutePolicy(pinned_route(options.get("route", "workqueue"), calib, variants))
+    return None
 
 
 def build_engines(labels: Iterable[str], cfg: PkvConfig, shape, device: str, calib) -> tuple[dict, dict]:
-    """({label: Engine}, {label: reason}) for the labels that could and could not be built."""
-    from pkv.engines import build_engine
-    from pkv.engines.base import EngineUnavailable
-
-    from pkv.engines import OPTION_NAMES
-
+    """({label: Engine}, {label: reason}) for the labels that could and could not be built, each
+    with the policy of its role over the run's calibration."""
     engines, skipped = {}, {}
     for label in labels:
         role, options = engine_role_and_options(label, cfg.engine)
-        unsupported = sorted(k for k, v in options.items() if k not in OPTION_NAMES and v)
-        if unsupported:
-            skipped[label] = f"engine option(s) {unsupported} not implemented by pkv.engines"
-            continue
-        options = {k: v for k, v in options.items() if k in OPTION_NAMES}
         try:
-            engines[label] = build_engine(role, shape=shape, device=device, calib=calib, options=options)
+            policy = engine_policy(role, options, shape, calib)
+            engines[label] = build_engine(role, shape=shape, device=device, policy=policy,
+                                          options={k: v for k, v in options.items() if k in OPTION_NAMES})
         except EngineUnavailable as exc:
             skipped[label] = exc.reason
+        except ValueError as exc:
+            # A route this run cannot take (say the cluster merge on the workqueue) is the config's error.
+            raise ConfigError(f"conf/engine: engine {label!r} with options {options}: {exc}") from None
     return engines, skipped
-
-
-def load_calibration_for(cfg: PkvConfig):
-    """The frozen calibration JSON when given, else the starting constants of conf/gpu/<gpu>.yaml."""
-    from pkv.cost_model import Calibration, load_calibration
-
-    if cfg.calibration:
-        return load_calibration(cfg.calibration)
-    return Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)")
 
 
 def new_run_id() -> str:

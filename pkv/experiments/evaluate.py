@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pkv.config import PkvConfig
 from pkv.experiments.common import (
-    build_engines, engine_file, load_calibration_for, load_requests, model_shape, new_run_id,
+    build_engines, engine_file, run_calibration, load_requests, model_shape, new_run_id,
     provenance_for, resolve_settings, trace_name, trace_record, write_all_or_nothing,
 )
 
@@ -25,7 +25,7 @@ def run_trace_experiment(cfg: PkvConfig) -> list[Path]:
     exp, trace = cfg.experiment, cfg.trace
     settings = resolve_settings(cfg)
     shape = model_shape(cfg)
-    calib = load_calibration_for(cfg)
+    calib = run_calibration(cfg)
     requests = load_requests(trace, cfg.seed, settings)
     engines, skipped = build_engines(exp.engines, cfg, shape, settings.device, calib)
     if exp.baseline in skipped:

@@ -10,9 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from pkv.config import PkvConfig
+from pkv.engines import EngineUnavailable, build_engine
 from pkv.experiments.common import (
-    load_calibration_for, model_shape, new_run_id, provenance_for, resolve_settings, trace_record,
+    model_shape, new_run_id, provenance_for, resolve_settings, run_calibration, trace_record,
 )
+from pkv.policy.choose import PinnedRoutePolicy, pinned_route
 from pkv.report.results import RESULT_SCHEMA
 
 # Several engines can play one method; the fastest one that runs is the method's number.
@@ -21,29 +23,24 @@ _FLASHINFER_PATHS = ("flashinfer_tc", "flashinfer_cc")
 
 def _candidates(method: str, cfg: PkvConfig, shape, device, calib) -> tuple[dict, dict]:
     """({candidate label: engine}, {candidate label: why it cannot run}) of one method."""
-    from pkv.engines import build_engine
-    from pkv.engines.base import EngineUnavailable
-
     if method == "persistentkv":
-        wanted = {f"persistentkv_s{s}": ("persistentkv", {"route": cfg.engine.route, "num_splits": s,
-                                                            "bucket_num_splits": s})
+        # The run's schedule at each candidate split count: the method's "auto split".
+        wanted = {f"persistentkv_s{s}": ("persistentkv", PinnedRoutePolicy(
+                      pinned_route(cfg.engine.route, calib.with_all_regimes(num_splits=s))))
                   for s in cfg.experiment.split_candidates}
     elif method == "flashinfer":
-        wanted = {label: (label, {}) for label in _FLASHINFER_PATHS}
+        wanted = {label: (label, None) for label in _FLASHINFER_PATHS}
     else:
-        wanted = {method: (method, {})}
+        wanted = {method: (method, None)}
     engines, skipped = {}, {}
-    for label, (role, options) in wanted.items():
+    for label, (role, policy) in wanted.items():
         try:
-            engines[label] = build_engine(role, shape=shape, device=device, calib=calib, options=options)
+            engines[label] = build_engine(role, shape=shape, device=device, policy=policy)
         except EngineUnavailable as exc:
             skipped[label] = exc.reason
     if method == "flashinfer" and not engines:
         # The CPU profile's FlashInfer role has no tensor-core/CUDA-core paths, only the stand-in.
-        try:
-            engines["flashinfer"] = build_engine("flashinfer", shape=shape, device=device, calib=calib)
-        except EngineUnavailable as exc:
-            skipped["flashinfer"] = exc.reason
+        engines["flashinfer"] = build_engine("flashinfer", shape=shape, device=device)
     return engines, skipped
 
 
@@ -67,7 +64,7 @@ def run(cfg: PkvConfig) -> list[Path]:
     exp, trace = cfg.experiment, cfg.trace
     settings = resolve_settings(cfg)
     shape = model_shape(cfg)
-    calib = load_calibration_for(cfg)
+    calib = run_calibration(cfg)
     # The CPU profile shrinks the context like every trace, so the table keeps its shape.
     context_len = max(1, round(exp.context_len * settings.length_scale / trace.length_scale))
     per_method, engines, skipped = {}, {}, {}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pkv.config import PkvConfig
 from pkv.experiments.common import (
-    build_engines, load_calibration_for, load_requests, model_shape, provenance_for,
+    build_engines, run_calibration, load_requests, model_shape, provenance_for,
     resolve_settings, trace_name, trace_record,
 )
 
@@ -147,7 +147,7 @@ def _profiled_trace(cfg: PkvConfig) -> None:
     exp, trace = cfg.experiment, cfg.trace
     settings = resolve_settings(cfg)
     shape = model_shape(cfg)
-    engines, skipped = build_engines(exp.engines, cfg, shape, settings.device, load_calibration_for(cfg))
+    engines, skipped = build_engines(exp.engines, cfg, shape, settings.device, run_calibration(cfg))
     if skipped:
         raise RuntimeError(f"profile: engines unavailable: {skipped}")
     spec = TraceRunSpec(

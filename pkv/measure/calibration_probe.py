@@ -6,7 +6,7 @@
   spacing (CUDA events around the burst) and the host-side issue rate, because a decode step
   pays whichever of the two pipelines limits it.
 - per-step samples of timed PersistentKV (and FlashInfer-role) runs over a trace, the input of
-  `pkv.cost_model.fit_c_min`, and the split sweep that picks the operating points.
+  `pkv.policy.fits.fit_c_min`, and the split sweep that picks the operating points.
 """
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pkv.measure.kv_data import make_queries
 from pkv.measure.timing import L2Flusher, synchronize, time_device_us
+from pkv.pipeline.pages import assign_pages
+from pkv.pipeline.serving import ContinuousDecoder
+from pkv.policy.fits import CostSample
+from pkv.policy.route import StepRoute
 
 _MIB = 1 << 20
 
@@ -62,11 +67,10 @@ class TimedSteps:
     plan_us: list
 
 
-def time_steps(engine, route: str, steps, shape, k_pages, v_pages, *, dtype, device, seed: int,
-               num_splits: int | None, reps: int, flush_l2: bool = True) -> TimedSteps:
-    """Median device time of engine.run on each step, as pkv.cost_model.CostSample rows."""
-    from pkv.cost_model import CostSample
-    from pkv.measure.kv_data import make_queries
+def time_steps(engine, route: StepRoute, steps, shape, k_pages, v_pages, *, dtype, device, seed: int,
+               reps: int, flush_l2: bool = True) -> TimedSteps:
+    """Median device time of engine.run on each step (the engine runs ``route`` on every step),
+    as pkv.policy.fits.CostSample rows."""
 
     flusher = L2Flusher(device) if flush_l2 else None
     samples, plan_us, total = [], [], 0.0
@@ -80,7 +84,7 @@ def time_steps(engine, route: str, steps, shape, k_pages, v_pages, *, dtype, dev
         plan_us.append((time.perf_counter() - t0) * 1e6)
         stats = time_device_us(lambda: engine.run(q, k_pages, v_pages, plan), reps=reps, warmup=1,
                                flusher=flusher, device=device)
-        samples.append(CostSample(route, step, stats.median_us, num_splits))
+        samples.append(CostSample(route, step, stats.median_us))
         total += stats.median_us
     return TimedSteps(samples=samples, total_us=total, plan_us=plan_us)
 
@@ -88,8 +92,6 @@ def time_steps(engine, route: str, steps, shape, k_pages, v_pages, *, dtype, dev
 def trace_steps(requests, *, page_size: int, hole_fraction: float, max_active: int, num_steps: int,
                 seed: int):
     """The page assignment and the first num_steps StepBatches of a continuous-batching replay."""
-    from pkv.pipeline.pages import assign_pages
-    from pkv.pipeline.serving import ContinuousDecoder
 
     assignment = assign_pages([r.total_len for r in requests], page_size, hole_fraction, seed)
     steps = list(ContinuousDecoder(list(requests), assignment, max_active, max_steps=num_steps).steps())

@@ -22,12 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pkv.measure.accuracy import PAPER_MAX_ABS, PAPER_MEAN_ABS, AccuracyError, check_within, compare
 from pkv.engines.dense import dense_decode
+from pkv.measure.accuracy import PAPER_MAX_ABS, PAPER_MEAN_ABS, AccuracyError, check_within, compare
 from pkv.measure.kv_data import make_kv_pages, make_queries, resolve_dtype
 from pkv.measure.mlp_tail import GatedMLPTail
 from pkv.measure.nvtx_ranges import nvtx_range, validate_range_name
 from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer, hold_device
+from pkv.pipeline import counters
+from pkv.policy.route import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH
 
 # Relative error against float64 above which an engine (or the baseline itself) is wrong
 # rather than merely rounded: a few ulps of the output dtype.
@@ -92,19 +94,11 @@ def default_num_sms(device) -> int:
     return os.cpu_count() or 1
 
 
-def merge_options(engine) -> dict:
-    """How the engine (or the PersistentKV engine inside an adaptive one) merges split states:
-    the fused_merge and cluster_merge options its counters follow."""
-    inner = getattr(engine, "persistent", None)
-    return {name: bool(getattr(engine, name, False) or getattr(inner, name, False))
-            for name in ("fused_merge", "cluster_merge")}
-
-
-def step_counters(plan, step, shape, num_sms: int, kv_dtype_bytes: int, fused_merge: bool = False,
-                  cluster_merge: bool = False):
-    """Structural counters from the plan's type: workqueue, buckets, or one library call."""
-    from pkv.pipeline import counters
-
+def step_counters(plan, step, shape, num_sms: int, kv_dtype_bytes: int):
+    """Structural counters from the plan's type (workqueue, buckets, or one library call) and the
+    merge kind of the route it was planned for."""
+    merge = getattr(plan, "merge", MERGE_LAUNCH)
+    fused_merge, cluster_merge = merge == MERGE_FUSED, merge == MERGE_CLUSTER
     schedule = getattr(plan, "schedule", None)
     if hasattr(schedule, "tasks"):
         return counters.counters_for_workqueue(schedule, step, num_sms, shape.head_dim,
@@ -229,7 +223,6 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
     ref_limit = REF_REL_LIMIT[dtype]
 
     names = list(engines)
-    merges = {name: merge_options(engines[name]) for name in names}
     records = {name: _EngineRecord() for name in names}
     total_steps = spec.warmup_steps + spec.measured_steps
     started = last_report = time.perf_counter()
@@ -274,7 +267,7 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
                 record.add_step(step, plan, plan_us=(planned - wall.started) * 1e6,
                                 issue_us=(issued - planned) * 1e6, wall_us=wall.elapsed_us,
                                 cuda_us=device_timer.elapsed_us, position=position)
-                record.counters.append(step_counters(plan, step, shape, sms, kv_dtype_bytes, **merges[name]))
+                record.counters.append(step_counters(plan, step, shape, sms, kv_dtype_bytes))
 
         for name in names:
             if name == baseline:

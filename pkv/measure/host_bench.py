@@ -26,6 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pkv.engines import OPTION_NAMES
+from pkv.experiments.common import engine_policy
+
 K = 1024
 CASES: dict[str, list[int]] = {
     "b1_8k": [8 * K],
@@ -82,7 +85,9 @@ def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log) -> dict:
     q = make_queries(len(seq_lens), shape, "float16", "cuda", seed + 1)
     rows = {}
     for label, (role, options) in engine_specs().items():
-        engine = build_engine(role, shape=shape, device="cuda", calib=calib, options=options)
+        policy = engine_policy(role, options, shape, calib)
+        engine = build_engine(role, shape=shape, device="cuda", policy=policy,
+                              options={k: v for k, v in options.items() if k in OPTION_NAMES})
         engine.prepare(step, q, k, v)
         for _ in range(5):
             engine.run(q, k, v, engine.plan(step))
@@ -113,7 +118,7 @@ def main(argv=None) -> int:
     import yaml
 
     from pkv.measure.calibration_probe import measure_launch_us
-    from pkv.cost_model import Calibration, load_calibration
+    from pkv.policy.calibration import Calibration, load_calibration
     from pkv.provenance import collect_provenance
     from pkv.report.results import write_json_atomic
     from pkv.shape import ModelShape

@@ -21,6 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine
+from pkv.policy.choose import PinnedRoutePolicy
+from pkv.policy.route import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
+
 K = 1024
 CASES: dict[str, list[int]] = {
     "b1_8k": [8 * K],
@@ -54,36 +58,34 @@ def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
 
 
 def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False):
-    """(label, PersistentKVEngine options) of the sweep; clusters adds the cluster merge (sm_90+)."""
-    from pkv.engines.persistentkv import RING_STAGES
-    from pkv.pipeline.schedule import SplitPolicy
+    """(label, StepRoute, ring stages) of the sweep; clusters adds the cluster merge (sm_90+)."""
+    def merge_of(fused: bool) -> str:
+        return MERGE_FUSED if fused else MERGE_LAUNCH
 
     for stages in RING_STAGES:
         if batch == 1:
             for s in B1_SPLITS:
                 for fused in (False, True):
                     yield (f"bucket{'+fused' if fused else ''}:S={s}:st{stages}",
-                           dict(route="bucket_exact", bucket_num_splits=s, stages=stages, fused_merge=fused,
-                                split_policy=SplitPolicy(num_splits=s)))
+                           StepRoute(ROUTE_BUCKET, s, merge=merge_of(fused)), stages)
             for s in (B1_CLUSTER_SPLITS if clusters else ()):
-                yield (f"bucket+cluster:S={s}:st{stages}",
-                       dict(route="bucket_exact", bucket_num_splits=s, stages=stages, cluster_merge=True,
-                            split_policy=SplitPolicy(num_splits=s)))
+                yield f"bucket+cluster:S={s}:st{stages}", StepRoute(ROUTE_BUCKET, s, merge=MERGE_CLUSTER), stages
             for s in (32, 64):
                 for fused in (False, True):
                     yield (f"workqueue{'+fused' if fused else ''}:S={s}:st{stages}",
-                           dict(route="workqueue", fused_merge=fused, stages=stages,
-                                split_policy=SplitPolicy(num_splits=s)))
+                           StepRoute(ROUTE_WORKQUEUE, s, merge=merge_of(fused)), stages)
             continue
         for s in WORKQUEUE_SPLITS:
-            yield f"workqueue:S={s}:st{stages}", dict(route="workqueue", stages=stages,
-                                                      split_policy=SplitPolicy(kind="fixed", num_splits=s))
+            yield f"workqueue:S={s}:st{stages}", StepRoute(ROUTE_WORKQUEUE, s), stages
         for s in (8, 16):
-            yield f"workqueue+fused:S={s}:st{stages}", dict(route="workqueue", fused_merge=True, stages=stages,
-                                                            split_policy=SplitPolicy(kind="fixed", num_splits=s))
+            yield f"workqueue+fused:S={s}:st{stages}", StepRoute(ROUTE_WORKQUEUE, s, merge=MERGE_FUSED), stages
         for waves in BALANCED_WAVES:
-            policy = SplitPolicy(kind="balanced", num_splits=1, max_splits=64, target_ctas=waves * num_sms)
-            yield f"balanced:{waves}w:st{stages}", dict(route="workqueue", stages=stages, split_policy=policy)
+            route = StepRoute(ROUTE_WORKQUEUE, 1, "balanced", target_ctas=waves * num_sms)
+            yield f"balanced:{waves}w:st{stages}", route, stages
+
+
+def _engine(shape, route: StepRoute, stages: int) -> PersistentKVEngine:
+    return PersistentKVEngine(shape, policy=PinnedRoutePolicy(route), device="cuda", stages=stages)
 
 
 def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
@@ -113,7 +115,6 @@ def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
 def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
     from pkv.engines.dense import dense_decode
     from pkv.engines.flashinfer import FlashInferEngine
-    from pkv.engines.persistentkv import PersistentKVEngine
     from pkv.measure.harness import REF_REL_LIMIT
     from pkv.measure.kv_data import make_kv_pages, make_queries
     from pkv.pipeline.pages import assign_pages
@@ -147,8 +148,8 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     clusters = torch.cuda.get_device_capability(0)[0] >= 9
     best_label, best_engine, best_plan = None, None, None
-    for label, options in persistentkv_configs(len(seq_lens), num_sms, clusters):
-        engine = PersistentKVEngine(shape, device=device, **options)
+    for label, route, stages in persistentkv_configs(len(seq_lens), num_sms, clusters):
+        engine = _engine(shape, route, stages)
         plan = engine.plan(step)
         # Every configuration is checked before it is timed: a fast wrong one must not win.
         rel_err = errors(engine.run(q, k, v, plan))["rel_err"]
@@ -165,8 +166,8 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
     breakdown = None
     if len(seq_lens) == 1:
         unfused = min((label for label in sweep if label.startswith("bucket:")), key=sweep.get)
-        options = dict(persistentkv_configs(1, num_sms))[unfused]
-        engine = PersistentKVEngine(shape, device=device, **options)
+        route, stages = {label: (r, st) for label, r, st in persistentkv_configs(1, num_sms)}[unfused]
+        engine = _engine(shape, route, stages)
         breakdown = dict(config=unfused, **b1_breakdown(engine, engine.plan(step), q, k, v, flusher, reps))
     fi_label = min(("flashinfer_tc", "flashinfer_cc"), key=lambda label: rows[label]["median_us"])
     fi_best = rows[fi_label]["median_us"]

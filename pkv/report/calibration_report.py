@@ -16,10 +16,25 @@ import json
 import sys
 from pathlib import Path
 
-from pkv.cost_model import CONTEXT_GATE_FIELDS, FULL_BATCH, ROUTE_WORKQUEUE, load_calibration
+from pkv.policy.calibration import LEGACY_FIELDS, load_calibration
+from pkv.policy.regime import FEW_ROWS, MANY_ROWS, REGIMES, SINGLE_ROW
+from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER
 
-# Each batch regime's label, keyed like CONTEXT_GATE_FIELDS by a batch size of the regime.
-REGIME_LABELS = {1: "B1", FULL_BATCH - 1: "B2-7", FULL_BATCH: "B8+"}
+REGIME_LABELS = {SINGLE_ROW: "B1", FEW_ROWS: "B2-7", MANY_ROWS: "B8+"}
+_ROUTE_LABELS = {ROUTE_FLASHINFER: "FlashInfer", ROUTE_BUCKET: "bucket"}
+
+
+def fitted_field(regime: str, param: str) -> str:
+    """The name a calibration's measurements give the parameter a fit set (its path in the record)."""
+    return f"regimes.{regime}.{param}"
+
+
+def _recorded(records: dict, regime: str, param: str):
+    """A regime parameter's record, under its name or the flat name of files before the regimes."""
+    if fitted_field(regime, param) in records:
+        return records[fitted_field(regime, param)]
+    legacy = [name for name, target in LEGACY_FIELDS.items() if target == (regime, param)]
+    return next((records[name] for name in legacy if name in records), None)
 
 
 def _ratio(flashinfer_us: float, persistentkv_us: float) -> str:
@@ -28,14 +43,14 @@ def _ratio(flashinfer_us: float, persistentkv_us: float) -> str:
 
 def operating_points(calib) -> list[str]:
     """The schedule the route policy uses in each batch regime, and the group sizes it routes."""
-    boundary = (f"workqueue S={calib.boundary_num_splits} from {calib.context_gate(FULL_BATCH - 1)} tokens"
-                if calib.boundary_route == ROUTE_WORKQUEUE else "FlashInfer")
-    return [
-        f"B1 bucket S={calib.bucket_num_splits} from {calib.context_gate(1)} tokens",
-        f"B2-7 {boundary}",
-        f"B8+ workqueue S={calib.workqueue_num_splits} from {calib.context_gate(FULL_BATCH)} tokens",
-        f"G routed: {', '.join(str(g) for g in calib.supported_group_sizes)}",
-    ]
+    lines = []
+    for regime in REGIMES:
+        params = calib.regime(regime)
+        route = _ROUTE_LABELS.get(params.route, "workqueue")
+        if params.route != ROUTE_FLASHINFER:
+            route += f" S={params.num_splits} from {params.min_context_tokens} tokens"
+        lines.append(f"{REGIME_LABELS[regime]} {route}")
+    return [*lines, f"G routed: {', '.join(str(g) for g in calib.supported_group_sizes)}"]
 
 
 def split_sweeps(sweeps: dict) -> list[str]:
@@ -50,18 +65,18 @@ def split_sweeps(sweeps: dict) -> list[str]:
         together = sweep.get("fitted_with", [name])
         with_others = f" (with {', '.join(t for t in together if t != name)})" if len(together) > 1 else ""
         lines.append(f"{name} -> {fits}{with_others}: " + ", ".join(cells))
-        if "boundary_route" in sweep:
-            route = sweep["boundary_route"]
-            lines.append(f"  boundary route {route['fitted']} ({float(route['speedup']):.3f}x, "
+        route = sweep.get("regime_route", sweep.get("boundary_route"))  # the latter in files before the regimes
+        if route:
+            lines.append(f"  B2-7 route {route['fitted']} ({float(route['speedup']):.3f}x, "
                          f"{'applied' if route['applied'] else 'not applied'})")
     return lines
 
 
 def context_gates(gates: dict, calib) -> list[str]:
     lines = []
-    for batch, field in CONTEXT_GATE_FIELDS.items():
-        label = REGIME_LABELS[batch]
-        gate = gates.get(field)
+    for regime in REGIMES:
+        label = REGIME_LABELS[regime]
+        gate = _recorded(gates, regime, "min_context_tokens")
         if gate is None:
             continue
         fitted = int(gate["fitted"])
@@ -69,7 +84,7 @@ def context_gates(gates: dict, calib) -> list[str]:
         for cls, totals in sorted(gate["classes"].items(), key=lambda kv: int(kv[0])):
             held = "+" if int(cls) >= fitted else "-"
             classes.append(f"{cls}{held} {_ratio(float(totals['flashinfer_us']), float(totals['persistentkv_us']))}")
-        lines.append(f"{label:<5} fitted {fitted}, in use {calib.context_gate(batch)}"
+        lines.append(f"{label:<5} fitted {fitted}, in use {calib.regime(regime).min_context_tokens}"
                      f" ({'applied' if gate['applied'] else 'not applied'}): {gate['reason']}")
         lines.append("      " + ", ".join(classes))
     return lines

@@ -127,7 +127,7 @@ def calibration_evidence(path: Path) -> str:
     """What the calibration fitted, in the words of the route policy: the operating point of each
     batch regime, so the table says which schedule a held-out row was routed to and why."""
     from pkv.report.calibration_report import operating_points
-    from pkv.cost_model import Calibration, CalibrationError
+    from pkv.policy.calibration import Calibration, CalibrationError
 
     text = f"calibration JSON fitted on seed {CALIBRATION_SEED}"
     record = read_json(path) if path.is_file() else None

@@ -1,0 +1,142 @@
+"""Where a decode step's route is decided (paper 3.5).
+
+Gates first: a group size the calibration did not open, a longest row shorter than the regime's
+context gate, a regime whose calibrated route is FlashInfer. Then the regime's PersistentKV route
+is estimated against FlashInfer and taken only when its estimated speedup reaches the regime's
+margin (a no-regression margin). The decision is a complete StepRoute: engines run it as it is.
+
+A run that pins one schedule (the standalone PersistentKV engine of an ablation) uses
+``PinnedRoutePolicy``: every step on one route, built from the same calibration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+
+from pkv.policy.calibration import Calibration
+from pkv.policy.estimator import Estimator
+from pkv.policy.regime import REGIMES, regime_of
+from pkv.policy.route import (
+    DEFAULT_BUCKET_SPLITS,
+    DEFAULT_WORKQUEUE_SPLITS,
+    FLASHINFER_ROUTE,
+    ROUTE_BUCKET,
+    ROUTE_FLASHINFER,
+    SCHEDULES,
+    KernelVariants,
+    StepRoute,
+    describe_route,
+)
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    route: StepRoute
+    basis: str  # the gate that decided, "estimate", or "pinned"
+    estimates: Mapping[str, float]  # route name -> estimated us; empty when a gate decided
+    speedup: float = 0.0  # FlashInfer's estimate over the candidate's; 0 when a gate decided
+    margin: float = 0.0  # the speedup the candidate needed
+
+    @property
+    def reason(self) -> str:
+        # Built on demand: formatting it in choose() would cost every decode step.
+        if self.basis != "estimate":
+            return self.basis
+        relation = ">=" if self.speedup >= self.margin else "<"
+        return f"estimate {self.speedup:.3f}x {relation} margin {self.margin:.2f}x"
+
+
+# Gate decisions carry no per-step data, so each is built once (with a read-only empty mapping:
+# every step that a gate decides shares the same object).
+_NO_ESTIMATES = MappingProxyType({})
+GATE_GROUP = RouteDecision(FLASHINFER_ROUTE, "gate: G", _NO_ESTIMATES)
+GATE_CONTEXT = RouteDecision(FLASHINFER_ROUTE, "gate: context", _NO_ESTIMATES)
+GATE_REGIME = RouteDecision(FLASHINFER_ROUTE, "gate: regime", _NO_ESTIMATES)
+
+
+class RoutePolicy:
+    """The calibrated policy of one attention shape and one run's kernel variants."""
+
+    def __init__(self, calib: Calibration, *, num_kv_heads: int, group_size: int, head_dim: int,
+                 kv_dtype_bytes: int = 2, variants: KernelVariants = KernelVariants()):
+        self.calib = calib
+        self.group_size = int(group_size)
+        self.variants = variants
+        self._estimator = Estimator(calib, num_kv_heads=num_kv_heads, group_size=group_size, head_dim=head_dim,
+                                    kv_dtype_bytes=kv_dtype_bytes)
+        self._group_supported = self.group_size in calib.supported_group_sizes
+        # Everything per regime is resolved once here: choose() runs on every decode step.
+        self._regimes = {}
+        for name in REGIMES:
+            params = calib.regime(name)
+            candidate = None
+            if params.route != ROUTE_FLASHINFER:
+                candidate = variants.route(params.route, params.num_splits, calib.workqueue_split_kind)
+            self._regimes[name] = (params.min_context_tokens, candidate, params.margin)
+
+    def candidate(self, batch_size: int) -> StepRoute | None:
+        """The PersistentKV route a step of this many rows is estimated on; None where its regime
+        stays on FlashInfer."""
+        return self._regimes[regime_of(batch_size)][1]
+
+    def choose(self, step) -> RouteDecision:
+        if not self._group_supported:
+            return GATE_GROUP
+        lens = np.asarray(step.seq_lens).tolist()
+        batch = len(lens)
+        if batch == 0:
+            raise ValueError("RoutePolicy.choose: StepBatch.seq_lens is empty; a decode step needs a row")
+        gate, candidate, margin = self._regimes[regime_of(batch)]
+        if max(lens) < gate:
+            return GATE_CONTEXT
+        if candidate is None:
+            return GATE_REGIME
+        estimator = self._estimator
+        flashinfer_us = estimator.total_us(lens, FLASHINFER_ROUTE)
+        candidate_us = estimator.total_us(lens, candidate)
+        speedup = flashinfer_us / candidate_us
+        chosen = candidate if speedup >= margin else FLASHINFER_ROUTE
+        return RouteDecision(chosen, "estimate", {ROUTE_FLASHINFER: flashinfer_us, candidate.name: candidate_us},
+                             speedup, margin)
+
+
+def pinned_route(schedule: str, calib: Calibration | None, variants: KernelVariants = KernelVariants()) -> StepRoute:
+    """The route of a PersistentKV engine that runs one schedule on every step ("workqueue",
+    "bucket_exact", "bucket_masked"): its split count is the calibrated one of the regime that
+    schedule serves (B1 for buckets, 8+ rows for the workqueue), or the default without one."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"persistentkv schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+    name, bucket_mode = SCHEDULES[schedule]
+    if name == ROUTE_BUCKET:
+        splits = calib.single_row.num_splits if calib else DEFAULT_BUCKET_SPLITS
+    else:
+        splits = calib.many_rows.num_splits if calib else DEFAULT_WORKQUEUE_SPLITS
+    split_kind = calib.workqueue_split_kind if calib else "fixed"
+    return StepRoute(name, splits, split_kind, bucket_mode, variants.merge)
+
+
+class PinnedRoutePolicy:
+    """Every step on one route."""
+
+    def __init__(self, route: StepRoute):
+        if route.name == ROUTE_FLASHINFER:
+            raise ValueError("PinnedRoutePolicy: pin a PersistentKV route; FlashInfer is its own engine")
+        self.route = route
+        self._decision = RouteDecision(route, "pinned", _NO_ESTIMATES)
+
+    def candidate(self, batch_size: int) -> StepRoute:
+        return self.route
+
+    def choose(self, step) -> RouteDecision:
+        return self._decision
+
+
+def describe_policy(policy) -> str:
+    """What an engine driven by ``policy`` runs, for its ``implementation`` record."""
+    if isinstance(policy, PinnedRoutePolicy):
+        return describe_route(policy.route)
+    return "routed"

@@ -1,0 +1,135 @@
+"""The roofline-style cost of a route on one decode step (paper 3.5):
+
+    T_r = KVBytes / beta * max(1, C_min / C_r) + L_r * lambda + MergeBytes_r / beta + Plan_r
+
+beta is the measured streaming read bandwidth, C_r the decode CTAs per SM of the route's plan,
+C_min the occupancy below which a step cannot reach bandwidth, L_r the route's launches, lambda
+the cost of one launch, and Plan_r the route's measured host planning per step (on a GPU whose
+kernels take tens of microseconds it decides as many steps as the kernels do). C_min and lambda
+are fitted to device times (pkv.policy.fits), so the fit leaves Plan_r out.
+
+The counts come from the rows' lengths as Python ints, the same counts pkv.pipeline.counters reads
+off a built plan (tests hold the two equal), because the policy runs this on every decode step
+and building plans costs more than the decision is worth. The estimate models the exact bucket
+mode and the merge launch whatever variants a run uses: they are ablations of the same route.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from pkv.pipeline.counters import PARTIAL_STATE_BYTES
+from pkv.pipeline.schedule import TILE_TOKENS
+from pkv.policy.calibration import Calibration
+from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, StepRoute
+
+
+@dataclass(frozen=True)
+class RouteEstimate:
+    """T_r and the terms it is made of, all times in microseconds."""
+
+    route: str
+    num_splits: int
+    kv_bytes: int
+    ctas_per_sm: float
+    occupancy_factor: float  # max(1, C_min / C_r)
+    launches: int
+    merge_bytes: int
+    kv_us: float  # KVBytes / beta * occupancy_factor
+    launch_us: float  # L_r * lambda
+    merge_us: float  # MergeBytes_r / beta
+    plan_us: float  # host planning charged to the route
+    total_us: float
+
+
+class Estimator:
+    """T_r for one calibration and attention shape."""
+
+    def __init__(self, calib: Calibration, *, num_kv_heads: int, group_size: int, head_dim: int,
+                 kv_dtype_bytes: int = 2):
+        for name, value in (("num_kv_heads", num_kv_heads), ("group_size", group_size), ("head_dim", head_dim),
+                            ("kv_dtype_bytes", kv_dtype_bytes)):
+            if int(value) < 1:
+                raise ValueError(f"Estimator: {name} must be >= 1, got {value}")
+        self.calib = calib
+        self.hkv = int(num_kv_heads)
+        self._bytes_per_token = self.hkv * int(head_dim) * 2 * int(kv_dtype_bytes)
+        self._bytes_per_slot = int(group_size) * (int(head_dim) + 2) * PARTIAL_STATE_BYTES
+        self._bytes_per_us = calib.beta_gbps * 1e3  # GB/s = 1e3 bytes per microsecond
+        self._us_per_token = self._bytes_per_token / self._bytes_per_us
+        self._us_per_slot = self._bytes_per_slot / self._bytes_per_us
+        self._occupancy_ctas = calib.c_min * calib.num_sms
+
+    # ---- counts --------------------------------------------------------------------------------
+    def counts(self, lens: list[int], route: StepRoute) -> tuple[int, int, int]:
+        """(decode CTAs, launches, merged partial-state slots) of the route's plan for these rows."""
+        hkv = self.hkv
+        if route.name == ROUTE_FLASHINFER:
+            return max(1, math.ceil(len(lens) * hkv * self.calib.flashinfer_ctas_per_row_head)), 1, 0
+        if route.name == ROUTE_BUCKET:
+            ctas = launches = merged = 0
+            for length, rows in Counter(lens).items():
+                s = min(route.num_splits, -(-length // TILE_TOKENS))
+                ctas += rows * hkv * s
+                launches += 1
+                if s > 1:
+                    launches += 1
+                    merged += rows * hkv * s
+            return ctas, launches, merged
+        if route.name == ROUTE_WORKQUEUE:
+            splits = self._workqueue_splits(lens, route)
+            merged_rows = sum(k for k in splits if k > 1)
+            return hkv * sum(splits), 2 if merged_rows else 1, hkv * merged_rows
+        raise ValueError(f"Estimator: unknown route {route.name!r}")
+
+    def _workqueue_splits(self, lens: list[int], route: StepRoute) -> list[int]:
+        """Non-empty splits per row (pkv.pipeline.schedule.row_splits, from ints)."""
+        tiles = [-(-length // TILE_TOKENS) for length in lens]
+        policy = route.split_policy
+        if policy.kind == "fixed":
+            cap = policy.num_splits
+            requested = [cap if cap < n else n for n in tiles]
+        else:
+            target = policy.target_ctas or len(tiles) * self.hkv * policy.num_splits
+            per_task = max(policy.min_tiles_per_split, -(-sum(tiles) * self.hkv // target))
+            requested = [min(max(-(-n // per_task), 1), policy.max_splits) for n in tiles]
+        # Splits past ceil(n / ceil(n / s)) would own no tiles (schedule.nonempty_splits).
+        return [-(-n // -(-n // s)) for n, s in zip(tiles, requested)]
+
+    def plan_us(self, route: StepRoute) -> float:
+        """The measured host planning per step charged to a route."""
+        calib = self.calib
+        return calib.flashinfer_plan_us if route.name == ROUTE_FLASHINFER else calib.persistentkv_plan_us
+
+    # ---- times ---------------------------------------------------------------------------------
+    def device_terms(self, lens: list[int], route: StepRoute) -> tuple[float, float, int, float]:
+        """(KV read us at full occupancy, CTAs per SM, launches, merge us): the parts of T_r that
+        do not depend on C_min or lambda, which the fits vary."""
+        ctas, launches, merged = self.counts(lens, route)
+        return (sum(lens) * self._bytes_per_token / self._bytes_per_us, ctas / self.calib.num_sms, launches,
+                merged * self._bytes_per_slot / self._bytes_per_us)
+
+    def total_us(self, lens: list[int], route: StepRoute) -> float:
+        """T_r, host planning included: what the route policy compares on every step."""
+        ctas, launches, merged = self.counts(lens, route)
+        occupancy = max(1.0, self._occupancy_ctas / ctas)
+        return (sum(lens) * self._us_per_token * occupancy + launches * self.calib.lambda_us
+                + merged * self._us_per_slot + self.plan_us(route))
+
+    def estimate(self, lens: list[int], route: StepRoute) -> RouteEstimate:
+        """T_r with its terms (reports and tests)."""
+        ctas, launches, merged = self.counts(lens, route)
+        kv_bytes = sum(lens) * self._bytes_per_token
+        ctas_per_sm = ctas / self.calib.num_sms
+        occupancy = max(1.0, self.calib.c_min / ctas_per_sm)
+        kv_us = kv_bytes / self._bytes_per_us * occupancy
+        merge_bytes = merged * self._bytes_per_slot
+        merge_us = merge_bytes / self._bytes_per_us
+        launch_us = launches * self.calib.lambda_us
+        plan_us = self.plan_us(route)
+        return RouteEstimate(route=route.name, num_splits=route.num_splits, kv_bytes=kv_bytes,
+                             ctas_per_sm=ctas_per_sm, occupancy_factor=occupancy, launches=launches,
+                             merge_bytes=merge_bytes, kv_us=kv_us, launch_us=launch_us, merge_us=merge_us,
+                             plan_us=plan_us, total_us=kv_us + launch_us + merge_us + plan_us)
