@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include "pkv_launch.h"
+#include "step_executor.h"
 #include "step_plan.h"
 
 namespace {
@@ -216,19 +217,76 @@ void merge_states(const Tensor& part_m, const Tensor& part_l, const Tensor& part
                "merge_states");
 }
 
+int64_t merge_code(pkv::MergeKind merge) { return static_cast<int64_t>(merge); }
+
+// What the step executor assumes of a plan, checked here so that a bad plan fails with the field
+// named before any launch: split bounds and what the merge kind needs (counters for the fused
+// merge, bucket launches of at most one cluster's splits for the cluster merge). Returns the fused
+// merge's counters, or null where the plan merges no splits or merges them otherwise.
+int32_t* check_plan(at::IntArrayRef layout, int64_t hkv, int64_t merge_kind,
+                    const std::optional<Tensor>& pair_counters) {
+  using pkv::MergeKind;
+  const int64_t route = layout[pkv::kLayoutRoute], batch = layout[pkv::kLayoutBatch];
+  const int64_t slots = layout[pkv::kLayoutNumSlots];
+  TORCH_CHECK(merge_kind == merge_code(MergeKind::kLaunch) || merge_kind == merge_code(MergeKind::kFused) ||
+                  merge_kind == merge_code(MergeKind::kCluster),
+              "pkv: merge_kind must be ", merge_code(MergeKind::kLaunch), " (merge launch), ",
+              merge_code(MergeKind::kFused), " (fused merge) or ", merge_code(MergeKind::kCluster),
+              " (cluster merge), got ", merge_kind);
+  const auto merge = static_cast<MergeKind>(merge_kind);
+  // Counters with another merge kind would mean the caller expects the fused merge it did not ask for.
+  TORCH_CHECK(!pair_counters.has_value() || merge == MergeKind::kFused, "pkv: pair_counters belong to the fused "
+              "merge (merge_kind ", merge_code(MergeKind::kFused), "); merge_kind ", merge_kind, " takes none");
+  bool needs_merge;
+  if (route == pkv::kRouteWorkqueue) {
+    TORCH_CHECK(merge != MergeKind::kCluster, "pkv: the cluster merge (merge_kind ", merge_kind,
+                ") is a bucket-route option; workqueue tasks of one pair are not one cluster");
+    const int64_t max_splits = layout[pkv::kLayoutRouteFields + 1];
+    TORCH_CHECK(max_splits <= pkv::kMaxMergeSlots, "pkv: the plan has ", max_splits,
+                " splits for one (row, KV head); the merge takes at most ", pkv::kMaxMergeSlots);
+    needs_merge = max_splits > 1;
+  } else {
+    const int64_t num_launches = layout[pkv::kLayoutRouteFields];
+    TORCH_CHECK(static_cast<int64_t>(layout.size()) == pkv::kLayoutRouteFields + 1 + 2 * num_launches,
+                "pkv: bucket plan layout must list (rows, splits) for each of its ", num_launches, " launches");
+    int64_t row_offset = 0, slot_offset = 0;
+    needs_merge = false;
+    for (int64_t j = 0; j < num_launches; ++j) {
+      const int64_t rows = layout[pkv::kLayoutRouteFields + 1 + 2 * j];
+      const int64_t splits = layout[pkv::kLayoutRouteFields + 2 + 2 * j];
+      TORCH_CHECK(rows >= 0 && splits >= 1 && splits <= pkv::kMaxMergeSlots && row_offset + rows <= batch &&
+                      slot_offset + rows * hkv * splits <= slots,
+                  "pkv: bucket launch ", j, " (", rows, " rows, ", splits, " splits) does not fit its plan");
+      TORCH_CHECK(merge != MergeKind::kCluster || splits <= pkv::kMaxClusterSplits,
+                  "pkv: the cluster merge takes at most ", pkv::kMaxClusterSplits,
+                  " splits (one cluster per (row, KV head)), got num_splits=", splits, " in bucket launch ", j);
+      needs_merge = needs_merge || splits > 1;
+      row_offset += rows;
+      slot_offset += rows * hkv * splits;
+    }
+  }
+  // A plan whose every launch has one split writes `out` directly: only a merge needs counters.
+  if (merge != MergeKind::kFused || !needs_merge) return nullptr;
+  TORCH_CHECK(pair_counters.has_value(), "pkv: the fused merge (merge_kind ", merge_kind, ") needs pair_counters "
+              "for a plan with more than one split per (row, KV head)");
+  return pair_counters_of(pair_counters, batch * hkv);
+}
+
 // One decode step from a packed plan (step_plan.h's layout, already on the device): output and
-// partial-state scratch are allocated here and every launch of the route is issued from C++, so
-// a step costs one dispatcher call instead of a Python loop over launches and allocations.
-// pair_counters selects the fused merge and cluster_merge the cluster merge (bucket route, Hopper):
-// either is used by each launch with more than one split.
+// partial-state scratch are allocated here and step_executor.h issues every launch of the route,
+// so a step costs one dispatcher call instead of a Python loop over launches and allocations.
+// merge_kind (step_plan.h's MergeKind) is the caller's choice of merge for launches with more
+// than one split.
 Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& meta,
-                at::IntArrayRef layout, double sm_scale, int64_t stages, const std::optional<Tensor>& pair_counters,
-                bool cluster_merge) {
+                at::IntArrayRef layout, double sm_scale, int64_t stages, int64_t merge_kind,
+                const std::optional<Tensor>& pair_counters) {
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK(layout.size() >= pkv::kLayoutRouteFields + 1, "pkv: plan layout is too short: ", layout);
   const int64_t route = layout[pkv::kLayoutRoute], batch = layout[pkv::kLayoutBatch];
   const int64_t width = layout[pkv::kLayoutTableWidth], slots = layout[pkv::kLayoutNumSlots];
   TORCH_CHECK(route == pkv::kRouteWorkqueue || route == pkv::kRouteBuckets, "pkv: unknown plan route ", route);
+  TORCH_CHECK(route == pkv::kRouteBuckets || layout.size() >= pkv::kLayoutRouteFields + 2,
+              "pkv: workqueue plan layout must hold num_tasks and max_splits: ", layout);
   TORCH_CHECK(q.dim() == 3 && q.size(0) == batch, "pkv: q must be [B=", batch, ", Hq, d], got ", q.sizes());
   TORCH_CHECK(k_pages.dim() == 4, "pkv: k_pages must be [num_pages, Hkv, P, d], got ", k_pages.sizes());
   const int64_t hkv = k_pages.size(1);
@@ -241,6 +299,8 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
   TORCH_CHECK(meta.numel() == batch * width + batch + route_ints, "pkv: plan metadata holds ", meta.numel(),
               " ints, its layout needs ", batch * width + batch + route_ints, " (plan built for another Hkv?)");
   TORCH_CHECK(slots >= 0, "pkv: plan layout has ", slots, " slots");
+  TORCH_CHECK(width >= 1 && width <= INT32_MAX, "pkv: plan layout has block-table width ", width);
+  int32_t* counters = check_plan(layout, hkv, merge_kind, pair_counters);
 
   Tensor out = at::empty_like(q);
   auto args = make_core_args(q, k_pages, v_pages, sm_scale, out, stages);
@@ -251,69 +311,16 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
   args.part_acc = scratch.data_ptr<float>();
   args.part_m = args.part_acc + states * pkv::kHeadDim;
   args.part_l = args.part_m + states_padded;
-  TORCH_CHECK(width >= 1 && width <= INT32_MAX, "pkv: plan layout has block-table width ", width);
   args.block_table = meta.data_ptr<int32_t>();
   args.block_table_stride = static_cast<int>(width);
   args.block_table_width = static_cast<int>(width);
   args.seq_lens = args.block_table + batch * width;
   const int32_t* route_data = args.seq_lens + batch;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-
-  if (route == pkv::kRouteWorkqueue) {
-    TORCH_CHECK(!cluster_merge, "pkv: the cluster merge is a bucket-route option; workqueue tasks of one pair "
-                "are not one cluster");
-    const int64_t max_splits = layout[pkv::kLayoutRouteFields + 1];
-    TORCH_CHECK(max_splits <= pkv::kMaxMergeSlots, "pkv: the plan has ", max_splits,
-                " splits for one (row, KV head); the merge takes at most ", pkv::kMaxMergeSlots);
-    const int32_t* split_offsets = route_data + 5 * num_tasks;
-    const bool fused = pair_counters.has_value() && max_splits > 1;
-    int32_t* counters = fused ? pair_counters_of(pair_counters, batch * hkv) : nullptr;
-    check_launch(pkv::launch_workqueue_decode(args, route_data, static_cast<int>(num_tasks), split_offsets, counters,
-                                              stream),
-                 "workqueue_decode");
-    if (max_splits > 1 && !fused) {
-      check_launch(pkv::launch_merge_states(args, nullptr, split_offsets, static_cast<int>(batch * hkv), 0, stream),
-                   "merge_states");
-    }
-    return out;
-  }
-  const int64_t num_launches = layout[pkv::kLayoutRouteFields];
-  TORCH_CHECK(static_cast<int64_t>(layout.size()) == pkv::kLayoutRouteFields + 1 + 2 * num_launches,
-              "pkv: bucket plan layout must list (rows, splits) for each of its ", num_launches, " launches");
-  int64_t row_offset = 0, slot_offset = 0;
-  for (int64_t j = 0; j < num_launches; ++j) {
-    const int64_t rows = layout[pkv::kLayoutRouteFields + 1 + 2 * j];
-    const int64_t splits = layout[pkv::kLayoutRouteFields + 2 + 2 * j];
-    TORCH_CHECK(splits >= 1 && splits <= pkv::kMaxMergeSlots && row_offset + rows <= batch &&
-                    slot_offset + rows * hkv * splits <= slots,
-                "pkv: bucket launch ", j, " (", rows, " rows, ", splits, " splits) does not fit its plan");
-    pkv::DecodeArgs launch = args;  // this launch's slots start after the previous launches'
-    launch.part_m += slot_offset * group_size;
-    launch.part_l += slot_offset * group_size;
-    launch.part_acc += slot_offset * group_size * pkv::kHeadDim;
-    const int32_t* row_indices = route_data + row_offset;
-    if (cluster_merge && splits > 1) {
-      check_cluster_merge(splits, pair_counters);
-      check_launch(pkv::launch_bucket_cluster_decode(launch, row_indices, static_cast<int>(rows),
-                                                     static_cast<int>(splits), stream),
-                   "bucket_decode (cluster merge)");
-      row_offset += rows;
-      slot_offset += rows * hkv * splits;
-      continue;
-    }
-    const bool fused = pair_counters.has_value() && splits > 1;
-    int32_t* counters = fused ? pair_counters_of(pair_counters, rows * hkv) : nullptr;
-    check_launch(pkv::launch_bucket_decode(launch, row_indices, static_cast<int>(rows), static_cast<int>(splits),
-                                           counters, stream),
-                 "bucket_decode");
-    if (splits > 1 && !fused) {
-      check_launch(pkv::launch_merge_states(launch, row_indices, nullptr, static_cast<int>(rows * hkv),
-                                            static_cast<int>(splits), stream),
-                   "merge_states");
-    }
-    row_offset += rows;
-    slot_offset += rows * hkv * splits;
-  }
+  const char* failed = "run_plan";
+  check_launch(pkv::run_step_plan(args, layout.data(), static_cast<int64_t>(layout.size()), route_data,
+                                  static_cast<pkv::MergeKind>(merge_kind), counters,
+                                  c10::cuda::getCurrentCUDAStream().stream(), &failed),
+               failed);
   return out;
 }
 
@@ -334,7 +341,7 @@ TORCH_LIBRARY(pkv, m) {
       "Tensor? split_offsets, int num_kv_heads, int num_splits, Tensor(a!) out) -> ()");
   m.def(
       "run_plan(Tensor q, Tensor k_pages, Tensor v_pages, Tensor meta, int[] layout, float sm_scale, int stages, "
-      "Tensor(a!)? pair_counters, bool cluster_merge=False) -> Tensor");
+      "int merge_kind, Tensor(a!)? pair_counters) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CUDA, m) {

@@ -20,6 +20,13 @@ namespace pkv {
 enum PlanRoute : int64_t { kRouteWorkqueue = 0, kRouteBuckets = 1 };
 enum PlanLayoutField : int { kLayoutRoute = 0, kLayoutBatch, kLayoutTableWidth, kLayoutNumSlots, kLayoutRouteFields };
 
+// How a step's launches with more than one split merge them; the route policy picks it per step
+// and passes it to run_plan as an int (pkv/ops.py mirrors the codes as MERGE_*). kLaunch: a
+// merge_states launch after the decode; kFused: the last split of each (row, KV head) merges it,
+// counted by pair_counters; kCluster: the bucket route's splits merge through a thread-block
+// cluster (at most kMaxClusterSplits). A launch with one split writes `out` whatever the kind.
+enum class MergeKind : int { kLaunch = 0, kFused = 1, kCluster = 2 };
+
 // Mirrors pkv.pipeline.schedule.SplitPolicy.
 struct SplitPolicyArgs {
   bool balanced;

@@ -8,6 +8,15 @@ import functools
 
 import torch
 
+# run_plan's merge_kind: how launches with more than one split merge them (MergeKind in
+# csrc/step_plan.h): a merge_states launch, the fused completion-counter merge (pair_counters
+# required), or the thread-block-cluster merge (bucket route only).
+MERGE_LAUNCH, MERGE_FUSED, MERGE_CLUSTER = 0, 1, 2
+
+
+def _run_plan_fake(q, k_pages, v_pages, meta, layout, sm_scale, stages, merge_kind, pair_counters):
+    return torch.empty_like(q)
+
 
 def _register_fakes() -> None:
     register = getattr(torch.library, "register_fake", None)  # torch >= 2.4
@@ -15,7 +24,7 @@ def _register_fakes() -> None:
         return
     for name in ("pkv::bucket_decode", "pkv::workqueue_decode", "pkv::merge_states"):
         register(name)(lambda *args, **kwargs: None)
-    register("pkv::run_plan")(lambda q, *args, **kwargs: torch.empty_like(q))
+    register("pkv::run_plan")(_run_plan_fake)
 
 
 @functools.lru_cache(maxsize=1)

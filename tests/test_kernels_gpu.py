@@ -6,6 +6,8 @@ the page, tile and split edges, and page tables have holes. Skipped where there 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -250,6 +252,63 @@ def test_cluster_merge_cuda_graph_replay():
         got = graphed.run(q, k, v, graphed.plan(step))
         torch.testing.assert_close(got, ref, atol=0, rtol=0)
         _check(got, _dense(step, q, k, v), torch.float16)
+
+
+def _packed_plan(ops, step, route, num_kv_heads, splits):
+    """The C++ planner's packed plan, on the device, as run_plan takes it."""
+    lens = torch.from_numpy(np.ascontiguousarray(step.seq_lens, dtype=np.int32))
+    table = torch.from_numpy(np.ascontiguousarray(step.block_table, dtype=np.int32))
+    if route == "workqueue":
+        meta, layout = ops.plan_workqueue(lens, table, num_kv_heads, False, splits, splits, 0, 1)
+    else:
+        meta, layout = ops.plan_buckets(lens, table, num_kv_heads, splits, route == "bucket_exact")
+    return meta.cuda(), list(layout)
+
+
+@pytest.mark.parametrize("route", ["workqueue", "bucket_exact", "bucket_masked"])
+def test_run_plan_runs_the_merge_kind_it_is_given(route):
+    """run_plan called with each merge kind the route policy may pick: every kind matches float64,
+    repeats bit for bit, leaves the fused counters at zero, and a kind the plan cannot run is
+    refused with the reason before any launch."""
+    from pkv import ops as pkv_ops
+    from pkv.ops import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH
+    from pkv.shape import ModelShape
+
+    ops = pkv_ops.load()
+    shape = ModelShape(num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    kinds = [MERGE_LAUNCH, MERGE_FUSED]
+    if route != "workqueue" and torch.cuda.get_device_capability()[0] >= 9:
+        kinds.append(MERGE_CLUSTER)
+    for trial, splits in enumerate((1, 5, 16)):
+        lengths = [4097, 33, 1000, 65][:trial + 2]
+        step, q, k, v = _case(lengths, shape, torch.float16, seed=900 + trial)
+        meta, layout = _packed_plan(ops, step, route, shape.num_kv_heads, splits)
+        run = functools.partial(ops.run_plan, q, k, v, meta, layout, shape.sm_scale, 2)
+        ref = _dense(step, q, k, v)
+        merges = splits > 1
+        counters = torch.zeros(len(lengths) * shape.num_kv_heads, dtype=torch.int32, device="cuda")
+        for kind in kinds:
+            # A plan of single splits writes `out` directly: the fused kind needs no counters then.
+            given = counters if kind == MERGE_FUSED and merges else None
+            out = run(kind, given)
+            _check(out, ref, torch.float16)
+            assert torch.equal(run(kind, given), out), (route, kind, splits)
+            assert int(counters.abs().sum()) == 0, "fused-merge counters must reset to zero"
+        if not merges:
+            continue
+        with pytest.raises(RuntimeError, match="needs pair_counters"):
+            run(MERGE_FUSED, None)
+        with pytest.raises(RuntimeError, match="pair_counters belong to the fused merge"):
+            run(MERGE_LAUNCH, counters)
+        with pytest.raises(RuntimeError, match="merge_kind must be 0"):
+            run(3, None)
+        if route == "workqueue":
+            with pytest.raises(RuntimeError, match="cluster merge .* is a bucket-route option"):
+                run(MERGE_CLUSTER, None)
+    step, q, k, v = _case([20000], shape, torch.float16, seed=3)
+    meta, layout = _packed_plan(ops, step, "bucket_masked", shape.num_kv_heads, 17)
+    with pytest.raises(RuntimeError, match="at most 16 splits"):
+        ops.run_plan(q, k, v, meta, layout, shape.sm_scale, 2, MERGE_CLUSTER, None)
 
 
 @pytest.mark.parametrize("route", ["workqueue", "bucket_exact"])

@@ -206,3 +206,15 @@ def test_python_limits_mirror_the_kernel_constants():
     constants = {name: int(value) for name, value in re.findall(r"constexpr int (\w+) = (\d+);", header)}
     assert constants["kMaxMergeSlots"] == MAX_MERGE_SPLITS
     assert constants["kMaxClusterSplits"] == MAX_CLUSTER_SPLITS
+
+
+def test_python_merge_kinds_mirror_the_header():
+    import re
+    from pathlib import Path
+
+    from pkv.ops import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH
+
+    header = (Path(__file__).resolve().parent.parent / "csrc" / "step_plan.h").read_text()
+    body = re.search(r"enum class MergeKind : int \{([^}]*)\}", header).group(1)
+    codes = {name: int(value) for name, value in re.findall(r"(\w+) = (\d+)", body)}
+    assert codes == {"kLaunch": MERGE_LAUNCH, "kFused": MERGE_FUSED, "kCluster": MERGE_CLUSTER}
