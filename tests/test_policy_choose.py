@@ -1,0 +1,135 @@
+"""RoutePolicy.choose: gates, each regime's route and split count, the margins, and pinned routes."""
+
+import dataclasses
+
+import pytest
+
+from pkv.policy import FLASHINFER_ROUTE, Estimator, KernelVariants, PinnedRoutePolicy, RoutePolicy, StepRoute
+from pkv.policy.choose import GATE_GROUP, GATE_REGIME, pinned_route
+from pkv.policy.overrides import apply_engine_options, kernel_variants
+from policy_constants import PAPER, SHAPE
+
+
+@pytest.fixture
+def long_batch(make_step):
+    return lambda batch, base=20000: make_step([base + 977 * i for i in range(batch)])
+
+
+def speedup(route: StepRoute, step, calib):
+    est = Estimator(calib, **SHAPE)
+    lens = step.seq_lens.tolist()
+    return est.total_us(lens, FLASHINFER_ROUTE) / est.total_us(lens, route)
+
+
+@pytest.mark.parametrize("group_size, num_kv_heads", [(1, 32), (8, 4), (2, 16)])
+def test_uncalibrated_group_size_goes_to_flashinfer(group_size, num_kv_heads, long_batch):
+    policy = RoutePolicy(PAPER, num_kv_heads=num_kv_heads, group_size=group_size, head_dim=128)
+    for batch in (1, 8):
+        assert policy.choose(long_batch(batch, 65536)) is GATE_GROUP
+
+
+def test_short_context_goes_to_flashinfer(make_step):
+    policy = RoutePolicy(PAPER, **SHAPE)
+    assert policy.choose(make_step([16383])).reason == "gate: context"
+    assert policy.choose(make_step([4000] * 8)).route == FLASHINFER_ROUTE
+    # The gate looks at the longest row: one long row makes the step eligible.
+    assert policy.choose(make_step([16384])).route.name == "persistentkv_bucket"
+
+
+def test_each_regime_has_its_own_context_gate(make_step):
+    calib = PAPER.with_regime("few_rows", min_context_tokens=1024, route="persistentkv_workqueue")
+    calib = calib.with_regime("many_rows", min_context_tokens=4096)
+    policy = RoutePolicy(calib, **SHAPE)
+    assert policy.choose(make_step([8000])).reason == "gate: context"
+    assert policy.choose(make_step([3000] * 8)).reason == "gate: context"
+    assert policy.choose(make_step([5000] * 8)).reason != "gate: context"
+    assert policy.choose(make_step([1500] * 4)).reason != "gate: context"
+    assert policy.choose(make_step([900] * 4)).reason == "gate: context"
+
+
+def test_single_row_uses_buckets_with_its_split_count(make_step):
+    decision = RoutePolicy(PAPER, **SHAPE).choose(make_step([32768]))
+    assert decision.route == StepRoute("persistentkv_bucket", 32)
+    assert set(decision.estimates) == {"flashinfer", "persistentkv_bucket"}
+    assert decision.estimates["persistentkv_bucket"] < decision.estimates["flashinfer"]
+    assert decision.reason.startswith("estimate") and "margin 1.05x" in decision.reason
+
+
+def test_many_rows_use_the_workqueue_with_its_split_count(long_batch):
+    step = long_batch(8)
+    decision = RoutePolicy(PAPER, **SHAPE).choose(step)
+    assert decision.route == StepRoute("persistentkv_workqueue", 20)
+    expected = Estimator(PAPER, **SHAPE).total_us(step.seq_lens.tolist(), decision.route)
+    assert decision.estimates["persistentkv_workqueue"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("batch", [2, 3, 4, 5, 6, 7])
+def test_a_closed_few_rows_regime_stays_on_flashinfer(batch, long_batch):
+    assert RoutePolicy(PAPER, **SHAPE).choose(long_batch(batch)) is GATE_REGIME
+
+
+@pytest.mark.parametrize("opened_by", ["option", "calibration"])
+def test_few_rows_need_their_own_margin_at_their_own_split_count(opened_by, long_batch):
+    step = long_batch(4)
+    base = PAPER.with_regime("few_rows", num_splits=36)
+    base = apply_engine_options(base, open_few_rows=True) if opened_by == "option" else \
+        base.with_regime("few_rows", route="persistentkv_workqueue")
+    s = speedup(StepRoute("persistentkv_workqueue", 36), step, base)
+    assert s != speedup(StepRoute("persistentkv_workqueue", 20), step, base)
+    above = base.with_regime("few_rows", margin=s * 1.01).with_regime("many_rows", margin=s * 0.5)
+    below = base.with_regime("few_rows", margin=s * 0.99).with_regime("many_rows", margin=s * 2.0)
+    assert RoutePolicy(above, **SHAPE).choose(step).route == FLASHINFER_ROUTE
+    assert RoutePolicy(below, **SHAPE).choose(step).route == StepRoute("persistentkv_workqueue", 36)
+
+
+@pytest.mark.parametrize("batch, regime, route", [(1, "single_row", StepRoute("persistentkv_bucket", 32)),
+                                                  (8, "many_rows", StepRoute("persistentkv_workqueue", 20)),
+                                                  (16, "many_rows", StepRoute("persistentkv_workqueue", 20))])
+def test_each_regime_reads_its_own_margin(batch, regime, route, long_batch):
+    step = long_batch(batch)
+    s = speedup(route, step, PAPER)
+    blocked = PAPER.with_regime(regime, margin=s * 1.01)
+    decision = RoutePolicy(blocked, **SHAPE).choose(step)
+    assert decision.route == FLASHINFER_ROUTE and "<" in decision.reason
+    assert set(decision.estimates) == {"flashinfer", route.name}
+    assert RoutePolicy(PAPER.with_regime(regime, margin=s * 0.99), **SHAPE).choose(step).route == route
+
+
+def test_policy_follows_calibrated_split_counts(make_step, long_batch):
+    calib = PAPER.with_regime("single_row", num_splits=28).with_regime("many_rows", num_splits=24)
+    policy = RoutePolicy(calib, **SHAPE)
+    assert policy.choose(make_step([65536])).route.num_splits == 28
+    assert policy.choose(long_batch(8)).route.num_splits == 24
+
+
+def test_the_route_carries_the_run_variants_and_split_rule(make_step):
+    calib = dataclasses.replace(PAPER, workqueue_split_kind="balanced")
+    policy = RoutePolicy(calib, **SHAPE, variants=KernelVariants(bucket_mode="masked", merge="fused"))
+    route = policy.choose(make_step([65536])).route
+    assert (route.bucket_mode, route.merge, route.split_kind) == ("masked", "fused", "balanced")
+    with pytest.raises(ValueError, match="cluster merge is a bucket-route merge"):
+        RoutePolicy(calib.with_all_regimes(num_splits=16), **SHAPE, variants=KernelVariants(merge="cluster"))
+    with pytest.raises(ValueError, match="at most 16 splits"):
+        StepRoute("persistentkv_bucket", 32, merge="cluster")
+
+
+def test_engine_options_override_the_calibration_once():
+    calib = apply_engine_options(PAPER, num_splits=12, bucket_num_splits=40, split_kind="balanced")
+    assert [calib.regime(r).num_splits for r in ("single_row", "few_rows", "many_rows")] == [40, 12, 12]
+    assert calib.workqueue_split_kind == "balanced"
+    assert apply_engine_options(PAPER) == PAPER
+    opened = PAPER.with_regime("few_rows", route="persistentkv_bucket")
+    assert apply_engine_options(opened, open_few_rows=True).few_rows.route == "persistentkv_bucket"
+    assert kernel_variants("bucket_masked", "fused") == KernelVariants("masked", "fused")
+    with pytest.raises(ValueError, match="schedule"):
+        kernel_variants("diagonal")
+
+
+def test_pinned_routes(make_step):
+    assert pinned_route("bucket_masked", PAPER) == StepRoute("persistentkv_bucket", 32, bucket_mode="masked")
+    assert pinned_route("workqueue", PAPER.with_all_regimes(num_splits=8)) == StepRoute("persistentkv_workqueue", 8)
+    assert pinned_route("workqueue", None) == StepRoute("persistentkv_workqueue", 20)
+    policy = PinnedRoutePolicy(pinned_route("bucket_exact", PAPER))
+    assert policy.choose(make_step([100] * 5)).route == StepRoute("persistentkv_bucket", 32)
+    with pytest.raises(ValueError, match="FlashInfer"):
+        PinnedRoutePolicy(FLASHINFER_ROUTE)

@@ -1,0 +1,204 @@
+"""The cost model T_r, its counts against the plans' structural counters, and the fits."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pkv.pipeline.counters import counters_for_buckets, counters_for_workqueue
+from pkv.pipeline.schedule import plan_buckets, plan_workqueue
+from pkv.policy import FLASHINFER_ROUTE, Calibration, Estimator, StepRoute
+from pkv.policy.fits import (
+    CostSample,
+    SplitFit,
+    context_class,
+    fit_c_min,
+    fit_context_gate,
+    fit_lambda,
+    fit_regime_route,
+    fit_split_count,
+    group_size_holds,
+)
+from policy_constants import PAPER, SHAPE
+
+BUCKET32 = StepRoute("persistentkv_bucket", 32)
+WORKQUEUE20 = StepRoute("persistentkv_workqueue", 20)
+
+
+def estimator(calib=PAPER):
+    return Estimator(calib, **SHAPE)
+
+
+def test_flashinfer_b1_estimate_by_hand():
+    n = 32768
+    est = estimator().estimate([n], FLASHINFER_ROUTE)
+    kv_bytes = n * 8 * 128 * 2 * 2
+    ctas_per_sm = 8 / 28  # one CTA per (row, KV head): far below C_min = 4
+    assert est.kv_bytes == kv_bytes
+    assert est.occupancy_factor == pytest.approx(4 / ctas_per_sm)
+    assert est.launches == 1 and est.merge_bytes == 0
+    assert est.total_us == pytest.approx(kv_bytes / 331.2e3 * (4 / ctas_per_sm) + 8.19)
+    assert est.num_splits == 0
+
+
+def test_bucket_b1_estimate_by_hand():
+    n = 32768
+    est = estimator().estimate([n], BUCKET32)
+    kv_bytes = n * 8 * 128 * 2 * 2
+    merge_bytes = 8 * 32 * 4 * 130 * 4  # 256 slots
+    assert est.num_splits == 32 and est.launches == 2
+    assert est.ctas_per_sm == pytest.approx(256 / 28)
+    assert est.occupancy_factor == 1.0
+    assert est.merge_bytes == merge_bytes
+    assert est.total_us == pytest.approx(kv_bytes / 331.2e3 + 2 * 8.19 + merge_bytes / 331.2e3)
+    assert est.total_us == pytest.approx(est.kv_us + est.launch_us + est.merge_us + est.plan_us)
+
+
+def test_split_count_and_plan_time():
+    lens = [20000, 30000]
+    calib = dataclasses.replace(PAPER, flashinfer_plan_us=12.5)
+    wq4 = estimator(calib).estimate(lens, StepRoute("persistentkv_workqueue", 4))
+    assert wq4.ctas_per_sm == pytest.approx(2 * 8 * 4 / 28)
+    assert wq4.occupancy_factor == pytest.approx(4 / (64 / 28))
+    assert estimator(calib).estimate(lens, FLASHINFER_ROUTE).plan_us == 12.5
+    assert estimator(calib).estimate(lens, WORKQUEUE20).plan_us == 0.0
+
+
+@pytest.mark.parametrize("kind", ["fixed", "balanced"])
+def test_counts_equal_the_counters_of_the_built_plans(kind, make_step):
+    """The estimator counts from lengths what pkv.pipeline.counters reads off a built plan."""
+    calib = dataclasses.replace(PAPER, flashinfer_plan_us=7.0, flashinfer_ctas_per_row_head=1.5)
+    est = estimator(calib)
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        lens = rng.integers(1, 70000, size=int(rng.integers(1, 12)))
+        lens[: int(rng.integers(0, lens.size))] = lens[0]  # repeated lengths share a bucket
+        step = make_step(lens)
+        splits = int(rng.integers(1, 40))
+        bucket = StepRoute("persistentkv_bucket", splits)
+        workqueue = StepRoute("persistentkv_workqueue", splits, kind)
+        plans = ((bucket, counters_for_buckets(plan_buckets(step, 8, 4, splits, mode="exact"), step, 28, 128)),
+                 (workqueue, counters_for_workqueue(plan_workqueue(step, 8, 4, workqueue.split_policy), step,
+                                                    28, 128)))
+        for route, counters in plans:
+            lens_list = lens.tolist()
+            estimate = est.estimate(lens_list, route)
+            assert estimate.launches == counters.launches
+            assert estimate.ctas_per_sm == pytest.approx(counters.decode_ctas_per_sm, rel=1e-12)
+            assert estimate.merge_bytes == counters.merge_bytes
+            assert estimate.kv_bytes == counters.useful_kv_bytes
+            assert est.total_us(lens_list, route) == pytest.approx(estimate.total_us, rel=1e-12)
+
+
+def test_unknown_route_is_refused():
+    with pytest.raises(ValueError, match="StepRoute.name"):
+        StepRoute("sdpa")
+    with pytest.raises(ValueError, match="head_dim"):
+        Estimator(PAPER, num_kv_heads=8, group_size=4, head_dim=0)
+
+
+# ---------------------------------------------------------------- fitting C_min and lambda
+
+
+def synthetic_samples(truth, make_step, rng=None, noise=0.0):
+    """Measured times generated from known constants over routes, batches and split counts."""
+    samples = []
+    est = estimator(truth)
+    for lens in ([8192], [32768], [65536], [16384, 40000, 9000, 30000], [8192 + 37 * i for i in range(8)]):
+        step = make_step(lens)
+        routes = [FLASHINFER_ROUTE]
+        routes += [StepRoute("persistentkv_bucket", s) for s in (1, 2, 4, 8, 16, 32)]
+        routes += [StepRoute("persistentkv_workqueue", s) for s in (1, 2, 4, 20)]
+        for route in routes:
+            t = est.total_us(lens, route)
+            if noise:
+                t *= 1.0 + noise * rng.standard_normal()
+            samples.append(CostSample(route, step, t))
+    return samples
+
+
+def test_fit_recovers_known_constants(make_step):
+    truth = dataclasses.replace(PAPER, c_min=4.0, lambda_us=8.19)
+    samples = synthetic_samples(truth, make_step)
+    start = estimator(dataclasses.replace(PAPER, c_min=1.0, lambda_us=0.0))
+    fit = fit_c_min(samples, start)
+    assert fit.c_min == 4.0
+    assert fit.lambda_us == pytest.approx(8.19, rel=1e-9)
+    assert fit.rms_rel_error < 1e-12
+    assert fit.num_samples == len(samples)
+    assert fit_lambda(samples, start, c_min=4.0) == pytest.approx(8.19, rel=1e-9)
+
+
+def test_fit_recovers_other_constants_under_noise(make_step):
+    truth = Calibration.from_mapping({"gpu": "h200", "num_sms": 132, "beta_gbps": 4256.0, "lambda_us": 4.5,
+                                      "c_min": 6.0}, "truth")
+    samples = synthetic_samples(truth, make_step, np.random.default_rng(20260622), noise=0.01)
+    fit = fit_c_min(samples, estimator(dataclasses.replace(truth, c_min=1.0, lambda_us=20.0)))
+    assert abs(fit.c_min - 6.0) <= 0.5
+    assert fit.lambda_us == pytest.approx(4.5, rel=0.1)
+    assert 0.002 < fit.rms_rel_error < 0.03
+
+
+def test_fit_with_lambda_held_fixed(make_step):
+    truth = dataclasses.replace(PAPER, c_min=2.75)
+    fit = fit_c_min(synthetic_samples(truth, make_step), estimator(truth), refit_lambda=False)
+    assert fit.c_min == 2.75 and fit.lambda_us == truth.lambda_us
+
+
+def test_fit_rejects_bad_samples(make_step):
+    with pytest.raises(ValueError, match="at least one"):
+        fit_c_min([], estimator())
+    with pytest.raises(ValueError, match=r"samples\[0\]\.measured_us=-1\.0"):
+        fit_lambda([(FLASHINFER_ROUTE, make_step([100]), -1.0)], estimator())
+    with pytest.raises(ValueError, match="grid"):
+        fit_c_min([(FLASHINFER_ROUTE, make_step([100]), 5.0)], estimator(), grid=[])
+
+
+# ---------------------------------------------------------------- operating points and gates
+
+
+def test_split_count_fit_sums_and_flags_the_edge():
+    assert fit_split_count({16: 10.0, 24: 9.0, 32: 9.5}) == SplitFit(24, False)
+    assert fit_split_count({16: 10.0, 24: 9.0, 32: 8.0}) == SplitFit(32, True)
+    assert fit_split_count({24: 1.0}) == SplitFit(24, False)
+    with pytest.raises(ValueError, match="no split candidate"):
+        fit_split_count({})
+
+
+def test_regime_route_fit_needs_a_device_time_win():
+    assert fit_regime_route(90.0, 100.0, "persistentkv_workqueue") == ("persistentkv_workqueue",
+                                                                       pytest.approx(100 / 90))
+    assert fit_regime_route(100.0, 100.0, "persistentkv_workqueue")[0] == "flashinfer"
+
+
+def test_group_size_holds_on_every_probe_within_the_tolerance():
+    records = [{"persistentkv_device_us_total": 101.0, "flashinfer_device_us_total": 100.0},
+               {"persistentkv_device_us_total": 90.0, "flashinfer_device_us_total": 100.0}]
+    assert group_size_holds(records, 0.02) and not group_size_holds(records, 0.0)
+
+
+def test_context_gate_opens_where_persistentkv_wins_every_longer_class():
+    assert [context_class(n) for n in (1, 8191, 8192, 8200, 16383)] == [1, 4096, 8192, 8192, 8192]
+    # wins at 8K and 16K (class totals, not single steps: one 8K step loses, the class wins)
+    fit = fit_context_gate([8200, 8300, 17000], [13.0, 9.0, 20.0], [12.0, 12.0, 25.0], configured=16384)
+    assert fit.min_context_tokens == 8192 and fit.classes[8192]["steps"] == 2
+    # a loss at 8K keeps 8K gated; the gate opens at 16K
+    assert fit_context_gate([8200, 17000], [13.0, 20.0], [12.0, 25.0], 4096).min_context_tokens == 16384
+    # a loss in the longest class moves the gate past it, never below the configured gate
+    assert fit_context_gate([8200, 17000], [10.0, 26.0], [12.0, 25.0], 4096).min_context_tokens == 32768
+    assert fit_context_gate([8200, 17000], [10.0, 26.0], [12.0, 25.0], 65536).min_context_tokens == 65536
+    assert fit_context_gate([], [], [], 16384).min_context_tokens == 16384
+    with pytest.raises(ValueError, match="one of each per step"):
+        fit_context_gate([8200], [1.0], [], 16384)
+
+
+def test_context_gate_tolerance_lets_a_tie_hold():
+    # 8K: PersistentKV 1.5% slower; 16K: faster.
+    args = ([8200, 17000], [10.15, 20.0], [10.0, 25.0], 4096)
+    assert fit_context_gate(*args).min_context_tokens == 16384
+    fit = fit_context_gate(*args, tolerance=0.02)
+    assert fit.min_context_tokens == 8192 and "within 2%" in fit.reason
+    lost = fit_context_gate([17000], [26.0], [25.0], 4096, tolerance=0.02)
+    assert lost.min_context_tokens == 32768 and "by more than 2%" in lost.reason
+    with pytest.raises(ValueError, match="tolerance"):
+        fit_context_gate([17000], [26.0], [25.0], 4096, tolerance=-0.1)
