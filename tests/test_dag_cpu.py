@@ -91,7 +91,7 @@ def test_calibration_records_every_gate_fit_but_keeps_the_cpu_gates(finished_dag
     record = json.loads((finished_dag / "artifacts/cpu/calibration/calibration.json").read_text())
     measured = record["provenance"]["measurements"]
     gates = measured["context_gates"]
-    assert set(gates) == {"min_context_tokens", "boundary_min_context_tokens", "workqueue_min_context_tokens"}
+    assert set(gates) == {f"regimes.{r}.min_context_tokens" for r in ("single_row", "few_rows", "many_rows")}
     for name, gate in gates.items():
         assert gate["applied"] is False and gate["classes"] and gate["reason"], name
         # Each regime's gate draws on its split sweep and on the short-context probes of conf/experiment.
@@ -103,9 +103,8 @@ def test_calibration_records_every_gate_fit_but_keeps_the_cpu_gates(finished_dag
     groups = measured["group_sizes"]
     assert groups["applied"] is False and groups["probed"] == [1, 8]
     # conf/gpu/cpu.yaml: CPU times decide nothing
-    assert record["calibration"]["min_context_tokens"] == 256
-    assert record["calibration"]["boundary_min_context_tokens"] is None
-    assert record["calibration"]["workqueue_min_context_tokens"] is None
+    regimes = record["calibration"]["regimes"]
+    assert [regimes[r]["min_context_tokens"] for r in ("single_row", "few_rows", "many_rows")] == [256] * 3
     assert record["calibration"]["supported_group_sizes"] == [4]
     from pkv.report.calibration_report import report
 
@@ -113,20 +112,21 @@ def test_calibration_records_every_gate_fit_but_keeps_the_cpu_gates(finished_dag
     assert "context gates" in text and "gate probes" in text and "(not applied)" in text
 
 
-def test_calibration_fits_the_boundary_split_count_and_records_its_route(finished_dag):
+def test_calibration_fits_the_few_rows_split_count_and_records_its_route(finished_dag):
     import json
 
     record = json.loads((finished_dag / "artifacts/cpu/calibration/calibration.json").read_text())
     sweep = record["provenance"]["measurements"]["split_sweeps"]["bimodal_b4"]
-    assert sweep["fits"] == "boundary_num_splits"
-    assert record["calibration"]["boundary_num_splits"] == sweep["selected_splits"]
+    assert sweep["fits"] == "regimes.few_rows.num_splits"
+    assert record["calibration"]["regimes"]["few_rows"]["num_splits"] == sweep["selected_splits"]
     totals = sweep["device_us_total_by_splits"]
     assert sweep["selected_splits"] == int(min(totals, key=totals.get))
     candidates = [int(s) for s in totals]
     assert sweep["selected_at_edge"] == (sweep["selected_splits"] in (min(candidates), max(candidates)))
-    route = sweep["boundary_route"]
+    route = sweep["regime_route"]
     assert route["applied"] is False and route["fitted"] in ("flashinfer", "persistentkv_workqueue")
-    assert record["calibration"]["boundary_route"] == "flashinfer"  # conf/gpu/cpu.yaml: CPU times decide nothing
+    # conf/gpu/cpu.yaml: CPU times decide nothing
+    assert record["calibration"]["regimes"]["few_rows"]["route"] == "flashinfer"
 
 
 def test_every_result_keeps_its_steps(finished_dag):

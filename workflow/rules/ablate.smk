@@ -154,7 +154,7 @@ rule ablate_fused_merge:
 
 
 rule ablate_b4:
-    # the B4 split sweep with allow_b4
+    # the B4 split sweep with engine.open_few_rows
     input:
         calibration=CALIBRATION,
         trace_file=trace_inputs,
