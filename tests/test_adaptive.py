@@ -1,5 +1,7 @@
 """The adaptive engine's dispatch and build_engine's role names on the CPU."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,21 @@ from pkv.engines.adaptive import AdaptiveEngine, AdaptivePlan
 from pkv.engines.dense import dense_decode
 from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
+from pkv.experiments.common import engine_policy
 from pkv.measure.kv_data import make_kv_pages, make_queries
+from pkv.policy import (
+    FLASHINFER_ROUTE,
+    ROUTE_BUCKET,
+    ROUTE_WORKQUEUE,
+    Calibration,
+    KernelVariants,
+    PinnedRoutePolicy,
+    RegimeParams,
+    RouteDecision,
+    RoutePolicy,
+    StepRoute,
+)
+from pkv.policy.overrides import apply_engine_options
 from pkv.shape import ModelShape
 
 schedule = pytest.importorskip("pkv.pipeline.schedule")
@@ -18,11 +34,12 @@ pages_mod = pytest.importorskip("pkv.pipeline.pages")
 step_mod = pytest.importorskip("pkv.pipeline.step")
 
 SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
-
-
-class Decision:
-    def __init__(self, route, num_splits, reason="test"):
-        self.route, self.num_splits, self.reason, self.estimates = route, num_splits, reason, {}
+# Every context gate open; B1 on buckets of 5 splits, 8+ rows on the workqueue at 4, 2..7 on FlashInfer.
+CALIB = Calibration(gpu="cpu", num_sms=2, beta_gbps=10.0, lambda_us=5.0, c_min=1.0,
+                    single_row=RegimeParams("persistentkv_bucket", 5, 0, 1.05),
+                    few_rows=RegimeParams("flashinfer", 32, 0, 1.50),
+                    many_rows=RegimeParams("persistentkv_workqueue", 4, 0, 1.05),
+                    supported_group_sizes=(4,))
 
 
 class LengthPolicy:
@@ -30,10 +47,10 @@ class LengthPolicy:
 
     def choose(self, step):
         if int(np.max(step.seq_lens)) < 256:
-            return Decision("flashinfer", 0)
+            return RouteDecision(FLASHINFER_ROUTE, "test", {})
         if len(step.seq_lens) == 1:
-            return Decision("persistentkv_bucket", 6)
-        return Decision("persistentkv_workqueue", 3)
+            return RouteDecision(StepRoute(ROUTE_BUCKET, 6), "test", {})
+        return RouteDecision(StepRoute(ROUTE_WORKQUEUE, 3), "test", {})
 
 
 def inputs(lens, seed=0):
@@ -59,60 +76,82 @@ def test_adaptive_dispatches_on_the_policy_decision(lens, route, splits):
         assert plan.schedule is None
         assert not isinstance(plan, AdaptivePlan), "a FlashInfer step runs the fallback's own plan"
     else:
-        assert plan.decision.route == route
+        assert plan.decision.route.name == route and plan.decision.route.num_splits == splits
         assert plan.schedule is plan.inner.schedule
     out = engine.run(q, k, v, plan)
     assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
 
 
-def test_adaptive_requires_plan_for():
-    with pytest.raises(ValueError, match="plan_for"):
+def test_adaptive_requires_plan_route():
+    with pytest.raises(ValueError, match="plan_route"):
         AdaptiveEngine(LengthPolicy(), SdpaEngine(SHAPE, "cpu"), SdpaEngine(SHAPE, "cpu"))
 
 
 def test_build_engine_cpu_stand_ins():
     persistent = build_engine("persistentkv", shape=SHAPE, device="cpu",
-                              options={"num_splits": 12, "route": "workqueue"})
+                              policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, 12)))
     assert isinstance(persistent, ReferenceEngine)
     assert persistent.name == "persistentkv" and persistent.implementation == "reference:workqueue"
-    assert persistent.split_policy.num_splits == 12
+    step, *_ = inputs([300, 1000, 40])
+    plan = persistent.plan(step)
+    assert (plan.route, plan.num_splits) == ("persistentkv_workqueue", 12)
+    # Without a policy: the workqueue at its default split count on every step.
+    default = build_engine("reference", shape=SHAPE, device="cpu")
+    assert default.implementation == "reference:workqueue" and default.plan(step).num_splits == 20
     flashinfer = build_engine("flashinfer", shape=SHAPE, device="cpu")
     assert isinstance(flashinfer, SdpaEngine)
     assert flashinfer.name == "flashinfer" and flashinfer.implementation == "sdpa"
     assert build_engine("sdpa", shape=SHAPE, device="cpu").name == "sdpa"
-    bucket = build_engine("reference", shape=SHAPE, device="cpu",
-                          options={"route": "bucket_masked", "bucket_num_splits": 9,
-                                   "fused_merge": True})
-    assert bucket.route == "bucket_masked" and bucket.bucket_num_splits == 9 and bucket.fused_merge
+    # A schedule, split count and merge reach the engine as its pinned route (the run's options
+    # through pkv.experiments.common.engine_policy).
+    calib = apply_engine_options(CALIB, bucket_num_splits=9)
+    policy = engine_policy("reference", {"route": "bucket_masked", "merge": "fused"}, SHAPE, calib)
+    assert policy.route == StepRoute(ROUTE_BUCKET, 9, bucket_mode="masked", merge="fused")
+    bucket = build_engine("reference", shape=SHAPE, device="cpu", policy=policy)
+    assert bucket.implementation == "reference:bucket_masked+fused_merge"
+    step, *_ = inputs([1000, 600])
+    plan = bucket.plan(step)
+    assert (plan.route, plan.num_splits, plan.merge) == ("persistentkv_bucket", 9, "fused")
+    assert plan.schedule.mode == "masked"
 
 
 def test_build_engine_reports_unavailable_engines_with_a_reason():
-    for name in ("flashinfer_tc", "flashinfer_cc", "vllm", "trtllm"):
+    for name in ("flashinfer_tc", "flashinfer_cc", "vllm"):
         with pytest.raises(EngineUnavailable) as info:
             build_engine(name, shape=SHAPE, device="cpu")
         assert info.value.reason
 
 
 def test_build_engine_rejects_unknown_names_and_options():
-    with pytest.raises(ValueError, match="unknown engine 'flashattn'"):
-        build_engine("flashattn", shape=SHAPE, device="cpu")
+    for name in ("flashattn", "trtllm"):  # trtllm: no longer an engine
+        with pytest.raises(ValueError, match=f"unknown engine '{name}'"):
+            build_engine(name, shape=SHAPE, device="cpu")
     with pytest.raises(ValueError, match="num_split"):
         build_engine("reference", shape=SHAPE, device="cpu", options={"num_split": 4})
-    with pytest.raises(ValueError, match="calib"):
+    # What a route is (schedule, split count, merge) is the policy's, not an engine option.
+    for option in ({"num_splits": 4}, {"route": "workqueue"}, {"fused_merge": True}, {"merge": "fused"}):
+        with pytest.raises(ValueError, match="unknown option"):
+            build_engine("reference", shape=SHAPE, device="cpu", options=option)
+    with pytest.raises(ValueError, match="policy"):
         build_engine("adaptive", shape=SHAPE, device="cpu")
-    assert "adaptive" in ENGINE_NAMES
+    with pytest.raises(ValueError, match="RoutePolicy"):
+        build_engine("adaptive", shape=SHAPE, device="cpu", policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, 4)))
+    assert "adaptive" in ENGINE_NAMES and "trtllm" not in ENGINE_NAMES
+
+
+def _policy(calib, shape=SHAPE, variants=KernelVariants()):
+    return RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
+                       head_dim=shape.head_dim, variants=variants)
 
 
 def test_build_engine_adaptive_with_a_calibration():
-    cost_model = pytest.importorskip("pkv.cost_model")
-    pytest.importorskip("pkv.route_policy")
     shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
-    calib = cost_model.Calibration(gpu="cpu", num_sms=2, beta_gbps=10.0, lambda_us=5.0, c_min=1.0,
-                                   min_context_tokens=0, supported_group_sizes=(4,),
-                                   workqueue_num_splits=4, bucket_num_splits=5)
-    engine = build_engine("adaptive", shape=shape, device="cpu", calib=calib)
-    assert engine.persistent.split_policy.num_splits == 4
-    assert engine.persistent.bucket_num_splits == 5
+    policy = _policy(CALIB, shape)
+    engine = build_engine("adaptive", shape=shape, device="cpu", policy=policy)
+    assert engine.policy is policy and engine.persistent.policy is policy
+    assert policy.candidate(8).num_splits == 4
+    assert policy.candidate(1).num_splits == 5
+    assert policy.candidate(4) is None  # batches of 2..7 stay on FlashInfer
     assert isinstance(engine.fallback, SdpaEngine)
     for lens in ([900], [300, 40, 1000, 77, 500, 600, 700, 800]):
         step, q, k, v = inputs(lens)
@@ -129,23 +168,34 @@ def test_build_engine_adaptive_with_a_calibration():
     ({"bucket_num_splits": 6}, [300, 40, 1000, 77, 500, 600, 700, 800], "persistentkv_workqueue", 4),
 ])
 def test_adaptive_split_options_reach_the_plans_that_run(options, lens, route, splits):
-    # The policy hands its split count to the persistent engine with each decision, so a split
-    # option of the adaptive engine (the splits ablation) must change the policy's count too.
-    cost_model = pytest.importorskip("pkv.cost_model")
-    calib = cost_model.Calibration(gpu="cpu", num_sms=2, beta_gbps=10.0, lambda_us=5.0, c_min=1.0,
-                                   min_context_tokens=0, supported_group_sizes=(4,),
-                                   workqueue_num_splits=4, bucket_num_splits=5,
-                                   flashinfer_plan_us=1e4)  # every step past the gates to PersistentKV
-    engine = build_engine("adaptive", shape=SHAPE, device="cpu", calib=calib, options=options)
+    # The policy hands its split count to the persistent engine with each route, so a split
+    # option of the run (the splits ablation) must change the policy's count too.
+    calib = dataclasses.replace(CALIB, flashinfer_plan_us=1e4)  # every step past the gates to PersistentKV
+    engine = build_engine("adaptive", shape=SHAPE, device="cpu", policy=_policy(apply_engine_options(calib, **options)))
     step, q, k, v = inputs(lens)
     plan = engine.plan(step)
     assert (plan.route, plan.num_splits) == (route, splits)
+    assert plan.decision.basis == "estimate"
     if route == "persistentkv_workqueue":
         assert plan.schedule.max_splits == splits
     else:
         assert {launch.num_splits for launch in plan.schedule.launches} == {splits}
     out = engine.run(q, k, v, plan)
     assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
+
+
+def test_adaptive_variants_reach_the_plans_that_run():
+    calib = dataclasses.replace(CALIB, flashinfer_plan_us=1e4)
+    policy = _policy(calib, variants=KernelVariants(bucket_mode="masked", merge="fused"))
+    engine = build_engine("adaptive", shape=SHAPE, device="cpu", policy=policy)
+    for lens, route in (([900], "persistentkv_bucket"), ([300, 40, 1000, 77, 500, 600, 700, 800],
+                                                          "persistentkv_workqueue")):
+        step, q, k, v = inputs(lens)
+        plan = engine.plan(step)
+        assert (plan.route, plan.merge) == (route, "fused")
+        assert plan.decision.route.bucket_mode == "masked"
+        out = engine.run(q, k, v, plan)
+        assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
 
 
 def test_cuda_graph_option_needs_the_cuda_engine():

@@ -1,16 +1,24 @@
-"""The calibrate rule's gate fits, on hand-made timings (the CPU DAG runs them end to end)."""
+"""The calibrate rule's fits on hand-made timings (the CPU DAG runs them end to end), and the
+calibration record they write: its two mapping forms and the errors of a bad one."""
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
 
-from pkv.cost_model import Calibration
-from pkv.cost_model import CONTEXT_GATE_FIELDS, context_gate_field
-from pkv.experiments.calibrate import _GateProbes
+from pkv.experiments.calibrate import _GateProbes, _SplitSweep
+from pkv.policy import Calibration, CalibrationError, RegimeParams, load_calibration, regime_of, save_calibration
+from pkv.policy.calibration import LEGACY_SCHEMA
+from pkv.policy.regime import FEW_ROWS, MANY_ROWS, REGIME_BATCH, REGIMES, SINGLE_ROW
+from pkv.report.calibration_report import fitted_field
 
-START = Calibration(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0, min_context_tokens=8192)
+HARDWARE = dict(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0)
+START = Calibration(**HARDWARE,
+                    single_row=RegimeParams("persistentkv_bucket", 32, 8192, 1.05),
+                    few_rows=RegimeParams("flashinfer", 32, 8192, 1.50),
+                    many_rows=RegimeParams("persistentkv_workqueue", 20, 8192, 1.05))
 
 
 def _probes(gate_steps=None, performance_result=True, tolerance=0.0) -> _GateProbes:
@@ -19,12 +27,13 @@ def _probes(gate_steps=None, performance_result=True, tolerance=0.0) -> _GatePro
                        tolerance=tolerance)
 
 
-@pytest.mark.parametrize("batch, field", [(1, "min_context_tokens"), (2, "boundary_min_context_tokens"),
-                                          (7, "boundary_min_context_tokens"), (8, "workqueue_min_context_tokens"),
-                                          (64, "workqueue_min_context_tokens")])
-def test_each_batch_size_has_the_gate_of_its_regime(batch, field):
-    assert context_gate_field(batch) == field
-    assert context_gate_field({f: b for b, f in CONTEXT_GATE_FIELDS.items()}[field]) == field
+@pytest.mark.parametrize("batch, regime", [(1, SINGLE_ROW), (2, FEW_ROWS), (7, FEW_ROWS), (8, MANY_ROWS),
+                                           (64, MANY_ROWS)])
+def test_each_batch_size_has_the_gate_of_its_regime(batch, regime):
+    assert regime_of(batch) == regime
+    assert regime_of(REGIME_BATCH[regime]) == regime
+    assert fitted_field(regime_of(batch), "min_context_tokens") == f"regimes.{regime}.min_context_tokens"
+    assert START.regime_for_batch(batch) is START.regime(regime)
 
 
 def test_each_regime_gate_is_fitted_from_all_of_its_steps():
@@ -32,16 +41,17 @@ def test_each_regime_gate_is_fitted_from_all_of_its_steps():
              "flashinfer_us": [100.0, 100.0]}
     short = {"source": "probe short", "contexts": [1100, 4200], "persistentkv_us": [12.0, 15.0],
              "flashinfer_us": [10.0, 18.0]}
-    fits = _probes({"workqueue_min_context_tokens": [sweep, short], "min_context_tokens": [sweep]}).fit_context_gates(START)
+    fits = _probes({MANY_ROWS: [sweep, short], SINGLE_ROW: [sweep]}).fit_context_gates(START)
     # PersistentKV wins at 4K and 64K, loses at 1K: the B8+ gate opens at 4K.
-    b8 = fits["workqueue_min_context_tokens"]
+    b8 = fits["regimes.many_rows.min_context_tokens"]
+    assert b8["regime"] == MANY_ROWS
     assert b8["fitted"] == 4096 and b8["applied"] is True
     assert b8["sources"] == ["split sweep", "probe short"] and set(b8["classes"]) == {"1024", "4096", "65536"}
-    assert fits["min_context_tokens"]["fitted"] == 65536
-    assert "boundary_min_context_tokens" not in fits  # no steps timed there: the configured gate stands
+    assert fits["regimes.single_row.min_context_tokens"]["fitted"] == 65536
+    assert "regimes.few_rows.min_context_tokens" not in fits  # no steps timed there: the configured gate stands
     # 1K loses by 20%, past any tolerance; with 25% it holds too.
-    wide = _probes({"workqueue_min_context_tokens": [sweep, short]}, tolerance=0.25).fit_context_gates(START)
-    assert wide["workqueue_min_context_tokens"]["fitted"] == 1024
+    wide = _probes({MANY_ROWS: [sweep, short]}, tolerance=0.25).fit_context_gates(START)
+    assert wide["regimes.many_rows.min_context_tokens"]["fitted"] == 1024
 
 
 def test_a_group_size_opens_only_where_persistentkv_wins_every_probe():
@@ -61,25 +71,122 @@ def test_a_group_size_opens_only_where_persistentkv_wins_every_probe():
     assert tolerant.fit_group_sizes(START)["opened"] == [1, 8]
 
 
-def _swept(name, max_active, field, totals, fi_total, bucket=False):
+def _swept(name, max_active, regime, totals, fi_total, route="persistentkv_workqueue"):
     timed = {s: types.SimpleNamespace(total_us=us, samples=[]) for s, us in totals.items()}
-    return {"name": name, "max_active": max_active, "bucket": bucket, "field": field,
-            "steps": 4, "timed_by_splits": timed, "timed_fi": types.SimpleNamespace(total_us=fi_total, samples=[])}
+    return {"name": name, "max_active": max_active, "route": route, "regime": regime, "steps": 4,
+            "timed_by_splits": timed, "timed_fi": types.SimpleNamespace(total_us=fi_total, samples=[])}
 
 
 def test_traces_of_one_operating_point_are_decided_by_their_summed_time():
-    from pkv.experiments.calibrate import _SplitSweep
-
     sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=None, calib=START)
     sweep._swept = [
         # The ragged batch ranks 28 a hair ahead of 24; rows of one length separate them clearly.
-        _swept("bimodal_b8", 8, "workqueue_num_splits", {24: 100.2, 28: 100.0, 32: 101.0}, 105.0),
-        _swept("homogeneous_b8", 8, "workqueue_num_splits", {24: 200.0, 28: 204.0, 32: 203.0}, 201.0),
-        _swept("bimodal_b4", 4, "boundary_num_splits", {32: 90.0, 36: 88.0}, 89.0),
+        _swept("bimodal_b8", 8, MANY_ROWS, {24: 100.2, 28: 100.0, 32: 101.0}, 105.0),
+        _swept("homogeneous_b8", 8, MANY_ROWS, {24: 200.0, 28: 204.0, 32: 203.0}, 201.0),
+        _swept("bimodal_b4", 4, FEW_ROWS, {32: 90.0, 36: 88.0}, 89.0),
     ]
     points = sweep.operating_points()
-    assert points == {"workqueue_num_splits": 24, "boundary_num_splits": 36,
-                      "boundary_route": "persistentkv_workqueue"}
+    assert points == {MANY_ROWS: {"num_splits": 24},
+                      FEW_ROWS: {"num_splits": 36, "route": "persistentkv_workqueue"}}
     assert sweep.records["homogeneous_b8"]["fitted_with"] == ["bimodal_b8", "homogeneous_b8"]
     assert sweep.records["bimodal_b8"]["selected_splits"] == 24
-    assert sweep.records["bimodal_b4"]["boundary_route"]["speedup"] == pytest.approx(89.0 / 88.0)
+    assert sweep.records["bimodal_b8"]["fits"] == "regimes.many_rows.num_splits"
+    assert sweep.records["bimodal_b4"]["fits"] == "regimes.few_rows.num_splits"
+    route = sweep.records["bimodal_b4"]["regime_route"]
+    assert route["fits"] == "regimes.few_rows.route" and route["fitted"] == "persistentkv_workqueue"
+    assert route["speedup"] == pytest.approx(89.0 / 88.0)
+    # Each regime's steps at its fitted split count are the long end of its context gate.
+    assert set(sweep.gate_steps(points)) == {MANY_ROWS, FEW_ROWS}
+
+
+def test_a_closed_regime_stays_closed_when_the_timings_are_not_a_performance_result():
+    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=False), shape=None, calib=START)
+    sweep._swept = [_swept("bimodal_b4", 4, FEW_ROWS, {32: 90.0, 36: 88.0}, 89.0)]
+    assert sweep.operating_points() == {FEW_ROWS: {"num_splits": 36}}
+    assert sweep.records["bimodal_b4"]["regime_route"]["applied"] is False
+
+
+# --------------------------------------------------------------------------------------
+# The record: the regimes form, the flat form of files before the regimes, and bad input
+
+FLAT = {**HARDWARE, "min_context_tokens": 512, "boundary_min_context_tokens": None,
+        "workqueue_min_context_tokens": 4096, "b8_margin": 1.2, "b4_margin": 1.7, "bucket_num_splits": 16,
+        "boundary_num_splits": 24, "workqueue_num_splits": 28, "boundary_route": "persistentkv_workqueue",
+        "supported_group_sizes": [1, 4], "workqueue_split_kind": "balanced", "source": "old file"}
+
+
+def test_a_flat_mapping_loads_to_the_same_regimes():
+    calib = Calibration.from_mapping(FLAT, "old.json")
+    # b8_margin governed B1 as well as 8+ rows; a null boundary gate is the single-row gate.
+    assert calib.single_row == RegimeParams("persistentkv_bucket", 16, 512, 1.2)
+    assert calib.few_rows == RegimeParams("persistentkv_workqueue", 24, 512, 1.7)
+    assert calib.many_rows == RegimeParams("persistentkv_workqueue", 28, 4096, 1.2)
+    assert calib.supported_group_sizes == (1, 4) and calib.workqueue_split_kind == "balanced"
+    assert (calib.gpu, calib.num_sms, calib.beta_gbps, calib.source) == ("fake", 4, 100.0, "old file")
+    # The regimes form of the same record reads back equal.
+    assert Calibration.from_mapping(calib.to_json_dict(), "new.json") == calib
+
+
+def test_a_flat_mapping_takes_the_flat_defaults_and_null_gates_take_the_single_row_gate():
+    calib = Calibration.from_mapping({**HARDWARE, "min_context_tokens": 2048,
+                                      "workqueue_min_context_tokens": None}, "old.json")
+    assert calib.single_row == RegimeParams("persistentkv_bucket", 32, 2048, 1.05)
+    assert calib.few_rows == RegimeParams("flashinfer", 32, 2048, 1.50)
+    assert calib.many_rows == RegimeParams("persistentkv_workqueue", 20, 2048, 1.05)
+    assert calib.with_regime(FEW_ROWS, route="persistentkv_workqueue").few_rows.route == "persistentkv_workqueue"
+    opened = calib.with_all_regimes(min_context_tokens=0)
+    assert {opened.regime(r).min_context_tokens for r in REGIMES} == {0}
+    assert opened.single_row.num_splits == 32 and opened.many_rows.num_splits == 20
+
+
+def test_an_old_schema_file_loads_and_a_new_one_reads_back_equal(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"schema": LEGACY_SCHEMA, "calibration": FLAT, "provenance": {}}))
+    calib = load_calibration(old)
+    assert calib == Calibration.from_mapping(FLAT, "old.json")
+    new = tmp_path / "new.json"
+    save_calibration(new, calib, {"note": "x"})
+    record = json.loads(new.read_text())
+    assert record["schema"] == "pkv.calibration/2" and set(record["calibration"]["regimes"]) == set(REGIMES)
+    assert load_calibration(new) == calib
+
+
+def _regimes_form(**regime_changes) -> dict:
+    d = START.to_json_dict()
+    for regime, changes in regime_changes.items():
+        d["regimes"][regime].update(changes)
+    return d
+
+
+@pytest.mark.parametrize("mapping, pattern", [
+    ({**_regimes_form(), "num_smz": 8}, r"conf/gpu/x\.yaml: unknown key 'num_smz' \(value 8\)"),
+    ({**FLAT, "b8_margn": 1.1}, r"conf/gpu/x\.yaml: unknown key 'b8_margn' \(value 1\.1\)"),
+    ({**FLAT, "regimes": _regimes_form()["regimes"]}, r"conf/gpu/x\.yaml: unknown key 'min_context_tokens'"),
+    (_regimes_form(few_rows={"margn": 2.0}),
+     r"conf/gpu/x\.yaml: regimes\.few_rows: unknown key 'margn' \(value 2\.0\)"),
+    (_regimes_form(few_rows={"route": "diagonal"}), r"conf/gpu/x\.yaml: regimes\.few_rows\b.*route='diagonal'"),
+    (_regimes_form(many_rows={"num_splits": 0}), r"conf/gpu/x\.yaml: regimes\.many_rows\b.*num_splits=0"),
+    (_regimes_form(single_row={"margin": 0}), r"conf/gpu/x\.yaml: regimes\.single_row\b.*margin=0"),
+    (_regimes_form(single_row={"min_context_tokens": -1}),
+     r"conf/gpu/x\.yaml: regimes\.single_row\b.*min_context_tokens=-1"),
+    (_regimes_form(many_rows={"num_splits": "abc"}), r"conf/gpu/x\.yaml: regimes\.many_rows\b.*num_splits='abc'"),
+    ({**_regimes_form(), "regimes": {SINGLE_ROW: START.to_json_dict()["regimes"][SINGLE_ROW]}},
+     r"conf/gpu/x\.yaml: field regimes=\['single_row'\]"),
+    ({**_regimes_form(), "num_sms": 0}, r"conf/gpu/x\.yaml: field num_sms=0"),
+    ({**FLAT, "boundary_route": "persistentkv_bucket"},
+     r"conf/gpu/x\.yaml: field boundary_route='persistentkv_bucket'"),
+    ({**FLAT, "b8_margin": -1}, r"conf/gpu/x\.yaml: regimes\.single_row\b.*margin=-1"),
+])
+def test_a_bad_mapping_names_where_the_field_and_the_value(mapping, pattern):
+    with pytest.raises(CalibrationError, match=pattern):
+        Calibration.from_mapping(mapping, "conf/gpu/x.yaml")
+
+
+def test_a_bad_file_names_the_file_and_the_field(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"schema": "pkv.calibration/9", "calibration": FLAT}))
+    with pytest.raises(CalibrationError, match=r"calibration\.json: field schema='pkv\.calibration/9'"):
+        load_calibration(path)
+    path.write_text(json.dumps({"schema": LEGACY_SCHEMA, "calibration": {**FLAT, "boundary_route": "x"}}))
+    with pytest.raises(CalibrationError, match=r"calibration\.json: calibration: field boundary_route='x'"):
+        load_calibration(path)

@@ -2,38 +2,78 @@
 
 from __future__ import annotations
 
-from pkv.report import calibration_report
-from pkv.cost_model import Calibration, save_calibration
+import json
 
-CALIB = Calibration(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0, min_context_tokens=512,
-                    workqueue_min_context_tokens=4096, workqueue_num_splits=24, supported_group_sizes=(1, 4))
+from pkv.policy import Calibration, RegimeParams, save_calibration
+from pkv.policy.calibration import LEGACY_SCHEMA
+from pkv.report import calibration_report
+
+# The B2-7 gate is the B1 gate and its route FlashInfer.
+CALIB = Calibration(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0,
+                    single_row=RegimeParams("persistentkv_bucket", 32, 512, 1.05),
+                    few_rows=RegimeParams("flashinfer", 32, 512, 1.50),
+                    many_rows=RegimeParams("persistentkv_workqueue", 24, 4096, 1.05),
+                    supported_group_sizes=(1, 4))
+GATE_CLASSES = {"1024": {"steps": 2, "persistentkv_us": 12.0, "flashinfer_us": 10.0},
+                "4096": {"steps": 2, "persistentkv_us": 20.0, "flashinfer_us": 22.0}}
 MEASURED = {
-    "split_sweeps": {"bimodal_b8": {"fits": "workqueue_num_splits", "selected_splits": 24,
-                                    "device_us_total_by_splits": {"20": 110.0, "24": 100.0},
-                                    "flashinfer_device_us_total": 105.0}},
-    "context_gates": {"workqueue_min_context_tokens": {
-        "fitted": 4096, "applied": True, "reason": "PersistentKV faster in every class measured from 4096",
-        "classes": {"1024": {"steps": 2, "persistentkv_us": 12.0, "flashinfer_us": 10.0},
-                    "4096": {"steps": 2, "persistentkv_us": 20.0, "flashinfer_us": 22.0}}}},
+    "split_sweeps": {
+        "bimodal_b8": {"fits": "regimes.many_rows.num_splits", "selected_splits": 24,
+                       "device_us_total_by_splits": {"20": 110.0, "24": 100.0},
+                       "flashinfer_device_us_total": 105.0},
+        "bimodal_b4": {"fits": "regimes.few_rows.num_splits", "selected_splits": 32,
+                       "device_us_total_by_splits": {"32": 100.0}, "flashinfer_device_us_total": 90.0,
+                       "regime_route": {"fits": "regimes.few_rows.route", "fitted": "flashinfer",
+                                        "applied": True, "speedup": 0.9}}},
+    "context_gates": {"regimes.many_rows.min_context_tokens": {
+        "regime": "many_rows", "fitted": 4096, "applied": True,
+        "reason": "PersistentKV faster in every class measured from 4096", "classes": GATE_CLASSES}},
     "gate_probes": [{"probe": "bimodal_b8 x0.25 G=4", "route": "persistentkv_workqueue", "num_splits": 24,
                      "persistentkv_device_us_total": 50.0, "flashinfer_device_us_total": 60.0,
-                     "fits": "workqueue_min_context_tokens"}],
+                     "fits": "regimes.many_rows.min_context_tokens"}],
     "group_sizes": {"probed": [1, 8], "opened": [1], "fitted": [1, 4], "applied": True},
 }
 
 
 def test_report_names_each_choice_and_the_timings_behind_it(tmp_path):
-    # The B2-7 gate is null (the B1 gate) and its route FlashInfer.
     path = tmp_path / "calibration.json"
     save_calibration(path, CALIB, {"measurements": MEASURED})
     text = calibration_report.report(path)
     assert "B8+ workqueue S=24 from 4096 tokens" in text
     assert "B1 bucket S=32 from 512 tokens" in text and "B2-7 FlashInfer\n" in text
     assert "G routed: 1, 4" in text
-    assert "bimodal_b8 -> workqueue_num_splits: 20: 0.955, 24*: 1.050" in text
+    assert "bimodal_b8 -> regimes.many_rows.num_splits: 20: 0.955, 24*: 1.050" in text
+    assert "  B2-7 route flashinfer (0.900x, applied)" in text
+    assert "B8+   fitted 4096, in use 4096 (applied)" in text
     assert "1024- 0.833, 4096+ 1.100" in text
-    assert "bimodal_b8 x0.25 G=4" in text and "1.200" in text
+    assert "bimodal_b8 x0.25 G=4" in text and "1.200" in text and "-> regimes.many_rows.min_context_tokens" in text
     assert "opened [1]" in text
+
+
+def test_report_of_a_file_written_before_the_regimes(tmp_path):
+    # Schema /1: the flat calibration, and measurements named by the flat fields they fitted.
+    flat = {"gpu": "fake", "num_sms": 4, "beta_gbps": 100.0, "lambda_us": 5.0, "c_min": 1.0,
+            "min_context_tokens": 512, "boundary_min_context_tokens": None, "workqueue_min_context_tokens": 4096,
+            "workqueue_num_splits": 24, "supported_group_sizes": [1, 4]}
+    measured = {
+        "split_sweeps": {"bimodal_b8": {**MEASURED["split_sweeps"]["bimodal_b8"], "fits": "workqueue_num_splits"},
+                         "bimodal_b4": {"fits": "boundary_num_splits", "selected_splits": 32,
+                                        "device_us_total_by_splits": {"32": 100.0},
+                                        "flashinfer_device_us_total": 90.0,
+                                        "boundary_route": {"fitted": "flashinfer", "applied": True, "speedup": 0.9}}},
+        "context_gates": {"workqueue_min_context_tokens": {
+            "fitted": 4096, "applied": True, "reason": "PersistentKV faster in every class measured from 4096",
+            "classes": GATE_CLASSES}},
+    }
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"schema": LEGACY_SCHEMA, "calibration": flat,
+                                "provenance": {"measurements": measured}}))
+    text = calibration_report.report(path)
+    assert "B8+ workqueue S=24 from 4096 tokens" in text
+    assert "B1 bucket S=32 from 512 tokens" in text and "B2-7 FlashInfer\n" in text
+    assert "bimodal_b8 -> workqueue_num_splits: 20: 0.955, 24*: 1.050" in text
+    assert "  B2-7 route flashinfer (0.900x, applied)" in text
+    assert "B8+   fitted 4096, in use 4096 (applied)" in text and "1024- 0.833, 4096+ 1.100" in text
 
 
 def test_report_of_a_file_without_measurements(tmp_path, capsys):

@@ -1,10 +1,15 @@
 """The typed config: every YAML composes, and bad input fails early naming file, field and value."""
 
+import dataclasses
 import shutil
 
 import pytest
 
 from pkv.config import CONF_DIR, ConfigError, compose, load_trace_option
+from pkv.experiments.common import build_engines, engine_policy, model_shape, run_calibration
+from pkv.policy import CalibrationError, KernelVariants, RoutePolicy, StepRoute
+from pkv.policy.overrides import apply_engine_options
+from pkv.policy.regime import FEW_ROWS, REGIMES
 
 
 def test_every_experiment_composes():
@@ -48,6 +53,7 @@ def test_wrong_type_names_field_and_value():
     ("trace.hole_fraction=1.0", "trace.hole_fraction"),
     ("trace.decode_len_range=[9,3]", "trace.decode_len_range"),
     ("engine.route=diagonal", "engine.route"),
+    ("engine.merge=diagonal", "engine.merge"),
     ("profile=tpu", "profile"),
     ("experiment.baseline=vllm", "experiment.baseline"),
 ])
@@ -77,9 +83,21 @@ def test_external_trace_needs_an_existing_file(tmp_path):
         compose(["out=x", "trace=external", f"trace.path={tmp_path / 'missing.csv'}"])
 
 
-def test_gpu_constants_are_checked_by_the_cost_model():
-    with pytest.raises(Exception, match=r"conf/gpu/cpu\.yaml.*num_sms"):
+def test_gpu_constants_are_checked_by_the_calibration():
+    with pytest.raises((ConfigError, CalibrationError), match=r"conf/gpu/cpu\.yaml.*num_sms.*0"):
         compose(["out=x", "gpu.num_sms=0"])
+    bad_regime = r"conf/gpu/cpu\.yaml: regimes\.few_rows\b.*route.*diagonal"
+    with pytest.raises((ConfigError, CalibrationError), match=bad_regime):
+        compose(["out=x", "gpu.regimes.few_rows.route=diagonal"])
+    with pytest.raises((ConfigError, CalibrationError), match=r"conf/gpu/cpu\.yaml: regimes\.many_rows\b.*margin=0"):
+        compose(["out=x", "gpu.regimes.many_rows.margin=0"])
+
+
+def test_every_gpu_option_is_in_the_regimes_form():
+    for path in sorted((CONF_DIR / "gpu").glob("*.yaml")):
+        cfg = compose(["out=x", f"gpu={path.stem}"])
+        assert set(cfg.gpu["regimes"]) == set(REGIMES), path.name
+        assert not {"b8_margin", "boundary_route", "bucket_num_splits"} & set(cfg.gpu), path.name
 
 
 def test_variants_set_the_key_the_experiment_names():
@@ -100,7 +118,7 @@ def test_unknown_variant_is_rejected():
 
 def test_experiments_may_set_trace_and_engine_keys():
     cfg = compose(["out=x", "experiment=ablate_b4"])
-    assert cfg.engine.allow_b4 and cfg.trace.max_active == 4
+    assert cfg.engine.open_few_rows and cfg.trace.max_active == 4
     cfg = compose(["out=x", "experiment=isolated", "experiment.context_len=8192"])
     assert cfg.trace.hole_fraction == 0.5
 
@@ -115,3 +133,100 @@ def test_bad_gate_probe_names_the_entry_and_its_values(override, value):
         compose(["out=x", "experiment=calibrate", override])
     msg = str(err.value)
     assert "experiment.gate_probes[" in msg and value in msg and "conf/" in msg
+
+
+def test_every_engine_option_is_the_default_with_its_own_lines():
+    default = dataclasses.asdict(compose(["out=x", "engine=default"]).engine)
+    changed = {}
+    for path in sorted((CONF_DIR / "engine").glob("*.yaml")):
+        engine = dataclasses.asdict(compose(["out=x", f"engine={path.stem}"]).engine)
+        changed[path.stem] = {k: v for k, v in engine.items() if v != default[k]}
+    assert changed["default"] == {}
+    assert changed["open_few_rows"] == {"open_few_rows": True}
+    assert changed["fused_merge"] == {"merge": "fused"}
+    assert changed["cluster_merge"] == {"merge": "cluster", "route": "bucket_exact"}
+    assert changed["cuda_graph"] == {"cuda_graph": True}
+    assert changed["bucket_masked"] == {"route": "bucket_masked"}
+    assert "allow_b4" not in changed and "allow_b4" not in default and "fused_merge" not in default
+
+
+# --------------------------------------------------------------------------------------
+# A run's engine options: applied to its calibration once, or refused when they cannot hold
+
+
+def _cpu_calibration(*overrides):
+    return run_calibration(compose(["out=x", "profile=cpu", *overrides]))
+
+
+def test_apply_engine_options_sets_split_counts_rule_and_the_few_rows_regime():
+    calib = _cpu_calibration()
+    assert apply_engine_options(calib) == calib
+    # num_splits fixes every regime's count; bucket_num_splits then the single-row one.
+    fixed = apply_engine_options(calib, num_splits=12)
+    assert {fixed.regime(r).num_splits for r in REGIMES} == {12}
+    both = apply_engine_options(calib, num_splits=12, bucket_num_splits=6)
+    assert (both.single_row.num_splits, both.few_rows.num_splits, both.many_rows.num_splits) == (6, 12, 12)
+    bucket = apply_engine_options(calib, bucket_num_splits=6)
+    assert bucket.single_row.num_splits == 6
+    assert (bucket.few_rows, bucket.many_rows) == (calib.few_rows, calib.many_rows)
+    assert apply_engine_options(calib, split_kind="balanced").workqueue_split_kind == "balanced"
+    # Nothing else of a regime changes: routes, gates, margins.
+    for regime in REGIMES:
+        assert dataclasses.replace(both.regime(regime), num_splits=1) == \
+            dataclasses.replace(calib.regime(regime), num_splits=1)
+
+
+def test_open_few_rows_opens_the_few_rows_regime_only_where_it_was_closed():
+    calib = _cpu_calibration()
+    assert calib.few_rows.route == "flashinfer"
+    opened = apply_engine_options(calib, open_few_rows=True)
+    assert opened.few_rows == dataclasses.replace(calib.few_rows, route="persistentkv_workqueue")
+    assert (opened.single_row, opened.many_rows) == (calib.single_row, calib.many_rows)
+    # A regime the calibration already routed keeps its route.
+    routed = calib.with_regime(FEW_ROWS, route="persistentkv_bucket")
+    assert apply_engine_options(routed, open_few_rows=True) == routed
+    assert apply_engine_options(calib, open_few_rows=False) == calib
+
+
+def test_run_calibration_applies_the_engine_options_of_the_run():
+    calib = _cpu_calibration()
+    assert _cpu_calibration("engine=open_few_rows").few_rows.route == "persistentkv_workqueue"
+    splits = _cpu_calibration("engine.num_splits=12", "engine.bucket_num_splits=6", "engine.split_kind=balanced")
+    assert (splits.single_row.num_splits, splits.few_rows.num_splits, splits.many_rows.num_splits) == (6, 12, 12)
+    assert splits.workqueue_split_kind == "balanced"
+    assert splits.with_all_regimes(num_splits=1) == dataclasses.replace(
+        calib.with_all_regimes(num_splits=1), workqueue_split_kind="balanced")
+    # The ablation's engine options reach the policy its engines decide with.
+    cfg = compose(["out=x", "profile=cpu", "experiment=ablate_b4"])
+    shape = model_shape(cfg)
+    policy = engine_policy("adaptive", {"route": "workqueue"}, shape, run_calibration(cfg))
+    assert policy.candidate(4) == StepRoute("persistentkv_workqueue", policy.calib.few_rows.num_splits)
+    assert policy.candidate(1).name == "persistentkv_bucket" and policy.candidate(8).name == "persistentkv_workqueue"
+
+
+@pytest.mark.parametrize("overrides, labels, pattern", [
+    (["engine.merge=cluster"], ["persistentkv"], r"engine 'persistentkv'.*cluster merge is a bucket-route merge"),
+    (["engine.merge=cluster", "engine.bucket_num_splits=16"], ["adaptive"],
+     r"engine 'adaptive'.*cluster merge is a bucket-route merge.*persistentkv_workqueue"),
+    (["engine=cluster_merge", "engine.bucket_num_splits=32"], ["persistentkv"],
+     r"engine 'persistentkv'.*cluster merge takes at most 16 splits.*num_splits=32"),
+])
+def test_engine_options_that_cannot_hold_fail_naming_the_engine_and_why(overrides, labels, pattern):
+    cfg = compose(["out=x", "profile=cpu", *overrides])
+    with pytest.raises(ConfigError, match=pattern):
+        build_engines(labels, cfg, model_shape(cfg), "cpu", run_calibration(cfg))
+
+
+def test_the_cluster_merge_holds_on_buckets_of_at_most_16_splits():
+    cfg = compose(["out=x", "profile=cpu", "engine=cluster_merge", "engine.bucket_num_splits=16"])
+    engines, skipped = build_engines(["persistentkv", "flashinfer"], cfg, model_shape(cfg), "cpu", run_calibration(cfg))
+    assert skipped == {} and engines["persistentkv"].implementation == "reference:bucket_exact+cluster_merge"
+    # The route itself refuses what cannot hold, whoever builds it.
+    with pytest.raises(ValueError, match="cluster merge is a bucket-route merge"):
+        StepRoute("persistentkv_workqueue", 8, merge="cluster")
+    with pytest.raises(ValueError, match="at most 16 splits"):
+        StepRoute("persistentkv_bucket", 17, merge="cluster")
+    shape = model_shape(cfg)
+    with pytest.raises(ValueError, match="cluster merge is a bucket-route merge"):
+        RoutePolicy(run_calibration(cfg), num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
+                    head_dim=shape.head_dim, variants=KernelVariants(merge="cluster"))

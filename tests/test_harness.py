@@ -7,6 +7,7 @@ from pkv.measure import harness
 from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
 from pkv.measure.harness import CorrectnessError, TraceRunSpec, run_trace
+from pkv.policy import ROUTE_BUCKET, ROUTE_WORKQUEUE, PinnedRoutePolicy, StepRoute
 from pkv.shape import ModelShape
 
 traces = pytest.importorskip("pkv.pipeline.traces")
@@ -38,11 +39,15 @@ def tiny_spec(**overrides):
     return TraceRunSpec(**fields)
 
 
+def pinned(route: StepRoute) -> ReferenceEngine:
+    return ReferenceEngine(SHAPE, policy=PinnedRoutePolicy(route))
+
+
 def engines():
     return {
         "sdpa": SdpaEngine(SHAPE, "cpu"),
-        "workqueue": ReferenceEngine(SHAPE, split_policy=schedule.SplitPolicy(num_splits=4)),
-        "buckets": ReferenceEngine(SHAPE, route="bucket_exact", bucket_num_splits=3),
+        "workqueue": pinned(StepRoute(ROUTE_WORKQUEUE, 4)),
+        "buckets": pinned(StepRoute(ROUTE_BUCKET, 3)),
     }
 
 
@@ -193,12 +198,51 @@ def test_step_report_groups_the_per_step_records(tmp_path):
         report(tmp_path / "missing")
 
 
-def test_counters_follow_the_merge_option_of_the_engine_or_the_one_inside_it():
-    import types
+def test_counters_follow_the_merge_of_the_route_the_plan_was_made_for():
+    """step_counters reads plan.merge: a fused merge has no merge launch, a cluster merge neither
+    and no partial states; a plan without one (FlashInfer's) is one library call."""
+    from pkv.engines import build_engine
+    from pkv.pipeline.step import build_step
+    from pkv.policy import FLASHINFER_ROUTE, Calibration, KernelVariants, RegimeParams, RoutePolicy
 
-    plain = types.SimpleNamespace()
-    assert harness.merge_options(plain) == {"fused_merge": False, "cluster_merge": False}
-    cluster = types.SimpleNamespace(cluster_merge=True, fused_merge=False)
-    assert harness.merge_options(cluster) == {"fused_merge": False, "cluster_merge": True}
-    adaptive = types.SimpleNamespace(persistent=types.SimpleNamespace(fused_merge=True))
-    assert harness.merge_options(adaptive) == {"fused_merge": True, "cluster_merge": False}
+    lens = [300, 700, 40, 500]
+    step = build_step(0, np.arange(len(lens)), lens, pages_mod.assign_pages(lens, 16, 0.0, 0).pages, 16)
+
+    def counters_of(engine):
+        plan = engine.plan(step)
+        return plan, harness.step_counters(plan, step, SHAPE, num_sms=2, kv_dtype_bytes=4)
+
+    _, launch = counters_of(pinned(StepRoute(ROUTE_WORKQUEUE, 4)))
+    plan, fused = counters_of(pinned(StepRoute(ROUTE_WORKQUEUE, 4, merge="fused")))
+    assert plan.merge == "fused"
+    assert (launch.merge_launches, fused.merge_launches) == (1, 0)
+    assert fused.launches == launch.launches - 1 and fused.merge_bytes == launch.merge_bytes > 0
+    _, bucket_launch = counters_of(pinned(StepRoute(ROUTE_BUCKET, 4)))
+    plan, cluster = counters_of(pinned(StepRoute(ROUTE_BUCKET, 4, merge="cluster")))
+    assert plan.merge == "cluster" and bucket_launch.merge_launches > 0
+    assert (cluster.merge_launches, cluster.merge_bytes) == (0, 0)
+    assert cluster.decode_ctas == bucket_launch.decode_ctas
+    # The adaptive engine's plan carries the merge of the route its policy chose.
+    calib = Calibration(gpu="cpu", num_sms=2, beta_gbps=10.0, lambda_us=5.0, c_min=1.0,
+                        single_row=RegimeParams("persistentkv_bucket", 4, 0, 1.05),
+                        few_rows=RegimeParams("persistentkv_workqueue", 4, 0, 1e-3),
+                        many_rows=RegimeParams("persistentkv_workqueue", 4, 0, 1.05))
+    policy = RoutePolicy(calib, num_kv_heads=SHAPE.num_kv_heads, group_size=SHAPE.group_size,
+                         head_dim=SHAPE.head_dim, variants=KernelVariants(merge="fused"))
+    plan, adaptive = counters_of(build_engine("adaptive", shape=SHAPE, device="cpu", policy=policy))
+    assert plan.route == ROUTE_WORKQUEUE and plan.merge == "fused"
+    assert adaptive == fused
+    flashinfer = SdpaEngine(SHAPE, "cpu").plan(step)
+    assert flashinfer.route == FLASHINFER_ROUTE.name and flashinfer.schedule is None
+    counted = harness.step_counters(flashinfer, step, SHAPE, num_sms=2, kv_dtype_bytes=4)
+    assert (counted.launches, counted.merge_launches, counted.merge_bytes) == (1, 0, 0)
+
+
+def test_run_trace_counts_merge_launches_by_the_route_merge():
+    spec = tiny_spec()
+    engines_by_merge = {"sdpa": SdpaEngine(SHAPE, "cpu"), "launch": pinned(StepRoute(ROUTE_WORKQUEUE, 4)),
+                        "fused": pinned(StepRoute(ROUTE_WORKQUEUE, 4, merge="fused"))}
+    results = run_trace(spec, SHAPE, engines_by_merge, "sdpa", progress=False)
+    assert results["launch"]["counters"]["merge_launches"] == 1.0
+    assert results["fused"]["counters"]["merge_launches"] == 0.0
+    assert results["fused"]["implementation"] == "reference:workqueue+fused_merge"
