@@ -13,17 +13,8 @@ from pkv.pipeline.counters import (
     summarize,
 )
 from pkv.pipeline.schedule import SplitPolicy, plan_buckets, plan_workqueue
-from pkv.pipeline.step import build_step
 
 HKV, G, D = 8, 4, 128
-
-
-def make_step(seq_lens, page_size=16):
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    pages = -(-lens // page_size)
-    starts = np.concatenate(([0], np.cumsum(pages)[:-1]))
-    page_lists = [np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, pages)]
-    return build_step(0, np.arange(lens.size), lens, page_lists, page_size)
 
 
 # Eight distinct rows, two long and six short as in the bimodal trace, holding 140928
@@ -32,7 +23,7 @@ def make_step(seq_lens, page_size=16):
 TABLE4_LENS = [40960, 8320, 9600, 8960, 40320, 10240, 10880, 11648]
 
 
-def test_table4_arithmetic_buckets():
+def test_table4_arithmetic_buckets(make_step):
     step = make_step(TABLE4_LENS)
     assert sum(TABLE4_LENS) == 140928
     plan = plan_buckets(step, HKV, G, num_splits=32, mode="exact")
@@ -45,7 +36,7 @@ def test_table4_arithmetic_buckets():
     assert c.useful_kv_bytes / MIB == 550.5
 
 
-def test_table4_arithmetic_workqueue_and_flashinfer():
+def test_table4_arithmetic_workqueue_and_flashinfer(make_step):
     step = make_step(TABLE4_LENS)
     plan = plan_workqueue(step, HKV, G, SplitPolicy(num_splits=20))
     c = counters_for_workqueue(plan, step, num_sms=28, head_dim=D)
@@ -60,7 +51,7 @@ def test_table4_arithmetic_workqueue_and_flashinfer():
     assert fi.decode_ctas == 8 * 8
 
 
-def test_small_batch_by_hand():
+def test_small_batch_by_hand(make_step):
     # Tiles: 40 tokens -> 2, 100 -> 4. Hkv = 2, G = 4, d = 8: a slot is 4 * 10 * 4 = 160 bytes.
     step = make_step([40, 100, 100])
     kv = (40 + 100 + 100) * 2 * 8 * 2 * 2
@@ -84,7 +75,7 @@ def test_small_batch_by_hand():
     assert (cluster.launches, cluster.merge_launches, cluster.merge_bytes, cluster.decode_ctas) == (2, 0, 0, 20)
 
 
-def test_single_split_pairs_write_no_partial_state():
+def test_single_split_pairs_write_no_partial_state(make_step):
     # 10 tokens is one tile, so that row's pairs write out directly and skip the merge.
     step = make_step([10, 100])
     c = counters_for_workqueue(plan_workqueue(step, 2, 4, SplitPolicy(num_splits=4)), step, 4, 8)
@@ -97,7 +88,7 @@ def test_single_split_pairs_write_no_partial_state():
 
 
 @pytest.mark.parametrize("kind", ["fixed", "balanced"])
-def test_estimate_matches_built_plan(kind):
+def test_estimate_matches_built_plan(kind, make_step):
     rng = np.random.default_rng(7)
     for _ in range(10):
         lens = rng.integers(1, 20000, size=int(rng.integers(1, 10)))
@@ -107,7 +98,7 @@ def test_estimate_matches_built_plan(kind):
         assert estimate_workqueue_counters(step, HKV, G, policy, 28, D) == built
 
 
-def test_flashinfer_needs_kv_heads_by_name():
+def test_flashinfer_needs_kv_heads_by_name(make_step):
     step = make_step([100])
     with pytest.raises(TypeError):
         counters_for_flashinfer(step, 28, D, 2)
@@ -125,7 +116,7 @@ def test_summarize_means_in_mib():
         summarize([])
 
 
-def test_counters_reject_bad_arguments():
+def test_counters_reject_bad_arguments(make_step):
     step = make_step([100])
     plan = plan_buckets(step, HKV, G, 4)
     with pytest.raises(ValueError, match="num_sms"):

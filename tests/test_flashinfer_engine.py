@@ -10,13 +10,11 @@ from __future__ import annotations
 import sys
 import types
 
-import numpy as np
 import pytest
 import torch
 
 from pkv.engines import flashinfer as fi
 from pkv.shape import ModelShape
-from pkv.pipeline.step import build_step
 
 
 class _Wrapper:
@@ -66,11 +64,6 @@ def fake_flashinfer(monkeypatch):
     return module
 
 
-def _step(seq_lens):
-    pages = [np.arange(100 * i, 100 * i + (n + 15) // 16, dtype=np.int32) for i, n in enumerate(seq_lens)]
-    return build_step(0, list(range(len(seq_lens))), seq_lens, pages, 16)
-
-
 def _inputs(dtype=torch.float16):
     q = torch.zeros(2, 32, 128, dtype=dtype)
     k = torch.zeros(64, 8, 16, 128, dtype=dtype)
@@ -81,10 +74,10 @@ def _probe_runs(engine):
     return sum(w.runs for w in engine._wrappers.values())
 
 
-def test_second_engine_reuses_the_first_engines_pick(fake_flashinfer):
+def test_second_engine_reuses_the_first_engines_pick(fake_flashinfer, make_step):
     baseline = fi.FlashInferEngine(ModelShape(), device="cuda")
     fallback = fi.FlashInferEngine(ModelShape(), device="cuda")
-    step = _step([3000, 1000])
+    step = make_step([3000, 1000])
     q, k, v = _inputs()
 
     baseline.prepare(step, q, k, v)
@@ -97,19 +90,19 @@ def test_second_engine_reuses_the_first_engines_pick(fake_flashinfer):
     assert fallback.choices == baseline.choices == {fi.probe_key(step): True}
 
 
-def test_pick_follows_the_faster_variant(fake_flashinfer, monkeypatch):
+def test_pick_follows_the_faster_variant(fake_flashinfer, monkeypatch, make_step):
     monkeypatch.setattr(_Clock, "decode_us", {True: 15.0, False: 11.0})
     engine = fi.FlashInferEngine(ModelShape(), device="cuda")
-    step = _step([5000])
+    step = make_step([5000])
     engine.prepare(step, *_inputs())
     assert engine.plan(step).kernel_variant == "cc"
 
 
-def test_picks_are_kept_apart_by_dtype_shape_and_batch_class(fake_flashinfer):
+def test_picks_are_kept_apart_by_dtype_shape_and_batch_class(fake_flashinfer, make_step):
     fp16 = fi.FlashInferEngine(ModelShape(), device="cuda")
     bf16 = fi.FlashInferEngine(ModelShape(), device="cuda")
     group1 = fi.FlashInferEngine(ModelShape(num_qo_heads=32, num_kv_heads=32), device="cuda")
-    step, longer = _step([3000, 1000]), _step([9000, 1000])
+    step, longer = make_step([3000, 1000]), make_step([9000, 1000])
 
     fp16.prepare(step, *_inputs(torch.float16))
     for engine, other_step, dtype in ((bf16, step, torch.bfloat16), (group1, step, torch.float16),
@@ -122,9 +115,9 @@ def test_picks_are_kept_apart_by_dtype_shape_and_batch_class(fake_flashinfer):
         assert _probe_runs(engine) - before == 2 * (fi.PROBE_REPS + 1)
 
 
-def test_pinned_variant_never_probes(fake_flashinfer):
+def test_pinned_variant_never_probes(fake_flashinfer, make_step):
     engine = fi.FlashInferEngine(ModelShape(), use_tensor_cores=False, device="cuda")
-    step = _step([3000])
+    step = make_step([3000])
     engine.prepare(step, *_inputs())
     assert _probe_runs(engine) == 0
     assert engine.plan(step).kernel_variant == "cc"

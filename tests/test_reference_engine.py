@@ -12,7 +12,6 @@ from pkv.shape import ModelShape
 
 schedule = pytest.importorskip("pkv.pipeline.schedule")
 pages_mod = pytest.importorskip("pkv.pipeline.pages")
-step_mod = pytest.importorskip("pkv.pipeline.step")
 
 P = 16
 ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
@@ -20,17 +19,23 @@ ROUTES = ("workqueue", "bucket_exact", "bucket_masked")
 EDGE_LENS = [1, P - 1, P, P + 1, 31, 33, 32 * 7, 32 * 7 + 1, 2, 500]
 
 
-def make_step(lens, hole_fraction=0.5, seed=0, page_size=P):
-    assignment = pages_mod.assign_pages(lens, page_size, hole_fraction, seed)
-    step = step_mod.build_step(0, np.arange(len(lens)), lens, assignment.pages, page_size)
-    return step, assignment.num_physical_pages
+def num_physical_pages(step, hole_fraction):
+    """The page universe assign_pages scatters ``step``'s rows over (make_step's holes layout)."""
+    return pages_mod.universe_size(step.num_pages_used, hole_fraction)
 
 
-def inputs(lens, shape, dtype, seed=0, hole_fraction=0.5):
-    step, num_pages = make_step(lens, hole_fraction, seed)
-    k, v = make_kv_pages(num_pages, shape, P, dtype, "cpu", seed)
-    q = make_queries(len(lens), shape, dtype, "cpu", seed + 100)
-    return step, q, k, v
+@pytest.fixture
+def inputs(make_step):
+    """``inputs(lens, shape, dtype, seed=0, hole_fraction=0.5)``: a step with holes, its queries and
+    its K and V pages."""
+
+    def build(lens, shape, dtype, seed=0, hole_fraction=0.5):
+        step = make_step(lens, P, hole_fraction=hole_fraction, seed=seed)
+        k, v = make_kv_pages(num_physical_pages(step, hole_fraction), shape, P, dtype, "cpu", seed)
+        q = make_queries(len(lens), shape, dtype, "cpu", seed + 100)
+        return step, q, k, v
+
+    return build
 
 
 def engine(shape, route, splits):
@@ -40,7 +45,7 @@ def engine(shape, route, splits):
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("group_size", [1, 2, 4, 8])
-def test_float64_matches_dense_on_edge_lengths(route, group_size):
+def test_float64_matches_dense_on_edge_lengths(route, group_size, inputs):
     shape = ModelShape(num_qo_heads=2 * group_size, num_kv_heads=2, head_dim=32)
     step, q, k, v = inputs(EDGE_LENS, shape, torch.float64, seed=group_size)
     ref = dense_decode(q, k, v, step.seq_lens, step.block_table)
@@ -54,7 +59,7 @@ def test_float64_matches_dense_on_edge_lengths(route, group_size):
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_float64_matches_dense_on_random_batches(route, seed):
+def test_float64_matches_dense_on_random_batches(route, seed, inputs):
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, 700, size=int(rng.integers(1, 9))).tolist()
     shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64)
@@ -65,7 +70,7 @@ def test_float64_matches_dense_on_random_batches(route, seed):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_fp16_inputs_within_paper_bounds_on_peaked_attention(route):
+def test_fp16_inputs_within_paper_bounds_on_peaked_attention(route, inputs):
     shape = ModelShape(num_qo_heads=32, num_kv_heads=8, head_dim=128)
     lens = [1, 17, 33, 1000, 2047, 4096]
     step, q, k, v = inputs(lens, shape, torch.float16, seed=7)
@@ -77,7 +82,7 @@ def test_fp16_inputs_within_paper_bounds_on_peaked_attention(route):
     assert check_within(errors, max_abs=PAPER_MAX_ABS, mean_abs=PAPER_MEAN_ABS, rel=2e-3), errors
 
 
-def test_peaked_inputs_make_a_dropped_tile_visible():
+def test_peaked_inputs_make_a_dropped_tile_visible(inputs):
     # The point of peaked inputs: losing part of the context must break the bounds.
     shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64)
     lens = [2048, 4096]
@@ -87,7 +92,7 @@ def test_peaked_inputs_make_a_dropped_tile_visible():
     assert not check_within(compare(truncated, full))
 
 
-def test_partial_states_merge_equals_run_and_slots_follow_contract():
+def test_partial_states_merge_equals_run_and_slots_follow_contract(inputs):
     shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
     lens = [3, 40, 300]
     step, q, k, v = inputs(lens, shape, torch.float64, seed=5)
@@ -106,7 +111,7 @@ def test_partial_states_merge_equals_run_and_slots_follow_contract():
             assert m.shape[0] == expected
 
 
-def test_workqueue_partial_state_of_a_task_is_its_tile_range():
+def test_workqueue_partial_state_of_a_task_is_its_tile_range(inputs):
     shape = ModelShape(num_qo_heads=4, num_kv_heads=1, head_dim=16)
     lens = [200]
     step, q, k, v = inputs(lens, shape, torch.float64, seed=9)
@@ -128,7 +133,7 @@ def test_workqueue_partial_state_of_a_task_is_its_tile_range():
     torch.testing.assert_close(acc[slot], weights @ values)
 
 
-def test_empty_bucket_splits_hold_the_neutral_state():
+def test_empty_bucket_splits_hold_the_neutral_state(inputs):
     shape = ModelShape(num_qo_heads=4, num_kv_heads=2, head_dim=16)
     lens = [1, 640]  # masked bucket: row 0 owns 1 tile of the 20 splits
     step, q, k, v = inputs(lens, shape, torch.float64, seed=1)
@@ -143,7 +148,7 @@ def test_empty_bucket_splits_hold_the_neutral_state():
     assert (acc[row0].reshape(2, splits, shape.group_size, 16)[:, 1:] == 0).all()
 
 
-def test_output_is_poisoned_where_a_plan_writes_nothing():
+def test_output_is_poisoned_where_a_plan_writes_nothing(inputs):
     shape = ModelShape(num_qo_heads=4, num_kv_heads=2, head_dim=16)
     step, q, k, v = inputs([50, 70], shape, torch.float32, seed=2)
     eng = engine(shape, "bucket_exact", 2)
@@ -155,7 +160,7 @@ def test_output_is_poisoned_where_a_plan_writes_nothing():
     assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
 
 
-def test_invalid_workqueue_task_is_rejected_with_its_index():
+def test_invalid_workqueue_task_is_rejected_with_its_index(inputs):
     shape = ModelShape(num_qo_heads=4, num_kv_heads=1, head_dim=16)
     step, q, k, v = inputs([64], shape, torch.float32, seed=2)
     eng = engine(shape, "workqueue", 2)
@@ -168,7 +173,7 @@ def test_invalid_workqueue_task_is_rejected_with_its_index():
         work_items(plan, 1)
 
 
-def test_plan_for_uses_the_decisions_route_and_splits():
+def test_plan_for_uses_the_decisions_route_and_splits(inputs):
     class Decision:
         def __init__(self, route, num_splits):
             self.route, self.num_splits = route, num_splits
@@ -195,11 +200,11 @@ def test_constructor_rejects_unknown_route():
 
 
 @pytest.mark.parametrize("page_size", [1, 8, 12, 64])
-def test_page_sizes_that_do_not_match_the_tile(page_size):
+def test_page_sizes_that_do_not_match_the_tile(page_size, make_step):
     shape = ModelShape(num_qo_heads=4, num_kv_heads=2, head_dim=16)
     lens = [1, page_size - 1 or 1, page_size + 1, 31, 33, 97, 260]
-    step, num_pages = make_step(lens, 0.5, 3, page_size=page_size)
-    k, v = make_kv_pages(num_pages, shape, page_size, torch.float64, "cpu", 3)
+    step = make_step(lens, page_size, hole_fraction=0.5, seed=3)
+    k, v = make_kv_pages(num_physical_pages(step, 0.5), shape, page_size, torch.float64, "cpu", 3)
     q = make_queries(len(lens), shape, torch.float64, "cpu", 4)
     ref = dense_decode(q, k, v, step.seq_lens, step.block_table)
     for route in ROUTES:

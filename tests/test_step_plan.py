@@ -7,12 +7,13 @@ edge lengths and every split policy.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 
 from pkv.pipeline.schedule import SplitPolicy, plan_buckets, plan_workqueue
-from pkv.pipeline.step import build_step
 
 EDGE_LENGTHS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 639, 640, 641, 4097, 65536]
 PAGE = 16
@@ -25,12 +26,11 @@ def ops():
     return ops.load_planner()
 
 
-def make_step(seq_lens):
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    pages = -(-lens // PAGE)
-    starts = np.concatenate(([0], np.cumsum(pages)[:-1]))
-    page_lists = [np.arange(s, s + n, dtype=np.int32)[::-1].copy() for s, n in zip(starts, pages)]
-    return build_step(0, np.arange(lens.size), lens, page_lists, PAGE)
+@pytest.fixture
+def make_step(make_step):
+    """Steps whose rows list their pages in descending order, so a planner that rebuilt the
+    block table from page counts instead of copying it would not match."""
+    return functools.partial(make_step, page_size=PAGE, reverse_pages=True)
 
 
 def tensors(step):
@@ -62,7 +62,7 @@ POLICIES = [SplitPolicy(num_splits=1), SplitPolicy(num_splits=3), SplitPolicy(nu
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.kind}-S{p.num_splits}")
 @pytest.mark.parametrize("num_kv_heads", [1, 8])
-def test_workqueue_equals_numpy_plan(ops, policy, num_kv_heads):
+def test_workqueue_equals_numpy_plan(ops, policy, num_kv_heads, make_step):
     for lengths in random_batches(seed=policy.num_splits * 10 + num_kv_heads, count=12):
         step = make_step(lengths)
         expected = plan_workqueue(step, num_kv_heads, 4, policy)
@@ -80,7 +80,7 @@ def test_workqueue_equals_numpy_plan(ops, policy, num_kv_heads):
 
 @pytest.mark.parametrize("mode", ["exact", "masked"])
 @pytest.mark.parametrize("num_splits", [1, 7, 32, 1024])
-def test_buckets_equal_numpy_plan(ops, mode, num_splits):
+def test_buckets_equal_numpy_plan(ops, mode, num_splits, make_step):
     for lengths in random_batches(seed=num_splits + (mode == "exact"), count=12):
         if mode == "exact" and len(lengths) > 2:
             lengths[1] = lengths[0]  # at least one bucket of several rows
@@ -94,7 +94,7 @@ def test_buckets_equal_numpy_plan(ops, mode, num_splits):
         assert list(layout) == [1, step.batch_size, step.block_table.shape[1], slots, len(expected.launches), *shapes]
 
 
-def test_bad_inputs_name_the_field(ops):
+def test_bad_inputs_name_the_field(ops, make_step):
     step = make_step([40, 7])
     lens, table = tensors(step)
     with pytest.raises(RuntimeError, match=r"seq_lens\[1\] must be >= 0, got -3"):
@@ -110,7 +110,7 @@ def test_bad_inputs_name_the_field(ops):
 
 
 @pytest.mark.parametrize("route", ["workqueue", "bucket_exact", "bucket_masked"])
-def test_engine_plans_read_back_as_the_numpy_plan(ops, route):
+def test_engine_plans_read_back_as_the_numpy_plan(ops, route, make_step):
     """The CUDA engine's packed plan (planned on the CPU here) holds the numpy plan: both planners
     give the same buffer and layout, and its views and schedule read back exactly."""
     from pkv.engines.persistentkv import PersistentKVEngine
@@ -143,7 +143,7 @@ def test_engine_plans_read_back_as_the_numpy_plan(ops, route):
 
 
 @pytest.mark.parametrize("planner", ["native", "numpy"])
-def test_plan_for_a_decision_plans_with_the_decisions_split_count(ops, planner):
+def test_plan_for_a_decision_plans_with_the_decisions_split_count(ops, planner, make_step):
     """The adaptive engine hands each decision's split count to the persistent engine (the
     boundary's count differs from the B8 one); the plan must be the one a policy with that count
     gives, on every call."""
@@ -164,7 +164,7 @@ def test_plan_for_a_decision_plans_with_the_decisions_split_count(ops, planner):
     assert engine.split_policy == SplitPolicy(num_splits=20)
 
 
-def test_engine_refuses_to_run_off_the_gpu(ops):
+def test_engine_refuses_to_run_off_the_gpu(ops, make_step):
     from pkv.engines.persistentkv import PersistentKVEngine
     from pkv.shape import ModelShape
 
@@ -177,7 +177,7 @@ def test_engine_refuses_to_run_off_the_gpu(ops):
         engine.run(q, pages, pages, engine.plan(step))
 
 
-def test_cluster_merge_options_are_checked(ops):
+def test_cluster_merge_options_are_checked(ops, make_step):
     from pkv.engines.persistentkv import MAX_CLUSTER_SPLITS, PersistentKVEngine
     from pkv.shape import ModelShape
 

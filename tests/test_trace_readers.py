@@ -38,12 +38,17 @@ def _raw_azure_rows(path):
 # ---------------------------------------------------------------- real Azure traces
 
 
-@pytest.mark.parametrize("name", sorted(AZURE))
-def test_reads_the_azure_traces(name):
-    path = AZURE[name]
+@pytest.fixture(params=sorted(AZURE))
+def azure_trace(request):
+    """(path, independently parsed rows) of each real Azure trace; skipped where it is absent."""
+    path = AZURE[request.param]
     if not path.exists():
         pytest.skip(f"{path} not present (set PKV_SHARED_DIR)")
-    raw = _raw_azure_rows(path)
+    return path, _raw_azure_rows(path)
+
+
+def test_reads_the_azure_traces(azure_trace):
+    path, raw = azure_trace
     requests = read_trace(path)
     assert len(requests) == len(raw)
     assert [r.prompt_len for r in requests] == [row[2] for row in raw]
@@ -58,12 +63,8 @@ def test_reads_the_azure_traces(name):
     assert [r.arrival_step for r in per_second] == [int((row[1] - t0) // 1) for row in raw]
 
 
-@pytest.mark.parametrize("name", sorted(AZURE))
-def test_azure_max_context_policies(name):
-    path = AZURE[name]
-    if not path.exists():
-        pytest.skip(f"{path} not present (set PKV_SHARED_DIR)")
-    raw = _raw_azure_rows(path)
+def test_azure_max_context_policies(azure_trace):
+    path, raw = azure_trace
     limit = 4096
     overlong = sum(1 for row in raw if row[2] + row[3] > limit)
     assert overlong > 0
@@ -86,49 +87,51 @@ def test_azure_max_context_policies(name):
 # ---------------------------------------------------------------- formats
 
 
-def test_plain_csv_with_and_without_optional_columns(tmp_path):
-    full = _write(tmp_path, "full.csv", "request_id,arrival_step,prompt_len,decode_len\n7,3,100,5\n2,0,50,1\n")
-    assert read_trace(full) == [Request(7, 3, 100, 5), Request(2, 0, 50, 1)]
-    bare = _write(tmp_path, "bare.csv", "decode_len, prompt_len\r\n5,100\r\n\r\n1,50\r\n")
-    assert read_trace(bare) == [Request(0, 0, 100, 5), Request(1, 0, 50, 1)]
+JSON_RECORDS = [{"prompt_len": 100, "decode_len": 5, "arrival_step": 2}, {"prompt_len": 64, "decode_len": 8.0}]
+JSON_REQUESTS = [Request(0, 2, 100, 5), Request(1, 0, 64, 8)]
+JSONL_LINES = [
+    {"timestamp": 1000, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2]},
+    {"timestamp": 1049, "input_length": 10, "output_length": 3, "hash_ids": []},
+    {"timestamp": 1050, "input_length": 20, "output_length": 4},
+    {"timestamp": 1120.5, "input_length": 30, "output_length": 5},
+    {"timestamp": 2000, "input_length": 40, "output_length": 6},
+]
+JSONL_TEXT = "\n".join(json.dumps(x) for x in JSONL_LINES) + "\n\n"
+# Timestamps in ms at 50 ms a step, from the first one; ids in file order.
+JSONL_REQUESTS = [Request(i, step, x["input_length"], x["output_length"])
+                  for i, (step, x) in enumerate(zip([0, 0, 1, 2, 20], JSONL_LINES))]
+
+READABLE = [
+    pytest.param("full.csv", "request_id,arrival_step,prompt_len,decode_len\n7,3,100,5\n2,0,50,1\n",
+                 [Request(7, 3, 100, 5), Request(2, 0, 50, 1)], id="csv-all-columns"),
+    pytest.param("bare.csv", "decode_len, prompt_len\r\n5,100\r\n\r\n1,50\r\n",
+                 [Request(0, 0, 100, 5), Request(1, 0, 50, 1)], id="csv-required-columns-crlf"),
+    pytest.param("list.json", json.dumps(JSON_RECORDS, indent=2), JSON_REQUESTS, id="json-list"),
+    pytest.param("obj.json", json.dumps({"name": "x", "requests": JSON_RECORDS}), JSON_REQUESTS,
+                 id="json-requests-object"),
+    pytest.param("sample.jsonl", JSONL_TEXT, JSONL_REQUESTS, id="jsonl"),
+    pytest.param("sample.json", JSONL_TEXT, JSONL_REQUESTS, id="json-one-object-per-line"),
+]
 
 
-def test_json_list_and_requests_object(tmp_path):
-    records = [{"prompt_len": 100, "decode_len": 5, "arrival_step": 2}, {"prompt_len": 64, "decode_len": 8.0}]
-    expected = [Request(0, 2, 100, 5), Request(1, 0, 64, 8)]
-    as_list = _write(tmp_path, "list.json", json.dumps(records, indent=2))
-    as_object = _write(tmp_path, "obj.json", json.dumps({"name": "x", "requests": records}))
-    assert read_trace(as_list) == expected
-    assert read_trace(as_object) == expected
+@pytest.mark.parametrize("name, text, expected", READABLE)
+def test_reads_well_formed_files(tmp_path, name, text, expected):
+    assert read_trace(_write(tmp_path, name, text)) == expected
 
 
-def test_json_lines_sample(tmp_path):
-    lines = [
-        {"timestamp": 1000, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2]},
-        {"timestamp": 1049, "input_length": 10, "output_length": 3, "hash_ids": []},
-        {"timestamp": 1050, "input_length": 20, "output_length": 4},
-        {"timestamp": 1120.5, "input_length": 30, "output_length": 5},
-        {"timestamp": 2000, "input_length": 40, "output_length": 6},
-    ]
-    text = "\n".join(json.dumps(x) for x in lines) + "\n\n"
-    for name in ("sample.jsonl", "sample.json"):  # .json holding one object per line works too
-        requests = read_trace(_write(tmp_path, name, text))
-        assert [r.arrival_step for r in requests] == [0, 0, 1, 2, 20]
-        assert [(r.prompt_len, r.decode_len) for r in requests] == [(x["input_length"], x["output_length"]) for x in lines]
+SCALED = "prompt_len,decode_len\n6400,10\n64,2\n0,3\n"
 
 
-def test_length_scale_applies_before_max_context(tmp_path):
-    path = _write(tmp_path, "t.csv", "prompt_len,decode_len\n6400,10\n64,2\n0,3\n")
-    scaled = read_trace(path, length_scale=1 / 64)
-    assert [(r.prompt_len, r.decode_len) for r in scaled] == [(100, 10), (1, 2), (1, 3)]
-    capped = read_trace(path, length_scale=1 / 64, max_context=50)
-    assert [(r.prompt_len, r.decode_len) for r in capped] == [(40, 10), (1, 2), (1, 3)]
-
-
-def test_truncate_caps_decode_first(tmp_path):
-    path = _write(tmp_path, "t.csv", "prompt_len,decode_len\n10,100\n0,100\n")
-    requests = read_trace(path, max_context=50)
-    assert [(r.prompt_len, r.decode_len) for r in requests] == [(1, 49), (0, 49)]
+@pytest.mark.parametrize("text, options, expected", [
+    pytest.param(SCALED, dict(length_scale=1 / 64), [(100, 10), (1, 2), (1, 3)], id="length_scale"),
+    pytest.param(SCALED, dict(length_scale=1 / 64, max_context=50), [(40, 10), (1, 2), (1, 3)],
+                 id="length_scale-before-max_context"),
+    pytest.param("prompt_len,decode_len\n10,100\n0,100\n", dict(max_context=50), [(1, 49), (0, 49)],
+                 id="truncate-caps-decode-first"),
+])
+def test_length_options(tmp_path, text, options, expected):
+    requests = read_trace(_write(tmp_path, "t.csv", text), **options)
+    assert [(r.prompt_len, r.decode_len) for r in requests] == expected
 
 
 def test_write_trace_csv_round_trip(tmp_path):
@@ -218,16 +221,17 @@ def test_everything_dropped_is_an_error(tmp_path):
         read_trace(path, max_context=64, overlong="drop")
 
 
-def test_unsupported_extension_and_bad_options(tmp_path):
+def test_unsupported_extension(tmp_path):
     path = _write(tmp_path, "trace.txt", "prompt_len,decode_len\n1,1\n")
     with pytest.raises(TraceError, match="'.txt'"):
         read_trace(path)
+
+
+BAD_OPTIONS = [("overlong", "clip"), ("max_context", 1), ("step_ms", 0), ("length_scale", -1)]
+
+
+@pytest.mark.parametrize("option, value", BAD_OPTIONS, ids=[f"{o}={v}" for o, v in BAD_OPTIONS])
+def test_bad_options_name_the_option(tmp_path, option, value):
     good = _write(tmp_path, "t.csv", "prompt_len,decode_len\n1,1\n")
-    with pytest.raises(ValueError, match="overlong"):
-        read_trace(good, overlong="clip")
-    with pytest.raises(ValueError, match="max_context"):
-        read_trace(good, max_context=1)
-    with pytest.raises(ValueError, match="step_ms"):
-        read_trace(good, step_ms=0)
-    with pytest.raises(ValueError, match="length_scale"):
-        read_trace(good, length_scale=-1)
+    with pytest.raises(ValueError, match=option):
+        read_trace(good, **{option: value})
