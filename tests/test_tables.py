@@ -4,10 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from pkv.report import evidence, table_data, tables
+from pkv.policy import Calibration, RegimeParams, save_calibration
+from pkv.policy.calibration import LEGACY_SCHEMA
 from pkv.provenance import collect_provenance
+from pkv.report import evidence, table_data, tables
 from pkv.report.results import result_envelope, write_json_atomic
-from pkv.report.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
+from pkv.report.table_data import Inputs, MeanStd, Missing, NotApplicable, Num, Sci, Text
 
 FIXTURE = Path(__file__).parent / "fixtures" / "results" / "fake_gpu"
 
@@ -126,12 +128,11 @@ def test_evidence_statuses_from_measured_ratios():
 
 
 def test_evidence_names_the_calibrated_operating_points(tmp_path):
-    from pkv.cost_model import Calibration, save_calibration
-
     path = tmp_path / "calibration" / "calibration.json"
-    calib = Calibration(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0, min_context_tokens=8192,
-                        bucket_num_splits=36, workqueue_num_splits=28, boundary_num_splits=24,
-                        boundary_route="persistentkv_workqueue", boundary_min_context_tokens=1024,
+    calib = Calibration(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0,
+                        single_row=RegimeParams("persistentkv_bucket", 36, 8192, 1.05),
+                        few_rows=RegimeParams("persistentkv_workqueue", 24, 1024, 1.50),
+                        many_rows=RegimeParams("persistentkv_workqueue", 28, 8192, 1.05),
                         supported_group_sizes=(4, 8))
     save_calibration(path, calib, {"git_commit": "0" * 40})
     row = {r["regime"]: r for r in evidence.evidence_map(tmp_path)["rows"]}["Cost-model constants"]
@@ -139,11 +140,11 @@ def test_evidence_names_the_calibrated_operating_points(tmp_path):
     assert row["evidence"].endswith(
         "B1 bucket S=36 from 8192 tokens; B2-7 workqueue S=24 from 1024 tokens; "
         "B8+ workqueue S=28 from 8192 tokens; G routed: 4, 8")
-    # A calibration written before the boundary was fitted reads with the default: FlashInfer.
-    record = json.loads(path.read_text())
-    for key in ("boundary_route", "boundary_num_splits"):
-        del record["calibration"][key]
-    path.write_text(json.dumps(record))
+    # A flat calibration written before the boundary was fitted reads with the default: FlashInfer.
+    legacy = {"gpu": "fake", "num_sms": 4, "beta_gbps": 100.0, "lambda_us": 5.0, "c_min": 1.0,
+              "min_context_tokens": 8192, "bucket_num_splits": 36, "workqueue_num_splits": 28,
+              "boundary_min_context_tokens": 1024, "supported_group_sizes": [4, 8]}
+    path.write_text(json.dumps({"schema": LEGACY_SCHEMA, "calibration": legacy}))
     assert "B2-7 FlashInfer;" in evidence.calibration_evidence(path)
 
 
@@ -279,8 +280,6 @@ def test_trace_labels(name, label):
 
 
 def test_header_names_the_sources_of_a_dirty_commit():
-    from pkv.report.table_data import Inputs
-
     inputs = Inputs()
     inputs.add({"provenance": {"git_commit": "0123456789abcdef", "git_dirty": True, "source_digest": "feedbeef"}})
     inputs.add({"provenance": {"git_commit": "fedcba9876543210", "git_dirty": False, "source_digest": "00aa"}})

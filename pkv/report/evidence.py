@@ -7,9 +7,12 @@ computed from CPU-profile results says it is not a performance result whatever i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from pkv.policy.calibration import Calibration, CalibrationError
+from pkv.report.calibration_report import operating_points
 from pkv.report.results import read_json
 from pkv.report.table_data import (
     CALIBRATION_SEED,
@@ -25,6 +28,7 @@ from pkv.report.table_data import (
     load_ablation,
     load_trace_tree,
     mean_std,
+    paper_then_found,
     selected_route,
     seeds_text,
     trace_label,
@@ -104,6 +108,17 @@ class _Builder:
         self.rows.append(_row(regime, selected_route(agg.subjects)[1], " + ".join(evidence), wall,
                               status_of(wall.mean), row_inputs.header()["performance_result"]))
 
+    def trace_runs(self, stage: str, paper_traces: Iterable[str], regime_of: Callable[[str], str],
+                   extra_evidence: Callable[[str], list[str]]) -> None:
+        """A serving row per trace under <root>/<stage>: every trace the paper reports, then any other that ran."""
+        tree = load_trace_tree(self.root / stage)
+        for trace in paper_then_found(paper_traces, tree):
+            if trace not in tree:
+                self.not_run(regime_of(trace), f"{stage}/{trace}")
+                continue
+            seeds = {s: tree[trace][s] for s in held_out(tree[trace])}
+            self.serving(regime_of(trace), seeds, f"{stage}/{trace}", extra_evidence(trace))
+
     def record(self, regime: str, rel_paths: list[str], evidence: str) -> None:
         """A row for an artifact that is evidence by existing (constants, counters, isolated timings)."""
         paths = [self.root / p for p in rel_paths if (self.root / p).is_file()]
@@ -126,9 +141,6 @@ class _Builder:
 def calibration_evidence(path: Path) -> str:
     """What the calibration fitted, in the words of the route policy: the operating point of each
     batch regime, so the table says which schedule a held-out row was routed to and why."""
-    from pkv.report.calibration_report import operating_points
-    from pkv.policy.calibration import Calibration, CalibrationError
-
     text = f"calibration JSON fitted on seed {CALIBRATION_SEED}"
     record = read_json(path) if path.is_file() else None
     fitted = record.get("calibration") if isinstance(record, dict) else None
@@ -145,22 +157,10 @@ def evidence_map(root: Path) -> dict[str, Any]:
     """Rows of Table 6 and its header facts."""
     b = _Builder(Path(root))
 
-    evaluate = load_trace_tree(b.root / "evaluate")
-    for trace in list(PAPER_SERVING_TRACES) + sorted(set(evaluate) - set(PAPER_SERVING_TRACES)):
-        regime = f"{trace_label(trace)} serving"
-        if trace not in evaluate:
-            b.not_run(regime, f"evaluate/{trace}")
-            continue
-        seeds = {s: evaluate[trace][s] for s in held_out(evaluate[trace])}
-        b.serving(regime, seeds, f"evaluate/{trace}", _ablations_covering(b.root, trace))
-
-    mlp = load_trace_tree(b.root / "mlp")
-    for trace in list(PAPER_MLP_TRACES) + sorted(set(mlp) - set(PAPER_MLP_TRACES)):
-        regime = f"Attention + MLP tail proxy, {trace_label(trace)}"
-        if trace not in mlp:
-            b.not_run(regime, f"mlp/{trace}")
-            continue
-        b.serving(regime, {s: mlp[trace][s] for s in held_out(mlp[trace])}, f"mlp/{trace}", [])
+    b.trace_runs("evaluate", PAPER_SERVING_TRACES, lambda trace: f"{trace_label(trace)} serving",
+                 lambda trace: _ablations_covering(b.root, trace))
+    b.trace_runs("mlp", PAPER_MLP_TRACES, lambda trace: f"Attention + MLP tail proxy, {trace_label(trace)}",
+                 lambda trace: [])
 
     gqa = load_ablation(b.root, "gqa")
     ran_gqa = False

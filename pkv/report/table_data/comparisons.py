@@ -1,0 +1,138 @@
+"""Ratios within one run and their spread over seeds.
+
+A subject engine is compared only with its baseline from the same run (same run_id); the ratios of
+the held-out seeds are then reduced to mean and sample standard deviation cells.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pkv.report.table_data.cells import Cell, Notes, mean_std
+from pkv.report.table_data.inputs import Inputs
+from pkv.report.table_data.loading import Loaded
+
+# Engines that only ever play the baseline role in a comparison.
+_BASELINE_ENGINES = frozenset({"flashinfer", "sdpa"})
+
+
+def engine_key(path: Path, record: Mapping[str, Any]) -> set[str]:
+    return {record["engine"], path.stem}
+
+
+def pick_subject(records: list[Loaded], prefer: Iterable[str] = ("adaptive",)) -> Loaded | None:
+    """The engine a comparison is about: the first of `prefer` present, else any non-baseline engine."""
+    prefer = tuple(prefer)
+    for name in prefer:
+        for path, rec in records:
+            if name in engine_key(path, rec):
+                return path, rec
+    for path, rec in records:
+        if rec["engine"] not in _BASELINE_ENGINES and rec.get("baseline_engine") != rec["engine"]:
+            return path, rec
+    return None
+
+
+@dataclass
+class Comparison:
+    """A subject record and its baseline from the same run (or why there is none)."""
+
+    subject: dict | None
+    baseline: dict | None
+    problem: str | None
+
+
+def compare_in_run(records: list[Loaded], where: str, prefer: Iterable[str] = ("adaptive",)) -> Comparison:
+    picked = pick_subject(records, prefer)
+    if picked is None:
+        return Comparison(None, None, f"{where}: no engine other than the baseline")
+    spath, subject = picked
+    if "skipped" in subject:
+        return Comparison(subject, None, f"{where}: {subject['engine']} skipped: {subject['skipped']}")
+    base_name = subject.get("baseline_engine")
+    if not base_name:
+        return Comparison(subject, None, f"{where}: {spath.name} names no baseline_engine")
+    candidates = [(p, r) for p, r in records if base_name in engine_key(p, r) and p != spath]
+    if not candidates:
+        return Comparison(subject, None, f"{where}: baseline {base_name} not run")
+    same_run = [r for _, r in candidates if r["run_id"] == subject["run_id"]]
+    if not same_run:
+        return Comparison(
+            subject, None,
+            f"{where}: {subject['engine']} (run {subject['run_id']}) and {base_name} "
+            f"(run {candidates[0][1]['run_id']}) come from different runs; no ratio taken",
+        )
+    baseline = same_run[0]
+    if "skipped" in baseline:
+        return Comparison(subject, None, f"{where}: baseline {base_name} skipped: {baseline['skipped']}")
+    return Comparison(subject, baseline, None)
+
+
+def metric(record: Mapping[str, Any] | None, key: str) -> float | None:
+    if not record or not isinstance(record.get("metrics"), Mapping):
+        return None
+    value = record["metrics"].get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def ratio(cmp: Comparison, key: str) -> float | None:
+    num, den = metric(cmp.subject, key), metric(cmp.baseline, key)
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+@dataclass
+class ServingAggregate:
+    """Per-seed comparisons of one trace, reduced to table cells."""
+
+    seeds: list[int]
+    subjects: list[dict]
+    cuda_ratios: list[float]
+    wall_ratios: list[float]
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.wall_ratios)
+
+
+def aggregate_serving(seeds: Mapping[int, list[Loaded]], where: str, inputs: Inputs,
+                      prefer: Iterable[str] = ("adaptive",)) -> ServingAggregate:
+    agg = ServingAggregate([], [], [], [], [])
+    for seed in sorted(seeds):
+        for _, rec in seeds[seed]:
+            inputs.add(rec)
+        cmp = compare_in_run(seeds[seed], f"{where} seed {seed}", prefer)
+        if cmp.problem:
+            agg.problems.append(cmp.problem)
+            continue
+        cuda, wall = ratio(cmp, "cuda_tok_s"), ratio(cmp, "wall_tok_s")
+        if cuda is None or wall is None:
+            agg.problems.append(f"{where} seed {seed}: cuda_tok_s or wall_tok_s missing or zero")
+            continue
+        agg.seeds.append(seed)
+        agg.subjects.append(cmp.subject)
+        agg.cuda_ratios.append(cuda)
+        agg.wall_ratios.append(wall)
+    return agg
+
+
+def ratio_cells(agg: ServingAggregate, notes: Notes, reason_if_empty: str) -> tuple[Cell, Cell]:
+    if not agg.ok:
+        reason = "; ".join(agg.problems) if agg.problems else reason_if_empty
+        miss = notes.missing(reason)
+        return miss, miss
+    return mean_std(agg.cuda_ratios, 3), mean_std(agg.wall_ratios, 3)
+
+
+def note_partial(agg: ServingAggregate, notes: Notes) -> list[int]:
+    """Footnotes for seeds left out of an otherwise filled row."""
+    if agg.ok and agg.problems:
+        return [notes.number(p) for p in agg.problems]
+    return []

@@ -1,0 +1,73 @@
+"""Table 1: isolated single-request kernels, per method and context."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pkv.report.results import ResultFileError, read_json
+from pkv.report.table_data.cells import Notes, Num, Sci
+from pkv.report.table_data.inputs import Inputs
+from pkv.report.table_data.labels import ISOLATED_METHOD_ORDER, METHOD_LABELS, PAPER_ISOLATED_CONTEXTS, context_label
+
+
+def table1(root: Path) -> dict[str, Any]:
+    notes, inputs = Notes(), Inputs()
+    base = root / "isolated"
+    files: dict[int, dict] = {}
+    if base.is_dir():
+        for path in sorted(base.glob("ctx*.json")):
+            m = re.fullmatch(r"ctx(\d+)", path.stem)
+            if not m:
+                continue
+            record = read_json(path)
+            methods = record.get("methods") if isinstance(record, dict) else None
+            if methods is None and isinstance(record, dict):
+                methods = (record.get("metrics") or {}).get("methods")
+            if not isinstance(methods, dict):
+                raise ResultFileError(f"{path}: 'methods' must be an object of method -> result")
+            files[int(m.group(1))] = record
+            inputs.add(record)
+    for ctx in PAPER_ISOLATED_CONTEXTS:
+        if ctx not in files:
+            inputs.missing_input(f"isolated/ctx{ctx}.json")
+    contexts = sorted(files)
+
+    def methods_of(rec: dict) -> dict:
+        return rec.get("methods") if "methods" in rec else rec["metrics"]["methods"]
+
+    names = {name for rec in files.values() for name in methods_of(rec)}
+    order = [n for n in ISOLATED_METHOD_ORDER if n in names] + sorted(names - set(ISOLATED_METHOD_ORDER))
+    rows = []
+    for name in order:
+        cells, errs = [], []
+        for ctx in contexts:
+            entry = methods_of(files[ctx]).get(name)
+            if entry is None:
+                miss = notes.missing(f"{name} not run at {context_label(ctx)}")
+                cells.append({"ms": miss, "floor": miss})
+                continue
+            if "skipped" in entry:
+                miss = notes.missing(f"{name}: {entry['skipped']}")
+                cells.append({"ms": miss, "floor": miss})
+                continue
+            median_us = entry.get("median_us")
+            if not isinstance(median_us, (int, float)):
+                raise ResultFileError(f"{base / f'ctx{ctx}.json'}: methods.{name}.median_us = {median_us!r}")
+            floor = entry.get("fraction_of_floor")
+            cells.append({
+                "ms": Num(median_us / 1000.0, 4),
+                "floor": Num(floor, 2) if isinstance(floor, (int, float)) else notes.missing(
+                    f"{name}: fraction of the read-bandwidth floor not reported"),
+            })
+            if isinstance(entry.get("rel_err"), (int, float)):
+                errs.append(float(entry["rel_err"]))
+        rel = Sci(max(errs)) if errs else notes.missing(f"{name}: no relative error reported")
+        rows.append({"method": name, "label": METHOD_LABELS.get(name, name), "cells": cells, "rel_err": rel})
+    return {
+        **inputs.header(),
+        "contexts": [{"tokens": c, "label": context_label(c)} for c in contexts],
+        "rows": rows,
+        "notes": notes.items,
+    }

@@ -1,0 +1,109 @@
+"""What the paper reports and the names the tables print: expected rows, method, route, engine and
+trace labels, the selected route of a row and its seeds."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+# What the paper reports; rows it names but the artifact lacks are listed as "not run".
+PAPER_ISOLATED_CONTEXTS = (8192, 32768, 65536)
+PAPER_SERVING_TRACES = ("bucketed_b1", "bimodal_b8", "uniform_b8", "zipf_b8", "bimodal_b4")
+PAPER_MLP_TRACES = ("bimodal_b8",)
+COUNTER_TRACE = "bimodal_b8"
+GQA_TRACE = "bimodal_b8"
+
+ISOLATED_METHOD_ORDER = ("flashinfer", "vllm", "persistentkv", "trtllm", "sdpa", "reference")
+METHOD_LABELS = {
+    "flashinfer": "FlashInfer",
+    "vllm": "vLLM PagedAttention",
+    "persistentkv": "PersistentKV, auto split",
+    "trtllm": "TensorRT-LLM MMHA",
+    "sdpa": "Repack + PyTorch SDPA",
+    "reference": "PersistentKV reference (torch)",
+    "dense": "Dense float64 reference",
+}
+ROUTE_LABELS = {
+    "flashinfer": "FlashInfer",
+    "sdpa": "SDPA (FlashInfer role)",
+    "persistentkv_bucket": "PersistentKV bucket",
+    "persistentkv_buckets": "PersistentKV bucket",
+    "persistentkv_exact": "PersistentKV exact buckets",
+    "persistentkv_masked": "PersistentKV masked bucket",
+    "persistentkv_workqueue": "PersistentKV workqueue",
+    "persistentkv_fused": "PersistentKV fused workqueue",
+}
+ENGINE_LABELS = {
+    "flashinfer": "FlashInfer",
+    "sdpa": "SDPA (FlashInfer role)",
+    "adaptive": "Adaptive route",
+    "persistentkv": "PersistentKV",
+    "reference": "PersistentKV reference",
+}
+_FAMILY_LABELS = {
+    "bucketed": "Bucketed",
+    "bimodal": "Bimodal",
+    "uniform": "Uniform",
+    "zipf": "Zipf",
+    "homogeneous": "Homogeneous",
+}
+
+
+def trace_label(name: str) -> str:
+    """"bimodal_b8" -> "Bimodal B8"; a replayed request file keeps its own name: "fixture_mixed B8"."""
+    m = re.fullmatch(r"(.+)_b(\d+)", name)
+    if not m:
+        return name
+    return f"{_FAMILY_LABELS.get(m.group(1), m.group(1))} B{m.group(2)}"
+
+
+def context_label(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
+def route_label(route: str | None, num_splits: Any = None) -> str:
+    if not route:
+        return "unknown route"
+    label = ROUTE_LABELS.get(route, route)
+    if route.startswith("persistentkv") and isinstance(num_splits, int) and not isinstance(num_splits, bool):
+        label += f", split {num_splits}"
+    return label
+
+
+def selected_route(subjects: list[dict]) -> tuple[str | None, str]:
+    """(most common raw route, display text with split and how many seeds agree)."""
+    routes = []
+    for rec in subjects:
+        m = rec.get("metrics") or {}
+        routes.append((m.get("selected_route"), m.get("num_splits")))
+    if not routes:
+        return None, ""
+    (route, splits), count = Counter(routes).most_common(1)[0]
+    text = route_label(route, splits)
+    if count < len(routes):
+        text += f" ({count}/{len(routes)} seeds)"
+    return route, text
+
+
+def seeds_text(seeds: Iterable[int]) -> str:
+    seeds = sorted(set(seeds))
+    if not seeds:
+        return "none"
+    if seeds == list(range(seeds[0], seeds[-1] + 1)) and len(seeds) > 2:
+        return f"{seeds[0]}–{seeds[-1]}"
+    return ", ".join(str(s) for s in seeds)
+
+
+def ordered(found: Iterable[str], expected: Iterable[str]) -> list[str]:
+    """The expected names that were found, in their order, then the others found, sorted."""
+    found = list(found)
+    expected = list(expected)
+    return [t for t in expected if t in found] + sorted(t for t in found if t not in expected)
+
+
+def paper_then_found(expected: Iterable[str], found: Iterable[str]) -> list[str]:
+    """Every name the paper reports (found or not, so absent ones show as not run), then the others found, sorted."""
+    expected = list(expected)
+    return expected + sorted(set(found) - set(expected))
