@@ -32,11 +32,13 @@ def test_cpu_profile_scales_and_marks_results():
 
 
 def test_engine_labels_fix_their_options():
-    cfg = compose(["out=x", "engine.num_splits=12"])
+    cfg = compose(["out=x", "engine.num_splits=12", "engine.merge=fused"])
     role, options = engine_role_and_options("persistentkv_masked", cfg.engine)
-    assert role == "persistentkv" and options["route"] == "bucket_masked" and options["num_splits"] == 12
-    role, options = engine_role_and_options("flashinfer", cfg.engine)
-    assert role == "flashinfer" and "num_splits" not in options
+    assert role == "persistentkv" and options["route"] == "bucket_masked" and options["merge"] == "fused"
+    # The split count reaches engines through the run's calibration, never as an engine option.
+    assert "num_splits" not in options
+    role, options = engine_role_and_options("persistentkv_workqueue_fused", cfg.engine)
+    assert (role, options["route"], options["merge"]) == ("persistentkv", "workqueue", "fused")
 
 
 def test_cli_evaluate_writes_one_result_per_engine(tmp_path):

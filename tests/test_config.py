@@ -144,7 +144,7 @@ def test_every_engine_option_is_the_default_with_its_own_lines():
     assert changed["default"] == {}
     assert changed["open_few_rows"] == {"open_few_rows": True}
     assert changed["fused_merge"] == {"merge": "fused"}
-    assert changed["cluster_merge"] == {"merge": "cluster", "route": "bucket_exact"}
+    assert changed["cluster_merge"] == {"merge": "cluster", "route": "bucket_exact", "bucket_num_splits": 16}
     assert changed["cuda_graph"] == {"cuda_graph": True}
     assert changed["bucket_masked"] == {"route": "bucket_masked"}
     assert "allow_b4" not in changed and "allow_b4" not in default and "fused_merge" not in default

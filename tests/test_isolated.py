@@ -7,6 +7,7 @@ from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
 from pkv.measure.isolated import autotune_splits, isolated_batch, kv_bytes_read
 from pkv.shape import ModelShape
+from policy_constants import pinned
 
 schedule = pytest.importorskip("pkv.pipeline.schedule")
 pytest.importorskip("pkv.pipeline.pages")
@@ -24,7 +25,7 @@ class NotInstalled(Engine):
 
 def test_isolated_batch_times_and_checks_every_engine():
     engines = {
-        "persistentkv": ReferenceEngine(SHAPE, route="bucket_exact", bucket_num_splits=6),
+        "persistentkv": ReferenceEngine(SHAPE, policy=pinned("bucket_exact", bucket_num_splits=6)),
         "sdpa": SdpaEngine(SHAPE, "cpu"),
         "missing": NotInstalled(),
     }
@@ -56,7 +57,7 @@ def test_isolated_batch_without_bandwidth_has_no_floor():
 
 def test_autotune_splits_picks_a_timed_candidate():
     def make(splits):
-        return ReferenceEngine(SHAPE, route="bucket_exact", bucket_num_splits=splits)
+        return ReferenceEngine(SHAPE, policy=pinned("bucket_exact", bucket_num_splits=splits))
 
     best, results = autotune_splits([600], SHAPE, make, [1, 4], dtype="float32", device="cpu",
                                     reps=2, warmup=0)

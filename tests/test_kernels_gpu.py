@@ -11,6 +11,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+from policy_constants import pinned
 
 pytestmark = pytest.mark.gpu
 
@@ -49,10 +50,15 @@ def _check(out, ref, dtype):
         assert err.max().item() < 2e-2, err.max().item()
 
 
+_ROUTE_KEYS = ("route", "split_policy", "bucket_num_splits", "fused_merge", "cluster_merge")
+
+
 def _engine(shape, **kw):
+    """The CUDA engine pinned to the route the schedule keywords name; the rest are engine options."""
     from pkv.engines.persistentkv import PersistentKVEngine
 
-    return PersistentKVEngine(shape, **kw)
+    route = {key: kw.pop(key) for key in _ROUTE_KEYS if key in kw}
+    return PersistentKVEngine(shape, policy=pinned(**route), **kw)
 
 
 def _run_poisoned(engine, step, q, k, v):
@@ -136,7 +142,7 @@ def test_partial_states_match_reference():
     for route in ("workqueue", "bucket_masked"):
         policy = SplitPolicy(num_splits=8)
         engine = _engine(shape, route=route, split_policy=policy, bucket_num_splits=8)
-        reference = ReferenceEngine(shape, route=route, split_policy=policy, bucket_num_splits=8, device="cuda")
+        reference = ReferenceEngine(shape, policy=pinned(route, policy, 8), device="cuda")
         step, q, k, v = _case(lengths, shape, torch.float16, seed=3)
         _, _, (m, l, acc) = _run_poisoned(engine, step, q, k, v)
         rm, rl, racc = reference.partial_states(q, k, v, reference.plan(step))
@@ -220,7 +226,6 @@ def test_cluster_merge_matches_float64(route, group, dtype):
     """Splits merged through distributed shared memory: every split count up to the 16-CTA
     cluster, fewer splits than query heads (a CTA merges several heads), empty splits at the
     edge lengths, and partial-state scratch that stays untouched (poisoned and still NaN)."""
-    from pkv.pipeline.schedule import SplitPolicy
     from pkv.shape import ModelShape
 
     _needs_clusters()

@@ -9,6 +9,8 @@ from pkv.engines.dense import dense_decode
 from pkv.engines.reference import ReferenceEngine, work_items
 from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.shape import ModelShape
+from pkv.policy import FLASHINFER_ROUTE, StepRoute, pinned_route
+from policy_constants import pinned
 
 schedule = pytest.importorskip("pkv.pipeline.schedule")
 pages_mod = pytest.importorskip("pkv.pipeline.pages")
@@ -39,8 +41,7 @@ def inputs(make_step):
 
 
 def engine(shape, route, splits):
-    return ReferenceEngine(shape, route=route, split_policy=schedule.SplitPolicy(num_splits=splits),
-                           bucket_num_splits=splits)
+    return ReferenceEngine(shape, policy=pinned(route, schedule.SplitPolicy(num_splits=splits), splits))
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -173,30 +174,26 @@ def test_invalid_workqueue_task_is_rejected_with_its_index(inputs):
         work_items(plan, 1)
 
 
-def test_plan_for_uses_the_decisions_route_and_splits(inputs):
-    class Decision:
-        def __init__(self, route, num_splits):
-            self.route, self.num_splits = route, num_splits
-
+def test_plan_route_uses_the_routes_kernel_and_splits(inputs):
     shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
     step, q, k, v = inputs([100, 900], shape, torch.float64, seed=4)
     ref = dense_decode(q, k, v, step.seq_lens, step.block_table)
     eng = engine(shape, "workqueue", 20)
-    wq = eng.plan_for(step, Decision("persistentkv_workqueue", 5))
+    wq = eng.plan_route(step, StepRoute("persistentkv_workqueue", 5))
     assert wq.route == "persistentkv_workqueue" and wq.num_splits == 5
     assert int(np.diff(wq.schedule.split_offsets).max()) == 5
-    bucket = eng.plan_for(step, Decision("persistentkv_bucket", 7))
+    bucket = eng.plan_route(step, StepRoute("persistentkv_bucket", 7))
     assert bucket.route == "persistentkv_bucket"
     assert max(x.num_splits for x in bucket.schedule.launches) == 7
     for plan in (wq, bucket):
         assert compare(eng.run(q, k, v, plan), ref)["rel_err"] < 1e-6
     with pytest.raises(ValueError, match="flashinfer"):
-        eng.plan_for(step, Decision("flashinfer", 1))
+        eng.plan_route(step, FLASHINFER_ROUTE)
 
 
-def test_constructor_rejects_unknown_route():
-    with pytest.raises(ValueError, match="route"):
-        ReferenceEngine(ModelShape(), route="buckets")
+def test_a_pinned_schedule_must_be_known():
+    with pytest.raises(ValueError, match="schedule"):
+        pinned_route("buckets", None)
 
 
 @pytest.mark.parametrize("page_size", [1, 8, 12, 64])

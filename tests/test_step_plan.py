@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from pkv.pipeline.schedule import SplitPolicy, plan_buckets, plan_workqueue
+from pkv.policy import StepRoute
+from pkv.policy.route import MAX_CLUSTER_SPLITS
+from policy_constants import pinned
 
 EDGE_LENGTHS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 639, 640, 641, 4097, 65536]
 PAGE = 16
@@ -118,8 +121,8 @@ def test_engine_plans_read_back_as_the_numpy_plan(ops, route, make_step):
 
     shape = ModelShape()
     policy = SplitPolicy(num_splits=7)
-    engines = {planner: PersistentKVEngine(shape, route=route, split_policy=policy, bucket_num_splits=7,
-                                           device="cpu", planner=planner) for planner in ("native", "numpy")}
+    engines = {planner: PersistentKVEngine(shape, policy=pinned(route, policy, 7), device="cpu", planner=planner)
+               for planner in ("native", "numpy")}
     for lengths in random_batches(seed=11, count=8):
         step = make_step(lengths)
         native, spec = engines["native"].plan(step), engines["numpy"].plan(step)
@@ -143,25 +146,22 @@ def test_engine_plans_read_back_as_the_numpy_plan(ops, route, make_step):
 
 
 @pytest.mark.parametrize("planner", ["native", "numpy"])
-def test_plan_for_a_decision_plans_with_the_decisions_split_count(ops, planner, make_step):
-    """The adaptive engine hands each decision's split count to the persistent engine (the
-    boundary's count differs from the B8 one); the plan must be the one a policy with that count
-    gives, on every call."""
+def test_plan_route_plans_with_the_routes_split_count(ops, planner, make_step):
+    """The adaptive engine hands each step's route to the persistent engine (the few-rows split
+    count differs from the many-rows one); the plan must be the one of that route, on every call."""
     from pkv.engines.persistentkv import PersistentKVEngine
-    from pkv.route_policy import RouteDecision
     from pkv.shape import ModelShape
 
     shape = ModelShape()
-    engine = PersistentKVEngine(shape, split_policy=SplitPolicy(num_splits=20), device="cpu", planner=planner)
+    engine = PersistentKVEngine(shape, device="cpu", planner=planner)
     for lengths in random_batches(seed=5, count=4):
         step = make_step(lengths)
         for splits in (36, 20, 36):
-            plan = engine.plan_for(step, RouteDecision("persistentkv_workqueue", splits, "estimate", {}))
+            plan = engine.plan_route(step, StepRoute("persistentkv_workqueue", splits))
             expected = plan_workqueue(step, 8, 4, SplitPolicy(num_splits=splits))
             assert plan.num_splits == splits
             assert np.array_equal(plan.tasks.numpy(), expected.tasks)
             assert np.array_equal(plan.split_offsets.numpy(), expected.split_offsets)
-    assert engine.split_policy == SplitPolicy(num_splits=20)
 
 
 def test_engine_refuses_to_run_off_the_gpu(ops, make_step):
@@ -177,30 +177,28 @@ def test_engine_refuses_to_run_off_the_gpu(ops, make_step):
         engine.run(q, pages, pages, engine.plan(step))
 
 
-def test_cluster_merge_options_are_checked(ops, make_step):
-    from pkv.engines.persistentkv import MAX_CLUSTER_SPLITS, PersistentKVEngine
+def test_cluster_merge_routes_are_checked(ops, make_step):
+    from pkv.engines.persistentkv import PersistentKVEngine
     from pkv.shape import ModelShape
 
     shape = ModelShape()
-    for bad in (dict(route="workqueue"), dict(route="bucket_exact", fused_merge=True)):
-        with pytest.raises(ValueError, match="cluster_merge is a bucket-route merge"):
-            PersistentKVEngine(shape, device="cpu", cluster_merge=True, **bad)
-    engine = PersistentKVEngine(shape, device="cpu", route="bucket_exact", cluster_merge=True,
-                                bucket_num_splits=MAX_CLUSTER_SPLITS)
+    with pytest.raises(ValueError, match="cluster merge is a bucket-route merge"):
+        pinned("workqueue", cluster_merge=True)
+    engine = PersistentKVEngine(shape, device="cpu", policy=pinned("bucket_exact", bucket_num_splits=MAX_CLUSTER_SPLITS,
+                                                                   cluster_merge=True))
     step = make_step([4097, 65536])
-    assert engine.plan(step).widest_split == MAX_CLUSTER_SPLITS
+    plan = engine.plan(step)
+    assert plan.widest_split == MAX_CLUSTER_SPLITS and plan.merge == "cluster"
     assert "+cluster_merge" in engine.implementation
-    too_many = PersistentKVEngine(shape, device="cpu", route="bucket_masked", cluster_merge=True,
-                                  bucket_num_splits=MAX_CLUSTER_SPLITS + 1)
     with pytest.raises(ValueError, match=f"num_splits={MAX_CLUSTER_SPLITS + 1}"):
-        too_many.plan(step)
+        pinned("bucket_masked", bucket_num_splits=MAX_CLUSTER_SPLITS + 1, cluster_merge=True)
 
 
 def test_python_limits_mirror_the_kernel_constants():
     import re
     from pathlib import Path
 
-    from pkv.engines.persistentkv import MAX_CLUSTER_SPLITS, MAX_MERGE_SPLITS
+    from pkv.engines.persistentkv import MAX_MERGE_SPLITS
 
     header = (Path(__file__).resolve().parent.parent / "csrc" / "decode_constants.h").read_text()
     constants = {name: int(value) for name, value in re.findall(r"constexpr int (\w+) = (\d+);", header)}

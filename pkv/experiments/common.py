@@ -25,7 +25,6 @@ from pkv.policy.route import MERGE_LAUNCH
 # PersistentKV side by side, each written to its own <label>.json.
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "persistentkv_exact": ("persistentkv", {"route": "bucket_exact"}),
-    "persistentkv_exact_cluster": ("persistentkv", {"route": "bucket_exact", "merge": "cluster"}),
     "persistentkv_masked": ("persistentkv", {"route": "bucket_masked"}),
     "persistentkv_workqueue": ("persistentkv", {"route": "workqueue"}),
     "persistentkv_workqueue_fused": ("persistentkv", {"route": "workqueue", "merge": "fused"}),

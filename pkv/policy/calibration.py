@@ -113,7 +113,7 @@ class Calibration:
         if not isinstance(d, Mapping):
             raise CalibrationError(f"{where}: expected a mapping of calibration fields, got {type(d).__name__}")
         d = {key: _plain(value) for key, value in d.items()}
-        if "regimes" not in d and any(key in LEGACY_FIELDS for key in d):
+        if "regimes" not in d:  # the flat form, defaults as it had them
             d = _from_legacy(d, where)
         top = [f.name for f in fields(cls) if f.name not in REGIMES]
         known = [*top, "regimes"]

@@ -87,4 +87,4 @@ class RegimeParams:
         try:
             return cls(**{k: d[k] for k in known})
         except CalibrationError as err:
-            raise CalibrationError(f"{where}.{err}") from None
+            raise CalibrationError(f"{where}: {err}") from None
