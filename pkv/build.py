@@ -60,7 +60,8 @@ def cache_root() -> Path:
 def build_key(capability: tuple[int, int]) -> str:
     import torch
 
-    parts = [source_hash(), f"sm{capability[0]}{capability[1]}", torch.__version__, str(torch.version.cuda)]
+    parts = [source_hash(), f"sm{capability[0]}{capability[1]}", torch.__version__, str(torch.version.cuda),
+             " ".join(LINK_FLAGS_VERSION)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -108,14 +109,41 @@ def _compile(target: Path, capability: tuple[int, int], verbose: bool) -> None:
                      extra_cuda_cflags=[*NVCC_FLAGS, gencode_for(capability)])
 
 
+# Bumped when the link flags change, so a library linked the old way is not reused from the cache.
+LINK_FLAGS_VERSION = ("libstdc++-of-the-process",)
+
+
+def _loaded_libstdcxx() -> str | None:
+    """The libstdc++ this process has loaded (torch's), or None where /proc cannot say.
+
+    The extension must throw its errors (TORCH_CHECK) with the C++ runtime that catches them. A
+    compiler driver that links libstdc++ statically into shared objects (one on the GPU machine
+    does: its library folder holds only libstdc++.a) gives the extension a second runtime, and
+    every error raised in an op then crashes the process instead of reaching Python. Linking the
+    loaded libstdc++.so by path makes the extension use the process's own.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "/libstdc++.so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
 def _compile_library(target: Path, name: str, sources: list[str], verbose: bool, **options) -> None:
     from torch.utils.cpp_extension import load
+
+    libstdcxx = _loaded_libstdcxx()
 
     work = Path(tempfile.mkdtemp(prefix="build-", dir=target))
     load(
         name=name,
         sources=[str(CSRC / s) for s in sources],
         extra_cflags=["-O3"],
+        extra_ldflags=[libstdcxx] if libstdcxx else [],
         build_directory=str(work),
         is_python_module=False,
         verbose=verbose,
@@ -132,7 +160,8 @@ def ensure_host_built(verbose: bool = False) -> Path:
     import torch
 
     files = [CSRC / f for f in (*HOST_SOURCES, *HOST_HEADERS)]
-    key = hashlib.sha256("|".join([source_hash(files), "cpu", torch.__version__]).encode()).hexdigest()[:16]
+    parts = [source_hash(files), "cpu", torch.__version__, *LINK_FLAGS_VERSION]
+    key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
     return _load_cached(cache_root() / f"host-{key}", HOST_LIBRARY_NAME,
                         lambda target: _compile_library(target, HOST_LIBRARY_NAME, list(HOST_SOURCES), verbose,
                                                         with_cuda=False))
