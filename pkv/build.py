@@ -185,7 +185,7 @@ def check_compile(arches: tuple[str, ...] = ("90a", "80")) -> list[str]:
 
 def write_record(path: Path) -> dict:
     from pkv.provenance import collect_provenance
-    from pkv.report.results import write_json_atomic
+    from pkv.atomic_io import write_json_atomic
 
     import torch
 

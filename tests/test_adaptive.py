@@ -12,7 +12,7 @@ from pkv.engines.adaptive import AdaptiveEngine, AdaptivePlan
 from pkv.engines.dense import dense_decode
 from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
-from pkv.experiments.common import engine_policy
+from pkv.engines import role_policy
 from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.policy import (
     FLASHINFER_ROUTE,
@@ -103,9 +103,9 @@ def test_build_engine_cpu_stand_ins():
     assert flashinfer.name == "flashinfer" and flashinfer.implementation == "sdpa"
     assert build_engine("sdpa", shape=SHAPE, device="cpu").name == "sdpa"
     # A schedule, split count and merge reach the engine as its pinned route (the run's options
-    # through pkv.experiments.common.engine_policy).
+    # through pkv.engines.role_policy).
     calib = apply_engine_options(CALIB, bucket_num_splits=9)
-    policy = engine_policy("reference", {"route": "bucket_masked", "merge": "fused"}, SHAPE, calib)
+    policy = role_policy("reference", {"route": "bucket_masked", "merge": "fused"}, SHAPE, calib)
     assert policy.route == StepRoute(ROUTE_BUCKET, 9, bucket_mode="masked", merge="fused")
     bucket = build_engine("reference", shape=SHAPE, device="cpu", policy=policy)
     assert bucket.implementation == "reference:bucket_masked+fused_merge"

@@ -12,7 +12,7 @@ from pkv.experiments.calibrate import _GateProbes, _SplitSweep
 from pkv.policy import Calibration, CalibrationError, RegimeParams, load_calibration, regime_of, save_calibration
 from pkv.policy.calibration import LEGACY_SCHEMA
 from pkv.policy.regime import FEW_ROWS, MANY_ROWS, REGIME_BATCH, REGIMES, SINGLE_ROW
-from pkv.report.calibration_report import fitted_field
+from pkv.policy.calibration import regime_field
 
 HARDWARE = dict(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0)
 START = Calibration(**HARDWARE,
@@ -32,7 +32,7 @@ def _probes(gate_steps=None, performance_result=True, tolerance=0.0) -> _GatePro
 def test_each_batch_size_has_the_gate_of_its_regime(batch, regime):
     assert regime_of(batch) == regime
     assert regime_of(REGIME_BATCH[regime]) == regime
-    assert fitted_field(regime_of(batch), "min_context_tokens") == f"regimes.{regime}.min_context_tokens"
+    assert regime_field(regime_of(batch), "min_context_tokens") == f"regimes.{regime}.min_context_tokens"
     assert START.regime_for_batch(batch) is START.regime(regime)
 
 

@@ -6,7 +6,8 @@ import shutil
 import pytest
 
 from pkv.config import CONF_DIR, ConfigError, compose, load_trace_option
-from pkv.experiments.common import build_engines, engine_policy, model_shape, run_calibration
+from pkv.engines import role_policy
+from pkv.experiments.common import build_engines, model_shape, run_calibration
 from pkv.policy import CalibrationError, KernelVariants, RoutePolicy, StepRoute
 from pkv.policy.overrides import apply_engine_options
 from pkv.policy.regime import FEW_ROWS, REGIMES
@@ -199,7 +200,7 @@ def test_run_calibration_applies_the_engine_options_of_the_run():
     # The ablation's engine options reach the policy its engines decide with.
     cfg = compose(["out=x", "profile=cpu", "experiment=ablate_b4"])
     shape = model_shape(cfg)
-    policy = engine_policy("adaptive", {"route": "workqueue"}, shape, run_calibration(cfg))
+    policy = role_policy("adaptive", {"route": "workqueue"}, shape, run_calibration(cfg))
     assert policy.candidate(4) == StepRoute("persistentkv_workqueue", policy.calib.few_rows.num_splits)
     assert policy.candidate(1).name == "persistentkv_bucket" and policy.candidate(8).name == "persistentkv_workqueue"
 

@@ -4,17 +4,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pkv.atomic_io import JsonFileError, read_json, write_json_atomic
 from pkv.report import results
-from pkv.report.results import (
-    RESULT_SCHEMA,
-    ResultFileError,
-    iter_results,
-    read_json,
-    read_result,
-    result_envelope,
-    validate_result,
-    write_json_atomic,
-)
+from pkv.report.results import RESULT_SCHEMA, ResultFileError, iter_results, read_result, result_envelope, validate_result
 
 FIXTURE = Path(__file__).parent / "fixtures" / "results" / "fake_gpu"
 
@@ -34,7 +26,7 @@ def test_write_creates_parents_and_round_trips(tmp_path):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), np.float64("-inf")])
 def test_non_finite_refused_and_names_field(tmp_path, bad):
     path = tmp_path / "r.json"
-    with pytest.raises(ResultFileError, match=r"r\.json.*\$\.metrics\.times\[1\]"):
+    with pytest.raises(JsonFileError, match=r"r\.json.*\$\.metrics\.times\[1\]"):
         write_json_atomic(path, {"metrics": {"times": [1.0, bad]}})
     assert not path.exists()
     assert _leftovers(tmp_path) == []
@@ -75,7 +67,7 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
 def test_unserializable_object_leaves_nothing(tmp_path):
     path = tmp_path / "r.json"
-    with pytest.raises(ResultFileError, match="r.json"):
+    with pytest.raises(JsonFileError, match="r.json"):
         write_json_atomic(path, {"o": object()})
     assert list(tmp_path.iterdir()) == []
 
@@ -83,7 +75,7 @@ def test_unserializable_object_leaves_nothing(tmp_path):
 def test_read_json_errors_name_the_file(tmp_path):
     bad = tmp_path / "broken.json"
     bad.write_text('{"a": ')
-    with pytest.raises(ResultFileError, match="broken.json"):
+    with pytest.raises(JsonFileError, match="broken.json"):
         read_json(bad)
     with pytest.raises(FileNotFoundError, match="absent.json"):
         read_json(tmp_path / "absent.json")
@@ -158,3 +150,12 @@ def test_iter_results_skips_rendered_tables_and_temp_files(tmp_path):
     (tmp_path / "evaluate" / ".adaptive.json.abc.tmp.json").write_text("{")
     assert [p.name for p, _ in iter_results(tmp_path)] == ["adaptive.json"]
     assert os.path.exists(tmp_path / "tables" / "x.json")
+
+
+def test_written_files_are_readable_by_the_group(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = write_json_atomic(tmp_path / "shared" / "r.json", {"x": 1})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -20,7 +20,9 @@ from pkv.engines.persistentkv import PersistentKVEngine
 from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
 from pkv.engines.vllm import VllmEngine
-from pkv.policy.choose import RoutePolicy
+from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, pinned_route
+from pkv.policy.overrides import kernel_variants
+from pkv.policy.route import MERGE_LAUNCH
 
 ENGINE_NAMES = ("persistentkv", "adaptive", "flashinfer", "flashinfer_tc", "flashinfer_cc", "reference", "sdpa",
                 "vllm")
@@ -29,7 +31,20 @@ OPTION_NAMES = ("cuda_graph", "planner", "use_tensor_cores", "page_size")
 _PERSISTENT_OPTIONS = ("cuda_graph", "planner")
 _FLASHINFER_OPTIONS = ("use_tensor_cores", "page_size")
 
-__all__ = ["Engine", "EnginePlan", "EngineUnavailable", "ENGINE_NAMES", "OPTION_NAMES", "build_engine"]
+__all__ = ["Engine", "EnginePlan", "EngineUnavailable", "ENGINE_NAMES", "OPTION_NAMES", "build_engine",
+           "role_policy"]
+
+
+def role_policy(role: str, options, shape, calib):
+    """The policy an engine role runs over ``calib``: the calibrated RoutePolicy for "adaptive",
+    one pinned schedule (options "route", "merge") for a PersistentKV engine, none for the baselines."""
+    variants = kernel_variants(options.get("route", "workqueue"), options.get("merge", MERGE_LAUNCH))
+    if role == "adaptive":
+        return RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
+                           head_dim=shape.head_dim, variants=variants)
+    if role in ("persistentkv", "reference"):
+        return PinnedRoutePolicy(pinned_route(options.get("route", "workqueue"), calib, variants))
+    return None
 
 
 def _persistent(name: str, shape, device: torch.device, policy, options: dict) -> Engine:

@@ -19,13 +19,12 @@ from pkv.engines import build_engine
 from pkv.experiments.common import load_requests, model_shape, provenance_for, resolve_settings, trace_name
 from pkv.measure.calibration_probe import measure_launch_us, measure_read_gbps, time_steps, trace_steps
 from pkv.measure.kv_data import make_kv_pages, resolve_dtype
-from pkv.policy.calibration import Calibration, save_calibration
+from pkv.policy.calibration import Calibration, regime_field, save_calibration
 from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy
 from pkv.policy.estimator import Estimator
 from pkv.policy.fits import fit_c_min, fit_context_gate, fit_regime_route, fit_split_count, group_size_holds
 from pkv.policy.regime import FEW_ROWS, SINGLE_ROW, regime_of
 from pkv.policy.route import FLASHINFER_ROUTE, ROUTE_BUCKET, ROUTE_WORKQUEUE, SCHEDULES, StepRoute
-from pkv.report.calibration_report import fitted_field
 from pkv.shape import ModelShape
 
 
@@ -170,7 +169,7 @@ class _SplitSweep:
         """{regime: {"num_splits": S (, "route": R)}} of each swept regime, recording every trace's sweep."""
         points = {}
         for regime in dict.fromkeys(t["regime"] for t in self._swept):
-            field = fitted_field(regime, "num_splits")
+            field = regime_field(regime, "num_splits")
             traces = [t for t in self._swept if t["regime"] == regime]
             shared = set.intersection(*(set(t["timed_by_splits"]) for t in traces))
             if not shared:
@@ -200,7 +199,7 @@ class _SplitSweep:
                     points[regime]["route"] = route
                 for t in traces:
                     self.records[t["name"]]["regime_route"] = {
-                        "fits": fitted_field(regime, "route"), "fitted": route,
+                        "fits": regime_field(regime, "route"), "fitted": route,
                         "applied": self.settings.performance_result, "speedup": speedup}
         return points
 
@@ -252,7 +251,7 @@ class _GateProbes:
                   "flashinfer_device_us_total": timed_fi.total_us}
         self.records.append(record)
         if group == self.shape.group_size:
-            record["fits"] = fitted_field(regime, "min_context_tokens")
+            record["fits"] = regime_field(regime, "min_context_tokens")
             self.gate_steps.setdefault(regime, []).append({"source": f"probe {name}", **_gate_rows(timed, timed_fi)})
         else:
             record["fits"] = "supported_group_sizes"
@@ -266,7 +265,7 @@ class _GateProbes:
                     for key in ("contexts", "persistentkv_us", "flashinfer_us")}
             gate = fit_context_gate(rows["contexts"], rows["persistentkv_us"], rows["flashinfer_us"],
                                     start.regime(regime).min_context_tokens, self.tolerance)
-            fits[fitted_field(regime, "min_context_tokens")] = {
+            fits[regime_field(regime, "min_context_tokens")] = {
                             "regime": regime, "fitted": gate.min_context_tokens, "applied": self.settings.performance_result,
                             "tolerance": self.tolerance, "reason": gate.reason,
                             "sources": [src["source"] for src in sources],

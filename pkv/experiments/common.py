@@ -15,11 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from pkv.config import EXTERNAL_FAMILY, ConfigError, EngineConfig, PkvConfig, TraceConfig
-from pkv.engines import OPTION_NAMES, EngineUnavailable, build_engine
+from pkv.engines import OPTION_NAMES, EngineUnavailable, build_engine, role_policy
 from pkv.policy.calibration import Calibration, load_calibration
-from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, pinned_route
-from pkv.policy.overrides import apply_engine_options, kernel_variants
-from pkv.policy.route import MERGE_LAUNCH
+from pkv.policy.overrides import apply_engine_options
 
 # Engine labels that are one engine role with fixed options: a run can time several schedules of
 # PersistentKV side by side, each written to its own <label>.json.
@@ -152,18 +150,6 @@ def run_calibration(cfg: PkvConfig):
     return apply_engine_options(calib, **{k: getattr(cfg.engine, k) for k in _CALIBRATION_OPTIONS})
 
 
-def engine_policy(role: str, options: Mapping[str, Any], shape, calib):
-    """The policy an engine role runs: the calibrated RoutePolicy for "adaptive", one pinned
-    schedule for a PersistentKV engine, none for the baselines."""
-    variants = kernel_variants(options.get("route", "workqueue"), options.get("merge", MERGE_LAUNCH))
-    if role == "adaptive":
-        return RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
-                           head_dim=shape.head_dim, variants=variants)
-    if role in ("persistentkv", "reference"):
-        return PinnedRoutePolicy(pinned_route(options.get("route", "workqueue"), calib, variants))
-    return None
-
-
 def build_engines(labels: Iterable[str], cfg: PkvConfig, shape, device: str, calib) -> tuple[dict, dict]:
     """({label: Engine}, {label: reason}) for the labels that could and could not be built, each
     with the policy of its role over the run's calibration."""
@@ -171,7 +157,7 @@ def build_engines(labels: Iterable[str], cfg: PkvConfig, shape, device: str, cal
     for label in labels:
         role, options = engine_role_and_options(label, cfg.engine)
         try:
-            policy = engine_policy(role, options, shape, calib)
+            policy = role_policy(role, options, shape, calib)
             engines[label] = build_engine(role, shape=shape, device=device, policy=policy,
                                           options={k: v for k, v in options.items() if k in OPTION_NAMES})
         except EngineUnavailable as exc:
@@ -198,7 +184,7 @@ def write_all_or_nothing(files: Mapping[str | os.PathLike, Any]) -> list[Path]:
     A run that times several engines produces one file per engine; a reader (and Snakemake) must
     never find some engines of a run without the others.
     """
-    from pkv.report.results import write_json_atomic
+    from pkv.atomic_io import write_json_atomic
 
     written: list[Path] = []
     try:

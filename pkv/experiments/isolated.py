@@ -59,7 +59,7 @@ def _best(method: str, results: dict, skipped: dict) -> dict:
 
 def run(cfg: PkvConfig) -> list[Path]:
     from pkv.measure.isolated import isolated_batch
-    from pkv.report.results import write_json_atomic
+    from pkv.atomic_io import write_json_atomic
 
     exp, trace = cfg.experiment, cfg.trace
     settings = resolve_settings(cfg)

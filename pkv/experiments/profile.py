@@ -176,7 +176,7 @@ def run(cfg: PkvConfig, overrides: Sequence[str] = ()) -> list[Path]:
     """Write cfg.out (ncu_counters.json); `overrides` are the CLI's, replayed for the inner run."""
     import torch
 
-    from pkv.report.results import write_json_atomic
+    from pkv.atomic_io import write_json_atomic
 
     settings = resolve_settings(cfg)
     if os.environ.get(CHILD_ENV) == "1":

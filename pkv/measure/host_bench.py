@@ -26,8 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pkv.engines import OPTION_NAMES
-from pkv.experiments.common import engine_policy
+from pkv.engines import OPTION_NAMES, role_policy
 
 K = 1024
 CASES: dict[str, list[int]] = {
@@ -85,7 +84,7 @@ def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log) -> dict:
     q = make_queries(len(seq_lens), shape, "float16", "cuda", seed + 1)
     rows = {}
     for label, (role, options) in engine_specs().items():
-        policy = engine_policy(role, options, shape, calib)
+        policy = role_policy(role, options, shape, calib)
         engine = build_engine(role, shape=shape, device="cuda", policy=policy,
                               options={k: v for k, v in options.items() if k in OPTION_NAMES})
         engine.prepare(step, q, k, v)
@@ -120,7 +119,7 @@ def main(argv=None) -> int:
     from pkv.measure.calibration_probe import measure_launch_us
     from pkv.policy.calibration import Calibration, load_calibration
     from pkv.provenance import collect_provenance
-    from pkv.report.results import write_json_atomic
+    from pkv.atomic_io import write_json_atomic
     from pkv.shape import ModelShape
     from pkv.measure.timing import L2Flusher
 

@@ -203,7 +203,7 @@ def main(argv=None) -> int:
                         help="how L2 is evicted before each timed call (see pkv.measure.timing.L2Flusher)")
     args = parser.parse_args(argv)
     from pkv.provenance import collect_provenance
-    from pkv.report.results import write_json_atomic
+    from pkv.atomic_io import write_json_atomic
     from pkv.shape import ModelShape
     from pkv.measure.timing import L2Flusher
 

@@ -187,6 +187,11 @@ def _from_legacy(d: dict, where: str) -> dict:
     return out
 
 
+def regime_field(regime: str, param: str) -> str:
+    """A regime parameter's path in the record: how the calibration's measurements name what a fit set."""
+    return f"regimes.{regime}.{param}"
+
+
 def load_calibration(path) -> Calibration:
     """Read a calibration JSON written by save_calibration (either schema)."""
     path = Path(path)

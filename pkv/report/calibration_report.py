@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from pkv.policy.calibration import LEGACY_FIELDS, load_calibration
+from pkv.policy.calibration import LEGACY_FIELDS, load_calibration, regime_field
 from pkv.policy.regime import FEW_ROWS, MANY_ROWS, REGIMES, SINGLE_ROW
 from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER
 
@@ -24,15 +24,10 @@ REGIME_LABELS = {SINGLE_ROW: "B1", FEW_ROWS: "B2-7", MANY_ROWS: "B8+"}
 _ROUTE_LABELS = {ROUTE_FLASHINFER: "FlashInfer", ROUTE_BUCKET: "bucket"}
 
 
-def fitted_field(regime: str, param: str) -> str:
-    """The name a calibration's measurements give the parameter a fit set (its path in the record)."""
-    return f"regimes.{regime}.{param}"
-
-
 def _recorded(records: dict, regime: str, param: str):
     """A regime parameter's record, under its name or the flat name of files before the regimes."""
-    if fitted_field(regime, param) in records:
-        return records[fitted_field(regime, param)]
+    if regime_field(regime, param) in records:
+        return records[regime_field(regime, param)]
     legacy = [name for name, target in LEGACY_FIELDS.items() if target == (regime, param)]
     return next((records[name] for name in legacy if name in records), None)
 

@@ -1,18 +1,19 @@
-"""Result files: the envelope every DAG output shares, atomic writes, and reading them back.
+"""Result files: the envelope every DAG output shares, and reading them back.
 
-Every write goes through pkv.atomic_io, so a reader never sees half a file.
+Files are written and parsed by pkv.atomic_io (re-exported here), so a reader never sees half a file.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pkv.atomic_io import write_text_atomic
+from pkv.atomic_io import JsonFileError, read_json, write_json_atomic, write_text_atomic
+
+__all__ = ["RESULT_SCHEMA", "JsonFileError", "ResultFileError", "read_json", "write_json_atomic",
+           "write_text_atomic", "result_envelope", "iter_results"]
 
 RESULT_SCHEMA = "pkv.result/1"
 
@@ -20,74 +21,8 @@ RESULT_SCHEMA = "pkv.result/1"
 _NOT_RESULTS = frozenset({"tables"})
 
 
-class ResultFileError(ValueError):
-    """A result file that cannot be read or does not follow the result envelope."""
-
-
-def _json_default(value: Any) -> Any:
-    # numpy / torch scalars and arrays come straight out of the timing code.
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"object of type {type(value).__name__} is not JSON serializable")
-
-
-def _first_non_finite(obj: Any, where: str = "$") -> str | None:
-    """JSON path of the first NaN/inf in obj, so the error can say which field is wrong."""
-    if isinstance(obj, float):
-        return None if math.isfinite(obj) else f"{where} = {obj!r}"
-    if isinstance(obj, Mapping):
-        for key, value in obj.items():
-            found = _first_non_finite(value, f"{where}.{key}")
-            if found:
-                return found
-        return None
-    if isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            found = _first_non_finite(value, f"{where}[{i}]")
-            if found:
-                return found
-        return None
-    tolist = getattr(obj, "tolist", None)
-    if callable(tolist) and not isinstance(obj, (str, bytes)):
-        return _first_non_finite(tolist(), where)
-    return None
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any, *, allow_nan: bool = False) -> Path:
-    """Write obj as JSON to path atomically; creates parent folders.
-
-    NaN and inf are refused unless allow_nan: they are not JSON, and a NaN time or error in a
-    result almost always means a failed measurement that should not reach a table.
-    """
-    path = Path(path)
-    if not allow_nan:
-        bad = _first_non_finite(obj)
-        if bad:
-            raise ResultFileError(f"{path}: refusing to write a non-finite value: {bad}")
-    try:
-        text = json.dumps(obj, indent=2, sort_keys=False, allow_nan=allow_nan, default=_json_default)
-    except (TypeError, ValueError) as exc:
-        raise ResultFileError(f"{path}: cannot serialize to JSON: {exc}") from exc
-    # Serialize before touching the filesystem, so a bad object leaves nothing behind.
-    return write_text_atomic(path, text + "\n")
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; errors name the file."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such result file") from None
-    except OSError as exc:
-        raise ResultFileError(f"{path}: cannot read: {exc}") from exc
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ResultFileError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+class ResultFileError(JsonFileError):
+    """A result file that does not follow the result envelope (or cannot be read or written)."""
 
 
 def _require_str(field: str, value: Any, *, allow_none: bool = False) -> None:
