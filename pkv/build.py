@@ -22,6 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from torch.utils.cpp_extension import load
+
+from pkv.atomic_io import write_json_atomic
+from pkv.provenance import collect_provenance
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CSRC = REPO_ROOT / "csrc"
 KERNEL_SOURCES = ("launch.cu", "launch_fp16.cu", "launch_bf16.cu", "step_executor.cu")
@@ -58,8 +64,6 @@ def cache_root() -> Path:
 
 
 def build_key(capability: tuple[int, int]) -> str:
-    import torch
-
     parts = [source_hash(), f"sm{capability[0]}{capability[1]}", torch.__version__, str(torch.version.cuda),
              " ".join(LINK_FLAGS_VERSION)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -80,8 +84,6 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr")
 
 def ensure_built(verbose: bool = False) -> Path:
     """Load the extension into torch.ops.pkv, building it first if this key is not cached."""
-    import torch
-
     if not torch.cuda.is_available():
         raise RuntimeError("the PersistentKV CUDA extension needs a CUDA GPU; none is visible to torch")
     capability = torch.cuda.get_device_capability()
@@ -92,8 +94,6 @@ def ensure_built(verbose: bool = False) -> Path:
 def _load_cached(target: Path, name: str, compile_into) -> Path:
     """Load target/<name>.so into torch.ops, compiling it first (under a file lock, so two
     processes never build the same key at once) when it is not cached."""
-    import torch
-
     library = target / f"{name}.so"
     target.mkdir(parents=True, exist_ok=True)
     with open(target / ".lock", "w") as lock:
@@ -134,8 +134,6 @@ def _loaded_libstdcxx() -> str | None:
 
 
 def _compile_library(target: Path, name: str, sources: list[str], verbose: bool, **options) -> None:
-    from torch.utils.cpp_extension import load
-
     libstdcxx = _loaded_libstdcxx()
 
     work = Path(tempfile.mkdtemp(prefix="build-", dir=target))
@@ -157,8 +155,6 @@ def _compile_library(target: Path, name: str, sources: list[str], verbose: bool,
 def ensure_host_built(verbose: bool = False) -> Path:
     """Load the CPU-only step planner into torch.ops.pkv (machines without a GPU), building it
     first if this key is not cached. On a GPU machine use ensure_built: it holds the planner."""
-    import torch
-
     files = [CSRC / f for f in (*HOST_SOURCES, *HOST_HEADERS)]
     parts = [source_hash(files), "cpu", torch.__version__, *LINK_FLAGS_VERSION]
     key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -184,11 +180,6 @@ def check_compile(arches: tuple[str, ...] = ("90a", "80")) -> list[str]:
 
 
 def write_record(path: Path) -> dict:
-    from pkv.provenance import collect_provenance
-    from pkv.atomic_io import write_json_atomic
-
-    import torch
-
     record: dict = {"schema": "pkv.build/1", "source_hash": source_hash()}
     if not torch.cuda.is_available():
         record["skipped"] = "no GPU: the CUDA extension is built only where torch sees a CUDA device"

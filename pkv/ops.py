@@ -8,6 +8,8 @@ import functools
 
 import torch
 
+from pkv.build import ensure_built, ensure_host_built
+
 # run_plan's merge_kind: how launches with more than one split merge them (MergeKind in
 # csrc/step_plan.h): a merge_states launch, the fused completion-counter merge (pair_counters
 # required), or the thread-block-cluster merge (bucket route only).
@@ -30,8 +32,6 @@ def _register_fakes() -> None:
 @functools.lru_cache(maxsize=1)
 def load() -> object:
     """Build (or reuse) the extension for this GPU and return torch.ops.pkv."""
-    from pkv.build import ensure_built
-
     ensure_built()
     _register_fakes()
     return torch.ops.pkv
@@ -43,7 +43,6 @@ def load_planner() -> object:
     extension where there is a GPU, from the CPU-only planner library elsewhere."""
     if torch.cuda.is_available():
         return load()
-    from pkv.build import ensure_host_built
 
     ensure_host_built()
     return torch.ops.pkv

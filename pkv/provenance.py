@@ -7,6 +7,7 @@ and nvidia-smi are each asked once per process, with a timeout, so a hung driver
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as _dt
 import functools
@@ -146,6 +147,7 @@ def _nvidia_smi() -> tuple[str | None, str | None]:
 
 def _torch_info() -> tuple[str, str | None, str | None]:
     """(torch version, torch.version.cuda, device name of cuda:0 or None)."""
+    # The source stamp and build records are written before torch is known to import.
     try:
         import torch
     except ImportError:
@@ -239,8 +241,6 @@ def collect_provenance(config: Any = None, seed: int | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m pkv.provenance",
                                      description="Print the source digest of this checkout, or write a source stamp.")
     parser.add_argument("--stamp", metavar="FILE",

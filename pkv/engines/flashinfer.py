@@ -20,6 +20,7 @@ _VARIANT_PICKS: dict[tuple, bool] = {}
 
 
 def _import_flashinfer():
+    # An optional dependency: imported where FlashInfer runs, so its absence is a reason, not a crash.
     try:
         import flashinfer
     except ImportError as exc:  # also covers a broken install that fails to load its ops

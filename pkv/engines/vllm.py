@@ -12,6 +12,7 @@ PARTITION_SIZE = 512
 
 
 def _import_vllm_ops():
+    # An optional dependency: imported where vLLM runs, so its absence is a reason, not a crash.
     try:
         import vllm
         from vllm import _custom_ops as ops

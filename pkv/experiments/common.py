@@ -14,10 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from pkv.atomic_io import write_json_atomic
 from pkv.config import EXTERNAL_FAMILY, ConfigError, EngineConfig, PkvConfig, TraceConfig
 from pkv.engines import OPTION_NAMES, EngineUnavailable, build_engine, role_policy
+from pkv.pipeline.trace_readers import read_trace
+from pkv.pipeline.traces import synthetic_trace
 from pkv.policy.calibration import Calibration, load_calibration
 from pkv.policy.overrides import apply_engine_options
+from pkv.provenance import collect_provenance
+from pkv.shape import ModelShape
 
 # Engine labels that are one engine role with fixed options: a run can time several schedules of
 # PersistentKV side by side, each written to its own <label>.json.
@@ -71,8 +78,6 @@ def resolve_settings(cfg: PkvConfig) -> RunSettings:
             performance_result=False,
         )
     if cfg.device == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             raise ConfigError(
                 f"conf/config.yaml (or its override): field 'profile' = {cfg.profile!r}: device=cuda but "
@@ -88,8 +93,6 @@ def resolve_settings(cfg: PkvConfig) -> RunSettings:
 
 
 def model_shape(cfg: PkvConfig):
-    from pkv.shape import ModelShape
-
     m = cfg.model
     return ModelShape(num_qo_heads=m.num_qo_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
 
@@ -101,8 +104,6 @@ def trace_name(trace: TraceConfig) -> str:
 def load_requests(trace: TraceConfig, seed: int, settings: RunSettings) -> list:
     """The trace's requests: a seeded synthetic family or the first num_requests of a file."""
     if trace.family == EXTERNAL_FAMILY:
-        from pkv.pipeline.trace_readers import read_trace
-
         options: dict[str, Any] = {"length_scale": settings.length_scale}
         for key in ("max_context", "overlong", "step_ms"):
             if getattr(trace, key) is not None:
@@ -111,7 +112,6 @@ def load_requests(trace: TraceConfig, seed: int, settings: RunSettings) -> list:
         if not requests:
             raise ConfigError(f"conf/trace/external.yaml: field 'trace.path' = {trace.path!r}: no requests")
         return requests
-    from pkv.pipeline.traces import synthetic_trace
 
     options = {"length_scale": settings.length_scale, "decode_len_range": tuple(trace.decode_len_range)}
     for key in ("arrivals", "arrival_rate"):
@@ -173,8 +173,6 @@ def new_run_id() -> str:
 
 
 def provenance_for(cfg: PkvConfig, settings: RunSettings, seed: int) -> dict:
-    from pkv.provenance import collect_provenance
-
     return collect_provenance({**dataclasses.asdict(cfg), "effective": dataclasses.asdict(settings)}, seed)
 
 
@@ -184,8 +182,6 @@ def write_all_or_nothing(files: Mapping[str | os.PathLike, Any]) -> list[Path]:
     A run that times several engines produces one file per engine; a reader (and Snakemake) must
     never find some engines of a run without the others.
     """
-    from pkv.atomic_io import write_json_atomic
-
     written: list[Path] = []
     try:
         for path, obj in files.items():

@@ -12,16 +12,24 @@ from pathlib import Path
 
 from pkv.config import PkvConfig
 from pkv.experiments.common import (
-    build_engines, engine_file, run_calibration, load_requests, model_shape, new_run_id,
-    provenance_for, resolve_settings, trace_name, trace_record, write_all_or_nothing,
+    build_engines,
+    engine_file,
+    load_requests,
+    model_shape,
+    new_run_id,
+    provenance_for,
+    resolve_settings,
+    run_calibration,
+    trace_name,
+    trace_record,
+    write_all_or_nothing,
 )
+from pkv.measure.harness import TraceRunSpec, run_trace
+from pkv.report.results import result_envelope
 
 
 def run_trace_experiment(cfg: PkvConfig) -> list[Path]:
     """Run cfg's trace with every engine of cfg.experiment and write out/<engine>.json for each."""
-    from pkv.measure.harness import TraceRunSpec, run_trace
-    from pkv.report.results import result_envelope
-
     exp, trace = cfg.experiment, cfg.trace
     settings = resolve_settings(cfg)
     shape = model_shape(cfg)

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pkv.atomic_io import write_json_atomic
 from pkv.config import PkvConfig
 from pkv.engines import EngineUnavailable, build_engine
 from pkv.experiments.common import (
-    model_shape, new_run_id, provenance_for, resolve_settings, run_calibration, trace_record,
+    model_shape,
+    new_run_id,
+    provenance_for,
+    resolve_settings,
+    run_calibration,
+    trace_record,
 )
+from pkv.measure.isolated import isolated_batch
 from pkv.policy.choose import PinnedRoutePolicy, pinned_route
 from pkv.report.results import RESULT_SCHEMA
 
@@ -58,9 +65,6 @@ def _best(method: str, results: dict, skipped: dict) -> dict:
 
 
 def run(cfg: PkvConfig) -> list[Path]:
-    from pkv.measure.isolated import isolated_batch
-    from pkv.atomic_io import write_json_atomic
-
     exp, trace = cfg.experiment, cfg.trace
     settings = resolve_settings(cfg)
     shape = model_shape(cfg)

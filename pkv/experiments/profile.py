@@ -24,11 +24,21 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
+from pkv.atomic_io import write_json_atomic
 from pkv.config import PkvConfig
 from pkv.experiments.common import (
-    build_engines, run_calibration, load_requests, model_shape, provenance_for,
-    resolve_settings, trace_name, trace_record,
+    build_engines,
+    load_requests,
+    model_shape,
+    provenance_for,
+    resolve_settings,
+    run_calibration,
+    trace_name,
+    trace_record,
 )
+from pkv.measure.harness import TraceRunSpec, run_trace
 
 NCU_SCHEMA = "pkv.ncu/1"
 CHILD_ENV = "PKV_NCU_CHILD"
@@ -142,8 +152,6 @@ def parse_ncu_csv(text: str, source: str = "<ncu csv>") -> list[dict]:
 
 def _profiled_trace(cfg: PkvConfig) -> None:
     """The inner run under ncu; pkv.measure.harness puts each engine's run() in the range "<engine>_decode"."""
-    from pkv.measure.harness import TraceRunSpec, run_trace
-
     exp, trace = cfg.experiment, cfg.trace
     settings = resolve_settings(cfg)
     shape = model_shape(cfg)
@@ -174,9 +182,6 @@ def _record(cfg: PkvConfig, settings, **body) -> dict:
 
 def run(cfg: PkvConfig, overrides: Sequence[str] = ()) -> list[Path]:
     """Write cfg.out (ncu_counters.json); `overrides` are the CLI's, replayed for the inner run."""
-    import torch
-
-    from pkv.atomic_io import write_json_atomic
 
     settings = resolve_settings(cfg)
     if os.environ.get(CHILD_ENV) == "1":

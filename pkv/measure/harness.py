@@ -29,6 +29,8 @@ from pkv.measure.mlp_tail import GatedMLPTail
 from pkv.measure.nvtx_ranges import nvtx_range, validate_range_name
 from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer, hold_device
 from pkv.pipeline import counters
+from pkv.pipeline.pages import assign_pages
+from pkv.pipeline.serving import ContinuousDecoder
 from pkv.policy.route import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH
 
 # Relative error against float64 above which an engine (or the baseline itself) is wrong
@@ -153,7 +155,6 @@ class _EngineRecord:
     def metrics(self, implementation: str) -> dict:
         selected = self.routes.most_common(1)[0][0] if self.routes else None
         splits = self.splits.most_common(1)[0][0] if self.splits else None
-        from pkv.pipeline import counters
 
         return {
             "steps": self.steps,
@@ -197,9 +198,6 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
               num_sms: int | None = None) -> dict[str, dict]:
     """Run every engine on every decode step of the trace; return each engine's metrics dict
     (the result contract's "metrics", plus "implementation")."""
-    from pkv.pipeline.pages import assign_pages
-    from pkv.pipeline.serving import ContinuousDecoder
-
     if not engines:
         raise ValueError("run_trace needs at least one engine")
     if baseline not in engines:

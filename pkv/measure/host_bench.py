@@ -25,8 +25,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
-from pkv.engines import OPTION_NAMES, role_policy
+from pkv.atomic_io import write_json_atomic
+from pkv.engines import OPTION_NAMES, build_engine, role_policy
+from pkv.measure.calibration_probe import measure_launch_us
+from pkv.measure.kv_data import make_kv_pages, make_queries
+from pkv.measure.timing import L2Flusher, WallTimer, hold_device, time_device_us
+from pkv.pipeline.pages import assign_pages
+from pkv.pipeline.step import build_step
+from pkv.policy.calibration import Calibration, load_calibration
+from pkv.provenance import collect_provenance
+from pkv.shape import ModelShape
 
 K = 1024
 CASES: dict[str, list[int]] = {
@@ -55,8 +65,6 @@ def engine_specs() -> dict[str, tuple[str, dict]]:
 def wall_split(engine, q, k, v, step, reps: int, between=None) -> dict[str, float]:
     """Medians of plan, run issue, wait for the GPU and the whole synchronized step (us).
     ``between`` runs before each step, outside the timing."""
-    from pkv.measure.timing import WallTimer
-
     samples = []
     for _ in range(reps):
         if between is not None:
@@ -72,12 +80,6 @@ def wall_split(engine, q, k, v, step, reps: int, between=None) -> dict[str, floa
 
 
 def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log) -> dict:
-    from pkv.engines import build_engine
-    from pkv.measure.kv_data import make_kv_pages, make_queries
-    from pkv.pipeline.pages import assign_pages
-    from pkv.pipeline.step import build_step
-    from pkv.measure.timing import hold_device, time_device_us
-
     assignment = assign_pages(seq_lens, 16, 0.0, seed)
     step = build_step(0, np.arange(len(seq_lens)), np.asarray(seq_lens, dtype=np.int32), assignment.pages, 16)
     k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, "float16", "cuda", seed)
@@ -114,14 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    import yaml
 
-    from pkv.measure.calibration_probe import measure_launch_us
-    from pkv.policy.calibration import Calibration, load_calibration
-    from pkv.provenance import collect_provenance
-    from pkv.atomic_io import write_json_atomic
-    from pkv.shape import ModelShape
-    from pkv.measure.timing import L2Flusher
 
     config = {"cases": args.cases, "reps": args.reps, "calibration": str(args.calibration)}
     if not torch.cuda.is_available():

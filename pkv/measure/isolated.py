@@ -11,11 +11,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pkv.measure.accuracy import compare
 from pkv.engines.base import EngineUnavailable
 from pkv.engines.dense import dense_decode
+from pkv.measure.accuracy import compare
 from pkv.measure.kv_data import make_kv_pages, make_queries, resolve_dtype
 from pkv.measure.timing import L2Flusher, time_device_us
+from pkv.pipeline.pages import assign_pages
+from pkv.pipeline.step import build_step
 
 
 def kv_bytes_read(seq_lens, shape, dtype_bytes: int) -> int:
@@ -33,9 +35,6 @@ def isolated_batch(seq_lens: list[int], shape, engines: dict, *, page_size: int 
     fraction_of_floor (None without ``read_gbps``), rel_err, max_abs_err, mean_abs_err and
     implementation; ``{"skipped": reason}`` for an engine that raises EngineUnavailable.
     """
-    from pkv.pipeline.pages import assign_pages
-    from pkv.pipeline.step import build_step
-
     lens = [int(n) for n in seq_lens]
     if not lens or min(lens) < 1:
         raise ValueError(f"seq_lens must be a non-empty list of lengths >= 1, got {seq_lens!r}")

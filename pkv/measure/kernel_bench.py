@@ -21,9 +21,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pkv.atomic_io import write_json_atomic
+from pkv.engines.dense import dense_decode
+from pkv.engines.flashinfer import FlashInferEngine
 from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine
+from pkv.measure.harness import REF_REL_LIMIT
+from pkv.measure.kv_data import make_kv_pages, make_queries
+from pkv.measure.timing import L2Flusher, time_device_us, time_interleaved_us
+from pkv.pipeline.pages import assign_pages
+from pkv.pipeline.step import build_step
 from pkv.policy.choose import PinnedRoutePolicy
 from pkv.policy.route import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
+from pkv.provenance import collect_provenance
+from pkv.shape import ModelShape
 
 K = 1024
 CASES: dict[str, list[int]] = {
@@ -49,8 +59,6 @@ CONFIRM_ROUNDS = 5  # interleaved rounds that re-time the fastest FlashInfer and
 
 def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
     """Streaming read bandwidth: a reduction over a buffer far larger than L2."""
-    from pkv.measure.timing import time_device_us
-
     buf = torch.ones(nbytes // 2, dtype=torch.float16, device=device)
     stats = time_device_us(lambda: buf.sum(dtype=torch.float32), reps=reps, warmup=2)
     del buf
@@ -91,8 +99,6 @@ def _engine(shape, route: StepRoute, stages: int) -> PersistentKVEngine:
 def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
     """Where a B1 bucket call's time goes: a one-element kernel (launch and event overhead), the
     decode launch alone, and decode + separate merge, all with the same L2 flush."""
-    from pkv.measure.timing import time_device_us
-
     tiny = torch.zeros(1, device=q.device)
     out = torch.empty_like(q)
     part_m, part_l, part_acc = engine.scratch(plan, q.device)
@@ -113,14 +119,6 @@ def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
 
 
 def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
-    from pkv.engines.dense import dense_decode
-    from pkv.engines.flashinfer import FlashInferEngine
-    from pkv.measure.harness import REF_REL_LIMIT
-    from pkv.measure.kv_data import make_kv_pages, make_queries
-    from pkv.pipeline.pages import assign_pages
-    from pkv.pipeline.step import build_step
-    from pkv.measure.timing import time_device_us, time_interleaved_us
-
     device = "cuda"
     assignment = assign_pages(seq_lens, 16, 0.5, seed)
     step = build_step(0, np.arange(len(seq_lens)), np.asarray(seq_lens, dtype=np.int32), assignment.pages, 16)
@@ -202,10 +200,6 @@ def main(argv=None) -> int:
     parser.add_argument("--flush", choices=("read", "write"), default="read",
                         help="how L2 is evicted before each timed call (see pkv.measure.timing.L2Flusher)")
     args = parser.parse_args(argv)
-    from pkv.provenance import collect_provenance
-    from pkv.atomic_io import write_json_atomic
-    from pkv.shape import ModelShape
-    from pkv.measure.timing import L2Flusher
 
     if not torch.cuda.is_available():
         write_json_atomic(args.out, {"schema": "pkv.measure.kernel_bench/1", "skipped": "no GPU",
