@@ -33,7 +33,7 @@ def test_each_batch_size_has_the_gate_of_its_regime(batch, regime):
     assert regime_of(batch) == regime
     assert regime_of(REGIME_BATCH[regime]) == regime
     assert regime_field(regime_of(batch), "min_context_tokens") == f"regimes.{regime}.min_context_tokens"
-    assert START.regime_for_batch(batch) is START.regime(regime)
+    assert START.regime(regime_of(batch)) is START.regime(regime)
 
 
 def test_each_regime_gate_is_fitted_from_all_of_its_steps():

@@ -9,6 +9,7 @@ import yaml
 
 from pkv.policy import Calibration, CalibrationError, RegimeParams, load_calibration, save_calibration
 from pkv.policy.calibration import LEGACY_FIELDS
+from pkv.policy.regime import regime_of
 from policy_constants import PAPER
 
 CONF_GPU = Path(__file__).resolve().parents[1] / "conf" / "gpu"
@@ -160,7 +161,7 @@ def test_rtx3060_config_holds_the_paper_constants():
 
 
 def test_regime_lookup():
-    assert [PAPER.regime_for_batch(b).route for b in (1, 2, 7, 8, 64)] == [
+    assert [PAPER.regime(regime_of(b)).route for b in (1, 2, 7, 8, 64)] == [
         "persistentkv_bucket", "flashinfer", "flashinfer", "persistentkv_workqueue", "persistentkv_workqueue"]
     with pytest.raises(ValueError, match="unknown regime"):
         PAPER.regime("b4")

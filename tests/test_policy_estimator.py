@@ -14,7 +14,6 @@ from pkv.policy.fits import (
     context_class,
     fit_c_min,
     fit_context_gate,
-    fit_lambda,
     fit_regime_route,
     fit_split_count,
     group_size_holds,
@@ -126,7 +125,6 @@ def test_fit_recovers_known_constants(make_step):
     assert fit.lambda_us == pytest.approx(8.19, rel=1e-9)
     assert fit.rms_rel_error < 1e-12
     assert fit.num_samples == len(samples)
-    assert fit_lambda(samples, start, c_min=4.0) == pytest.approx(8.19, rel=1e-9)
 
 
 def test_fit_recovers_other_constants_under_noise(make_step):
@@ -149,7 +147,7 @@ def test_fit_rejects_bad_samples(make_step):
     with pytest.raises(ValueError, match="at least one"):
         fit_c_min([], estimator())
     with pytest.raises(ValueError, match=r"samples\[0\]\.measured_us=-1\.0"):
-        fit_lambda([(FLASHINFER_ROUTE, make_step([100]), -1.0)], estimator())
+        fit_c_min([(FLASHINFER_ROUTE, make_step([100]), -1.0)], estimator())
     with pytest.raises(ValueError, match="grid"):
         fit_c_min([(FLASHINFER_ROUTE, make_step([100]), 5.0)], estimator(), grid=[])
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pkv.pipeline.schedule import BucketPlan, SplitPolicy, WorkqueuePlan, row_splits
+from pkv.pipeline.schedule import BucketPlan, WorkqueuePlan
 
 MIB = 2**20
 PARTIAL_STATE_BYTES = 4  # m, l and acc are float32
@@ -111,19 +111,7 @@ def counters_for_workqueue(
     )
 
 
-def estimate_workqueue_counters(
-    step, num_kv_heads: int, group_size: int, policy: SplitPolicy, num_sms: int, head_dim: int,
-    kv_dtype_bytes: int = 2, fused_merge: bool = False,
-) -> StepCounters:
-    """The counters plan_workqueue's plan would give, from per-row split counts alone.
 
-    The route policy runs every step and only needs counts, so it skips building tasks.
-    """
-    per_row = row_splits(step.seq_lens, num_kv_heads, policy).astype(np.int64)
-    pair_splits = np.repeat(per_row, int(num_kv_heads))
-    return _workqueue_counters(
-        pair_splits, step, num_kv_heads, group_size, num_sms, head_dim, kv_dtype_bytes, fused_merge
-    )
 
 
 def counters_for_flashinfer(

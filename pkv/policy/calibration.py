@@ -27,7 +27,6 @@ from pkv.policy.regime import (
     RegimeParams,
     is_int,
     is_number,
-    regime_of,
 )
 from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE
 
@@ -88,9 +87,6 @@ class Calibration:
         if name not in REGIMES:
             raise ValueError(f"unknown regime {name!r}; regimes: {REGIMES}")
         return getattr(self, name)
-
-    def regime_for_batch(self, batch_size: int) -> RegimeParams:
-        return self.regime(regime_of(batch_size))
 
     def with_regime(self, name: str, **changes) -> "Calibration":
         """A copy with some parameters of one regime replaced."""

@@ -73,15 +73,6 @@ def _lambda_for(c_min: np.ndarray, terms) -> tuple[np.ndarray, np.ndarray]:
     return lam, err
 
 
-def fit_lambda(samples: Iterable, estimator: Estimator, *, c_min: float | None = None) -> float:
-    """Launch cost lambda (us) minimising relative squared error, C_min held fixed."""
-    calib = estimator.calib
-    terms = _sample_terms(samples, estimator)
-    fixed_c_min = calib.c_min if c_min is None else float(c_min)
-    lam, _ = _lambda_for(np.array([fixed_c_min]), terms)
-    return float(lam[0])
-
-
 def fit_c_min(samples: Iterable, estimator: Estimator, *, grid: Sequence[float] | None = None,
               refit_lambda: bool = True) -> CostFit:
     """Grid search of C_min over C_MIN_GRID (0.25 .. 64 CTAs/SM) with lambda refit per point.
