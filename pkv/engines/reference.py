@@ -44,6 +44,19 @@ class WorkItems:
     num_slots: int
 
 
+def _tile_items(rows, kv_heads, tile_begin, tile_end, slots, seq_lens, neutral_slots, num_slots) -> WorkItems:
+    """WorkItems from tile ranges: tile t holds tokens [32 t, 32 t + 32), cut at the row's length."""
+    return WorkItems(
+        rows=rows,
+        kv_heads=kv_heads,
+        token_begin=tile_begin * TILE_TOKENS,
+        token_end=np.minimum(tile_end * TILE_TOKENS, seq_lens[rows].astype(np.int64)),
+        slots=slots,
+        neutral_slots=neutral_slots,
+        num_slots=num_slots,
+    )
+
+
 def row_tile_counts(seq_lens: np.ndarray) -> np.ndarray:
     return (np.asarray(seq_lens, dtype=np.int64) + TILE_TOKENS - 1) // TILE_TOKENS
 
@@ -74,15 +87,8 @@ def _workqueue_items(schedule, seq_lens: np.ndarray, num_kv_heads: int) -> WorkI
             f"{int(seq_lens[rows[i]])} and split_offsets[{pair[i]}:{pair[i] + 2}] = "
             f"{offsets[pair[i]:pair[i] + 2].tolist()}"
         )
-    return WorkItems(
-        rows=rows,
-        kv_heads=kvh,
-        token_begin=tile_begin * TILE_TOKENS,
-        token_end=np.minimum(tile_end * TILE_TOKENS, seq_lens[rows].astype(np.int64)),
-        slots=slots,
-        neutral_slots=np.zeros(0, dtype=np.int64),
-        num_slots=int(offsets[-1]),
-    )
+    return _tile_items(rows, kvh, tile_begin, tile_end, slots, seq_lens, np.zeros(0, dtype=np.int64),
+                       int(offsets[-1]))
 
 
 def _bucket_items(schedule, seq_lens: np.ndarray, num_kv_heads: int) -> WorkItems:
@@ -115,15 +121,7 @@ def _bucket_items(schedule, seq_lens: np.ndarray, num_kv_heads: int) -> WorkItem
     if not parts:
         raise ValueError("BucketPlan has no launches")
     rows, kvh, tile_begin, tile_end, slots = (np.concatenate(c) for c in zip(*parts))
-    return WorkItems(
-        rows=rows,
-        kv_heads=kvh,
-        token_begin=tile_begin * TILE_TOKENS,
-        token_end=np.minimum(tile_end * TILE_TOKENS, seq_lens[rows].astype(np.int64)),
-        slots=slots,
-        neutral_slots=np.concatenate(neutral),
-        num_slots=base,
-    )
+    return _tile_items(rows, kvh, tile_begin, tile_end, slots, seq_lens, np.concatenate(neutral), base)
 
 
 def work_items(plan: EnginePlan, num_kv_heads: int) -> WorkItems:
