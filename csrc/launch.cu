@@ -11,7 +11,8 @@ cudaError_t bucket_decode_typed(const DecodeArgs&, const int32_t*, int, int, int
 template <typename T>
 cudaError_t bucket_cluster_decode_typed(const DecodeArgs&, const int32_t*, int, int, cudaStream_t);
 template <typename T>
-cudaError_t workqueue_decode_typed(const DecodeArgs&, const int32_t*, int, const int32_t*, int32_t*, cudaStream_t);
+cudaError_t workqueue_decode_typed(const DecodeArgs&, const int32_t*, int, const int32_t*, int32_t*, cudaStream_t,
+                                   const int32_t*);
 template <typename T>
 cudaError_t merge_states_typed(const DecodeArgs&, const int32_t*, const int32_t*, int, int, cudaStream_t);
 
@@ -32,11 +33,14 @@ cudaError_t launch_bucket_cluster_decode(const DecodeArgs& args, const int32_t* 
 }
 
 cudaError_t launch_workqueue_decode(const DecodeArgs& args, const int32_t* tasks, int num_tasks,
-                                    const int32_t* split_offsets, int32_t* pair_counters, cudaStream_t stream) {
+                                    const int32_t* split_offsets, int32_t* pair_counters, cudaStream_t stream,
+                                    const int32_t* live_tasks) {
   if (num_tasks == 0) return cudaSuccess;
   return args.dtype == KvDtype::kFloat16
-             ? workqueue_decode_typed<__half>(args, tasks, num_tasks, split_offsets, pair_counters, stream)
-             : workqueue_decode_typed<__nv_bfloat16>(args, tasks, num_tasks, split_offsets, pair_counters, stream);
+             ? workqueue_decode_typed<__half>(args, tasks, num_tasks, split_offsets, pair_counters, stream,
+                                              live_tasks)
+             : workqueue_decode_typed<__nv_bfloat16>(args, tasks, num_tasks, split_offsets, pair_counters, stream,
+                                                     live_tasks);
 }
 
 cudaError_t launch_merge_states(const DecodeArgs& args, const int32_t* row_indices, const int32_t* split_offsets,

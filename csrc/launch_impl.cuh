@@ -88,13 +88,14 @@ cudaError_t bucket_cluster_decode_typed(const DecodeArgs& args, const int32_t* r
 
 template <typename T>
 cudaError_t workqueue_decode_typed(const DecodeArgs& args, const int32_t* tasks, int num_tasks,
-                                   const int32_t* split_offsets, int32_t* pair_counters, cudaStream_t stream) {
+                                   const int32_t* split_offsets, int32_t* pair_counters, cudaStream_t stream,
+                                   const int32_t* live_tasks) {
   return dispatch_group_size(args.group_size, [&](auto g) {
     return dispatch_stages(args.stages, [&](auto st) {
       constexpr int G = decltype(g)::value, S = decltype(st)::value, bytes = decode_smem_bytes<S>();
       constexpr auto kernel = workqueue_decode_kernel<T, G, S>;
       if (cudaError_t e = allow_decode_smem<kernel, bytes>(); e != cudaSuccess) return e;
-      kernel<<<num_tasks, kThreads, bytes, stream>>>(args, tasks, split_offsets, pair_counters);
+      kernel<<<num_tasks, kThreads, bytes, stream>>>(args, tasks, split_offsets, pair_counters, live_tasks);
       return cudaGetLastError();
     });
   });
@@ -126,7 +127,7 @@ cudaError_t merge_states_typed(const DecodeArgs& args, const int32_t* row_indice
   template cudaError_t bucket_cluster_decode_typed<T>(const DecodeArgs&, const int32_t*, int, int,       \
                                                       cudaStream_t);                                  \
   template cudaError_t workqueue_decode_typed<T>(const DecodeArgs&, const int32_t*, int, const int32_t*,  \
-                                                 int32_t*, cudaStream_t);                              \
+                                                 int32_t*, cudaStream_t, const int32_t*);              \
   template cudaError_t merge_states_typed<T>(const DecodeArgs&, const int32_t*, const int32_t*, int, int, \
                                              cudaStream_t);
 

@@ -52,9 +52,11 @@ cudaError_t launch_bucket_cluster_decode(const DecodeArgs& args, const int32_t* 
 // split_offsets has B * Hkv + 1 entries. A pair with one split is written to `out` directly.
 // When `pair_counters` is non-null the last task of each pair merges it (fused variant); the
 // counters must be zero on entry and are zero again on exit.
+// When `live_tasks` is non-null (a plan made on the device, device_plan.h), num_tasks is the
+// capacity of `tasks` and only the first *live_tasks of them run.
 cudaError_t launch_workqueue_decode(const DecodeArgs& args, const int32_t* tasks, int num_tasks,
                                     const int32_t* split_offsets, int32_t* pair_counters,
-                                    cudaStream_t stream);
+                                    cudaStream_t stream, const int32_t* live_tasks = nullptr);
 
 // Exact merge of split states into `out`, one CTA per (row, kvh) pair.
 // Uniform mode (split_offsets == nullptr): pair p owns slots [p * num_splits, (p + 1) * num_splits)

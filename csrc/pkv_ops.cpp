@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include "device_plan.h"
 #include "pkv_launch.h"
 #include "step_executor.h"
 #include "step_plan.h"
@@ -324,6 +325,73 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
   return out;
 }
 
+// The workqueue plan made on the GPU from seq_lens (device_plan.h), into caller-owned buffers:
+// no host synchronization, no copy, so a CUDA graph can hold it.
+void plan_workqueue_on_device(const Tensor& seq_lens, int64_t num_kv_heads, int64_t num_splits, int64_t max_tokens,
+                              const Tensor& tasks, const Tensor& split_offsets, const Tensor& counts) {
+  const c10::cuda::CUDAGuard guard(seq_lens.device());
+  check_cuda_tensor(seq_lens, "seq_lens", at::kInt);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous(), "pkv: seq_lens must be contiguous [B], got ",
+              seq_lens.sizes());
+  const int64_t batch = seq_lens.size(0);
+  TORCH_CHECK(batch >= 1 && batch <= pkv::kMaxDevicePlanRows, "pkv: a device plan serves 1..",
+              pkv::kMaxDevicePlanRows, " rows, got B=", batch);
+  TORCH_CHECK(num_kv_heads >= 1 && num_splits >= 1 && num_splits <= pkv::kMaxMergeSlots,
+              "pkv: num_kv_heads must be >= 1 and num_splits in 1..", pkv::kMaxMergeSlots, ", got ", num_kv_heads,
+              " and ", num_splits);
+  TORCH_CHECK(max_tokens >= 1 && max_tokens <= INT32_MAX, "pkv: max_tokens must be in 1..2^31-1, got ", max_tokens);
+  check_cuda_tensor(tasks, "tasks", at::kInt);
+  TORCH_CHECK(tasks.dim() == 2 && tasks.size(1) == 5 && tasks.is_contiguous() &&
+                  tasks.size(0) >= batch * num_kv_heads * num_splits,
+              "pkv: tasks must be contiguous [>= B * Hkv * num_splits = ", batch * num_kv_heads * num_splits,
+              ", 5], got ", tasks.sizes());
+  check_cuda_tensor(split_offsets, "split_offsets", at::kInt);
+  TORCH_CHECK(split_offsets.is_contiguous() && split_offsets.numel() == batch * num_kv_heads + 1,
+              "pkv: split_offsets must be contiguous [B * Hkv + 1] = [", batch * num_kv_heads + 1, "], got ",
+              split_offsets.sizes());
+  check_cuda_tensor(counts, "counts", at::kInt);
+  TORCH_CHECK(counts.is_contiguous() && counts.numel() == 2, "pkv: counts must be contiguous [2], got ",
+              counts.sizes());
+  check_launch(pkv::launch_plan_workqueue_on_device(seq_lens.data_ptr<int32_t>(), static_cast<int>(batch),
+                                                    static_cast<int>(num_kv_heads), static_cast<int>(num_splits),
+                                                    static_cast<int>(max_tokens), tasks.data_ptr<int32_t>(),
+                                                    split_offsets.data_ptr<int32_t>(), counts.data_ptr<int32_t>(),
+                                                    c10::cuda::getCurrentCUDAStream().stream()),
+               "plan_workqueue_on_device");
+}
+
+// A step planned by plan_workqueue_on_device: the decode grid is the capacity of `tasks` (CTAs
+// past the live count leave at once), then the merge over every (row, KV head) pair, which skips
+// single-split pairs. Shapes depend on the batch size only, never on the lengths.
+void run_workqueue_planned_on_device(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,
+                                     const Tensor& block_table, const Tensor& seq_lens, const Tensor& tasks,
+                                     const Tensor& split_offsets, const Tensor& counts, double sm_scale,
+                                     int64_t stages, const Tensor& out, const Tensor& part_m, const Tensor& part_l,
+                                     const Tensor& part_acc) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages);
+  const int64_t pairs = q.size(0) * args.num_kv_heads;
+  check_cuda_tensor(tasks, "tasks", at::kInt);
+  TORCH_CHECK(tasks.dim() == 2 && tasks.size(1) == 5 && tasks.is_contiguous() && tasks.size(0) >= 1,
+              "pkv: tasks must be contiguous [capacity, 5], got ", tasks.sizes());
+  TORCH_CHECK(part_m.size(0) >= tasks.size(0), "pkv: the partial states hold ", part_m.size(0),
+              " slots, the plan's capacity is ", tasks.size(0));
+  check_cuda_tensor(split_offsets, "split_offsets", at::kInt);
+  TORCH_CHECK(split_offsets.is_contiguous() && split_offsets.numel() == pairs + 1,
+              "pkv: split_offsets must be contiguous [B * Hkv + 1] = [", pairs + 1, "], got ", split_offsets.sizes());
+  check_cuda_tensor(counts, "counts", at::kInt);
+  TORCH_CHECK(counts.is_contiguous() && counts.numel() == 2, "pkv: counts must be contiguous [2], got ",
+              counts.sizes());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(pkv::launch_workqueue_decode(args, tasks.data_ptr<int32_t>(), static_cast<int>(tasks.size(0)),
+                                            split_offsets.data_ptr<int32_t>(), nullptr, stream,
+                                            counts.data_ptr<int32_t>()),
+               "workqueue_decode (planned on the device)");
+  check_launch(pkv::launch_merge_states(args, nullptr, split_offsets.data_ptr<int32_t>(), static_cast<int>(pairs), 0,
+                                        stream),
+               "merge_states (planned on the device)");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pkv, m) {
@@ -342,6 +410,13 @@ TORCH_LIBRARY(pkv, m) {
   m.def(
       "run_plan(Tensor q, Tensor k_pages, Tensor v_pages, Tensor meta, int[] layout, float sm_scale, int stages, "
       "int merge_kind, Tensor(a!)? pair_counters) -> Tensor");
+  m.def(
+      "plan_workqueue_on_device(Tensor seq_lens, int num_kv_heads, int num_splits, int max_tokens, "
+      "Tensor(a!) tasks, Tensor(b!) split_offsets, Tensor(c!) counts) -> ()");
+  m.def(
+      "run_workqueue_planned_on_device(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, "
+      "Tensor seq_lens, Tensor tasks, Tensor split_offsets, Tensor counts, float sm_scale, int stages, "
+      "Tensor(a!) out, Tensor(b!) part_m, Tensor(c!) part_l, Tensor(d!) part_acc) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CUDA, m) {
@@ -349,4 +424,6 @@ TORCH_LIBRARY_IMPL(pkv, CUDA, m) {
   m.impl("workqueue_decode", &workqueue_decode);
   m.impl("merge_states", &merge_states);
   m.impl("run_plan", &run_plan);
+  m.impl("plan_workqueue_on_device", &plan_workqueue_on_device);
+  m.impl("run_workqueue_planned_on_device", &run_workqueue_planned_on_device);
 }

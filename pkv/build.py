@@ -30,7 +30,7 @@ from pkv.provenance import collect_provenance
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CSRC = REPO_ROOT / "csrc"
-KERNEL_SOURCES = ("launch.cu", "launch_fp16.cu", "launch_bf16.cu", "step_executor.cu")
+KERNEL_SOURCES = ("launch.cu", "launch_fp16.cu", "launch_bf16.cu", "step_executor.cu", "device_plan.cu")
 BINDING_SOURCE = "pkv_ops.cpp"
 LIBRARY_NAME = "pkv_ext"
 # The step planner: part of the CUDA extension, and on its own a CPU-only library where there is

@@ -24,7 +24,8 @@ def _register_fakes() -> None:
     register = getattr(torch.library, "register_fake", None)  # torch >= 2.4
     if register is None:
         return
-    for name in ("pkv::bucket_decode", "pkv::workqueue_decode", "pkv::merge_states"):
+    for name in ("pkv::bucket_decode", "pkv::workqueue_decode", "pkv::merge_states", "pkv::plan_workqueue_on_device",
+                 "pkv::run_workqueue_planned_on_device"):
         register(name)(lambda *args, **kwargs: None)
     register("pkv::run_plan")(_run_plan_fake)
 

@@ -1,0 +1,125 @@
+// The workqueue plan on the GPU (device_plan.h): one CTA, a thread per row.
+#include "decode_constants.h"
+#include "device_plan.h"
+
+namespace pkv {
+namespace {
+
+constexpr int kPlanThreads = kMaxDevicePlanRows;
+constexpr int kWarps = kPlanThreads / 32;
+
+// Exclusive prefix sum of `value` over the CTA's threads, and the total.
+__device__ int block_exclusive_scan(int value, int* warp_totals, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inclusive = value;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += other;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int sum = warp_totals[lane];
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int other = __shfl_up_sync(0xffffffffu, sum, offset);
+      if (lane >= offset) sum += other;
+    }
+    warp_totals[lane] = sum;  // inclusive over warps
+  }
+  __syncthreads();
+  const int before_warp = warp == 0 ? 0 : warp_totals[warp - 1];
+  *total = warp_totals[kWarps - 1];
+  __syncthreads();  // warp_totals is reused by the next scan
+  return before_warp + inclusive - value;
+}
+
+__global__ void __launch_bounds__(kPlanThreads)
+    plan_workqueue_kernel(const int32_t* seq_lens, int batch, int hkv, int num_splits, int max_tokens,
+                          int32_t* tasks, int32_t* split_offsets, int32_t* counts) {
+  __shared__ int tiles_of[kPlanThreads];
+  __shared__ int splits_of[kPlanThreads];
+  __shared__ int row_at[kPlanThreads];      // sorted position -> row, longest first
+  __shared__ int task_begin[kPlanThreads];  // sorted position -> its first task
+  __shared__ int warp_totals[32];
+  const int tid = threadIdx.x;
+  int tiles = 0, splits = 0;
+  if (tid < batch) {
+    const int len = min(max(seq_lens[tid], 0), max_tokens);
+    tiles = (len + kTileTokens - 1) / kTileTokens;
+    splits = min(num_splits, tiles);
+    if (splits > 0) {
+      const int per_split = (tiles + splits - 1) / splits;
+      splits = (tiles + per_split - 1) / per_split;  // splits past this would own no tile
+    }
+  }
+  tiles_of[tid] = tiles;
+  splits_of[tid] = splits;
+  __syncthreads();
+
+  // Rank by length, longest first (ties by row), so the block scheduler starts the long tasks first.
+  if (tid < batch) {
+    int rank = 0;
+    for (int j = 0; j < batch; ++j) {
+      const int other = tiles_of[j];
+      rank += other > tiles || (other == tiles && j < tid);
+    }
+    row_at[rank] = tid;
+  }
+  int slots_total;
+  const int slot_begin = block_exclusive_scan(splits, warp_totals, &slots_total);
+  if (tid < batch) {
+    for (int h = 0; h < hkv; ++h) split_offsets[tid * hkv + h] = slot_begin * hkv + h * splits;
+  }
+  if (tid == 0) split_offsets[batch * hkv] = slots_total * hkv;
+
+  // row_at is complete after the scan's barriers.
+  const int my_tasks = tid < batch ? hkv * splits_of[row_at[tid]] : 0;
+  int live;
+  task_begin[tid] = block_exclusive_scan(my_tasks, warp_totals, &live);
+  int widest = splits;
+  for (int offset = 16; offset > 0; offset >>= 1) widest = max(widest, __shfl_xor_sync(0xffffffffu, widest, offset));
+  if ((tid & 31) == 0) warp_totals[tid >> 5] = widest;
+  __syncthreads();
+  if (tid == 0) {
+    int most = 0;
+    for (int w = 0; w < kWarps; ++w) most = max(most, warp_totals[w]);
+    counts[0] = live;
+    counts[1] = most;
+  }
+
+  // Every thread writes tasks; task t belongs to the last sorted position whose first task is <= t.
+  for (int t = tid; t < live; t += kPlanThreads) {
+    int lo = 0, hi = batch - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (task_begin[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    const int row = row_at[lo], local = t - task_begin[lo];
+    const int row_splits = splits_of[row], row_tiles = tiles_of[row];
+    const int kvh = local / row_splits, split = local % row_splits;
+    const int per_split = (row_tiles + row_splits - 1) / row_splits;
+    const int begin = split * per_split;
+    int32_t* task = tasks + static_cast<int64_t>(t) * 5;
+    task[0] = row;
+    task[1] = kvh;
+    task[2] = split;
+    task[3] = begin;
+    task[4] = min(begin + per_split, row_tiles);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_plan_workqueue_on_device(const int32_t* seq_lens, int batch, int num_kv_heads, int num_splits,
+                                            int max_tokens, int32_t* tasks, int32_t* split_offsets, int32_t* counts,
+                                            cudaStream_t stream) {
+  if (batch < 1 || batch > kMaxDevicePlanRows || num_kv_heads < 1 || num_splits < 1 || max_tokens < 1)
+    return cudaErrorInvalidValue;
+  plan_workqueue_kernel<<<1, kPlanThreads, 0, stream>>>(seq_lens, batch, num_kv_heads, num_splits, max_tokens,
+                                                        tasks, split_offsets, counts);
+  return cudaGetLastError();
+}
+
+}  // namespace pkv

@@ -1,0 +1,26 @@
+// The workqueue's plan made on the GPU, from seq_lens already there: no host synchronization, no
+// device-to-host copy, no upload. A decode step planned this way has fixed launch shapes for a
+// batch size, so a CUDA graph captured once replays it for any lengths. Framework-free.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace pkv {
+
+// The most rows one device plan serves: the planner is one CTA with a thread per row.
+constexpr int kMaxDevicePlanRows = 1024;
+
+// Fixed split rule (pkv.pipeline.schedule.SplitPolicy(kind="fixed")): row i gets
+// min(num_splits, row_tiles_i) splits, fewer where the last ones would own no tile, so every task
+// is non-empty; split ranges are those of docs/architecture.md. Writes
+//   split_offsets[batch * Hkv + 1]  pair p = row * Hkv + kvh owns slots [split_offsets[p], split_offsets[p+1])
+//   tasks[live, 5]                  (row, kvh, split, tile_begin, tile_end), rows longest first
+//   counts[2]                       (live task count, most splits of a row)
+// `tasks` must hold batch * Hkv * num_splits rows (the capacity the decode grid is launched with).
+// Lengths are clamped to max_tokens (what the block table can address); a row of length 0 gets
+// no task and its output is not written.
+cudaError_t launch_plan_workqueue_on_device(const int32_t* seq_lens, int batch, int num_kv_heads, int num_splits,
+                                            int max_tokens, int32_t* tasks, int32_t* split_offsets, int32_t* counts,
+                                            cudaStream_t stream);
+
+}  // namespace pkv

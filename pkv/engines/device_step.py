@@ -1,0 +1,122 @@
+"""A decode step planned on the GPU, for a serving engine that plans once per step and replays
+CUDA graphs (DESIGN.md, "Inside a serving engine").
+
+``DeviceDecodeStep`` is the workspace: allocated once for (max batch, num_splits), it plans the
+compact workqueue from ``seq_lens`` and the block table the caller already holds on the GPU
+(csrc/device_plan.cu: no host synchronization, no copy, no upload) and runs the decode and merge
+into a caller-owned ``out``. Its launch shapes depend on the batch size only, so
+``GraphedDecodeStep`` captures one step per batch size and replays it for any lengths.
+
+The split rule is the fixed one of the workqueue route (pkv.pipeline.schedule.SplitPolicy,
+kind "fixed"); the split count comes from the caller's route (pkv.policy), one per captured graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pkv import ops
+
+MAX_DEVICE_PLAN_ROWS = 1024  # kMaxDevicePlanRows in csrc/device_plan.h: one planner CTA, a thread per row
+MAX_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
+
+
+class DeviceDecodeStep:
+    """Workspace and launches of a device-planned decode step for up to ``max_batch`` rows."""
+
+    def __init__(self, shape, *, max_batch: int, num_splits: int, device="cuda", stages: int = 2):
+        if not 1 <= int(max_batch) <= MAX_DEVICE_PLAN_ROWS:
+            raise ValueError(f"DeviceDecodeStep: max_batch must be in 1..{MAX_DEVICE_PLAN_ROWS}, got {max_batch!r}")
+        if not 1 <= int(num_splits) <= MAX_SPLITS:
+            raise ValueError(f"DeviceDecodeStep: num_splits must be in 1..{MAX_SPLITS}, got {num_splits!r}")
+        self.shape = shape
+        self.max_batch = int(max_batch)
+        self.num_splits = int(num_splits)
+        self.stages = int(stages)
+        self.device = torch.device(device)
+        self.ops = ops.load()
+        capacity = self.max_batch * shape.num_kv_heads * self.num_splits
+        g, d = shape.group_size, shape.head_dim
+        int32 = dict(dtype=torch.int32, device=self.device)
+        self.tasks = torch.empty(capacity, 5, **int32)
+        self.split_offsets = torch.empty(self.max_batch * shape.num_kv_heads + 1, **int32)
+        self.counts = torch.zeros(2, **int32)  # (live tasks, most splits of a row) of the last plan
+        # One slot per possible task: a plan never has more slots than tasks.
+        self.part_m = torch.empty(capacity, g, dtype=torch.float32, device=self.device)
+        self.part_l = torch.empty(capacity, g, dtype=torch.float32, device=self.device)
+        self.part_acc = torch.empty(capacity, g, d, dtype=torch.float32, device=self.device)
+
+    def _check(self, q, block_table, seq_lens, out) -> int:
+        batch = q.shape[0]
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"DeviceDecodeStep: q has {batch} rows; this workspace serves 1..{self.max_batch}")
+        if tuple(seq_lens.shape) != (batch,) or seq_lens.dtype != torch.int32 or seq_lens.device != self.device:
+            raise ValueError(f"DeviceDecodeStep: seq_lens must be int32 [{batch}] on {self.device}, got "
+                             f"{seq_lens.dtype} {tuple(seq_lens.shape)} on {seq_lens.device}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.dtype != torch.int32:
+            raise ValueError(f"DeviceDecodeStep: block_table must be int32 [{batch}, max_pages], got "
+                             f"{block_table.dtype} {tuple(block_table.shape)}")
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"DeviceDecodeStep: out must be {q.dtype} {tuple(q.shape)} like q, got "
+                             f"{out.dtype} {tuple(out.shape)}")
+        return batch
+
+    def run(self, q, k_pages, v_pages, block_table, seq_lens, out) -> torch.Tensor:
+        """Plan on the GPU and decode into ``out``; returns ``out``. Lengths past what the block
+        table addresses (max_pages x page size) are clamped to it, never read beyond it."""
+        batch = self._check(q, block_table, seq_lens, out)
+        hkv, splits = self.shape.num_kv_heads, self.num_splits
+        capacity = batch * hkv * splits
+        max_tokens = min(block_table.shape[1] * k_pages.shape[2], 2**31 - 1)
+        tasks, offsets = self.tasks[:capacity], self.split_offsets[:batch * hkv + 1]
+        self.ops.plan_workqueue_on_device(seq_lens, hkv, splits, max_tokens, tasks, offsets, self.counts)
+        self.ops.run_workqueue_planned_on_device(q, k_pages, v_pages, block_table, seq_lens, tasks, offsets,
+                                                 self.counts, self.shape.sm_scale, self.stages, out,
+                                                 self.part_m[:capacity], self.part_l[:capacity],
+                                                 self.part_acc[:capacity])
+        return out
+
+
+class GraphedDecodeStep:
+    """One CUDA graph per batch size over a DeviceDecodeStep: ``run`` copies the step's inputs into
+    the graph's static buffers and replays it, whatever the lengths."""
+
+    def __init__(self, step: DeviceDecodeStep, k_pages, v_pages, max_pages: int):
+        self.step = step
+        self.k_pages, self.v_pages = k_pages, v_pages
+        self.max_pages = int(max_pages)
+        self._graphs: dict[int, tuple] = {}
+
+    def _capture(self, q, block_table, seq_lens):
+        batch = q.shape[0]
+        static = (torch.zeros_like(q), torch.zeros(batch, self.max_pages, dtype=torch.int32, device=q.device),
+                  torch.ones(batch, dtype=torch.int32, device=q.device), torch.empty_like(q))
+        static_q, static_table, static_lens, static_out = static
+        static_q.copy_(q)
+        static_table[:, :block_table.shape[1]].copy_(block_table)
+        static_lens.copy_(seq_lens)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # first launches outside capture: the shared-memory opt-in
+            self.step.run(static_q, self.k_pages, self.v_pages, static_table, static_lens, static_out)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.step.run(static_q, self.k_pages, self.v_pages, static_table, static_lens, static_out)
+        self._graphs[batch] = (graph, *static)
+
+    def run(self, q, block_table, seq_lens) -> torch.Tensor:
+        """The output of one replayed step: the graph's static output, valid until the next replay
+        of this batch size."""
+        batch = q.shape[0]
+        if block_table.shape[1] > self.max_pages:
+            raise ValueError(f"GraphedDecodeStep: block_table has {block_table.shape[1]} pages a row; the "
+                             f"graphs were sized for {self.max_pages}")
+        if batch not in self._graphs:
+            self._capture(q, block_table, seq_lens)
+        graph, static_q, static_table, static_lens, static_out = self._graphs[batch]
+        static_q.copy_(q)
+        static_table[:, :block_table.shape[1]].copy_(block_table)
+        static_lens.copy_(seq_lens)
+        graph.replay()
+        return static_out

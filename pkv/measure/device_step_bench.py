@@ -1,0 +1,128 @@
+"""The device-planned decode step against the host-planned one and FlashInfer, on identical pages.
+
+Per case: PersistentKV's workqueue planned on the host (C++ planner, one upload) and run eagerly;
+the same split count planned on the GPU (pkv.engines.device_step) run eagerly and replayed from a
+CUDA graph; FlashInfer's faster decode path (tensor or CUDA cores) for reference. Device time is
+CUDA events with an L2 flush before each call (median); wall time is a synchronized step with the
+host work it needs (plan and run; for the graph, copying the step's inputs and the replay).
+
+    python -m pkv.measure.device_step_bench --out device_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pkv.atomic_io import write_json_atomic
+from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
+from pkv.engines.flashinfer import FlashInferEngine
+from pkv.engines.persistentkv import PersistentKVEngine
+from pkv.measure.kv_data import make_kv_pages, make_queries
+from pkv.measure.timing import L2Flusher, WallTimer, time_device_us
+from pkv.pipeline.pages import assign_pages
+from pkv.pipeline.step import build_step
+from pkv.policy.choose import PinnedRoutePolicy
+from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
+from pkv.provenance import collect_provenance
+from pkv.shape import ModelShape
+
+K = 1024
+# (lengths, split count): the calibrated operating points of the H200 for B1 and B8, and a full batch.
+CASES = {
+    "b1_32k": ([32 * K], 32),
+    "b1_128k": ([128 * K], 32),
+    "b8_bimodal": ([64 * K, 64 * K, 4 * K, 5632, 7 * K, 8704, 10 * K, 12 * K], 24),
+    "b64_4k": ([4 * K] * 64, 2),
+}
+
+
+def _wall_us(fn, reps: int) -> float:
+    samples = []
+    for _ in range(reps):
+        with WallTimer("cuda") as wall:
+            fn()
+        samples.append(wall.elapsed_us)
+    return statistics.median(samples)
+
+
+def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
+    assignment = assign_pages(lengths, 16, 0.5, seed)
+    step = build_step(0, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), assignment.pages, 16)
+    k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, "float16", "cuda", seed)
+    q = make_queries(len(lengths), shape, "float16", "cuda", seed + 1)
+    table = torch.from_numpy(step.block_table).cuda()
+    lens = torch.from_numpy(step.seq_lens).cuda()
+    rows = {}
+
+    host = PersistentKVEngine(shape, policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, splits)))
+    host.prepare(step, q, k, v)
+    plan = host.plan(step)
+    reference = host.run(q, k, v, plan)
+    rows["host_planned"] = {"device_us": time_device_us(lambda: host.run(q, k, v, plan), flusher=flusher,
+                                                          reps=reps).median_us,
+                            "wall_us": _wall_us(lambda: host.run(q, k, v, host.plan(step)), reps)}
+
+    workspace = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits)
+    out = torch.empty_like(q)
+    workspace.run(q, k, v, table, lens, out)
+    torch.cuda.synchronize()
+    rows["device_planned"] = {"device_us": time_device_us(lambda: workspace.run(q, k, v, table, lens, out),
+                                                            flusher=flusher, reps=reps).median_us,
+                              "wall_us": _wall_us(lambda: workspace.run(q, k, v, table, lens, out), reps),
+                              "max_abs_diff_vs_host": float((out.float() - reference.float()).abs().max())}
+
+    graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
+    graphed.run(q, table, lens)
+    graph = graphed._graphs[len(lengths)][0]
+    rows["device_planned_graph"] = {"device_us": time_device_us(graph.replay, flusher=flusher, reps=reps).median_us,
+                                    "wall_us": _wall_us(lambda: graphed.run(q, table, lens), reps)}
+
+    best = None
+    for label, tensor_cores in (("flashinfer_tc", True), ("flashinfer_cc", False)):
+        engine = FlashInferEngine(shape, use_tensor_cores=tensor_cores, device="cuda")
+        engine.prepare(step, q, k, v)
+        fi_plan = engine.plan(step)
+        device_us = time_device_us(lambda: engine.run(q, k, v, fi_plan), flusher=flusher, reps=reps).median_us
+        if best is None or device_us < best[1]:
+            best = (label, device_us, _wall_us(lambda: engine.run(q, k, v, engine.plan(step)), reps))
+    rows["flashinfer"] = {"path": best[0], "device_us": best[1], "wall_us": best[2]}
+    log(f"{name:<11} S={splits:<3}" + "".join(f"{label:>22} {r['device_us']:7.1f} / {r['wall_us']:7.1f}"
+                                               for label, r in rows.items()))
+    return {"seq_lens": list(map(int, lengths)), "num_splits": splits, "engines": rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=20260622)
+    args = parser.parse_args(argv)
+    config = {"cases": args.cases, "reps": args.reps}
+    if not torch.cuda.is_available():
+        write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/1", "skipped": "no GPU",
+                                     "provenance": collect_provenance(config=config, seed=args.seed)})
+        print("skipped: no GPU")
+        return 0
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    log("case        split" + "".join(f"{label:>22} {'device':>7} / {'wall':>7}" for label in
+                                     ("host_planned", "device_planned", "device_planned_graph", "flashinfer")))
+    flusher = L2Flusher("cuda")
+    cases = {name: run_case(name, *CASES[name], ModelShape(), flusher, args.reps, args.seed, log)
+             for name in args.cases}
+    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/1", "cases": cases,
+                                 "provenance": collect_provenance(config=config, seed=args.seed)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The decode step planned on the GPU: its plan against the host planner, its output against
+float64, and CUDA-graph replays for lengths other than the captured ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pkv.engines.dense import dense_decode
+from pkv.measure.kv_data import make_kv_pages, make_queries
+from pkv.pipeline.schedule import SplitPolicy, plan_workqueue
+from pkv.pipeline.step import build_step
+from pkv.shape import ModelShape
+
+pytestmark = pytest.mark.gpu
+
+PAGE = 16
+EDGE_LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, 31, 32, 33, 63, 65, 1000, 4097, 20000]
+
+
+def _pool(shape, dtype, num_pages, seed):
+    return make_kv_pages(num_pages, shape, PAGE, dtype, "cuda", seed)
+
+
+def _tables(lengths, num_pages, max_pages, rng):
+    """A StepBatch over distinct random pages of the pool, and its block table padded to max_pages."""
+    pages = [-(-n // PAGE) for n in lengths]
+    chosen = rng.permutation(num_pages)[:sum(pages)].astype(np.int32)
+    rows = np.split(chosen, np.cumsum(pages)[:-1])
+    step = build_step(0, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), rows, PAGE)
+    table = np.zeros((len(lengths), max_pages), dtype=np.int32)
+    table[:, :step.block_table.shape[1]] = step.block_table
+    return step, torch.from_numpy(table).cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+
+def _check(out, step, q, k, v, dtype):
+    ref = dense_decode(q.double(), k.double(), v.double(), step.seq_lens, step.block_table)
+    assert not torch.isnan(out).any(), "an output element was never written"
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    err = (out.double() - ref).abs()
+    if dtype == torch.float16:
+        assert err.max().item() < 2e-3 and err.mean().item() < 3e-4 and rel < 2e-3, (err.max().item(), rel)
+    else:
+        assert rel < 1e-2 and err.max().item() < 2e-2, (err.max().item(), rel)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5, 24, 64])
+def test_device_plan_is_the_host_plan_longest_first(num_splits):
+    from pkv.engines.device_step import DeviceDecodeStep
+
+    shape = ModelShape()
+    workspace = DeviceDecodeStep(shape, max_batch=64, num_splits=num_splits)
+    rng = np.random.default_rng(num_splits)
+    for trial in range(12):
+        batch = int(rng.integers(1, 65))
+        lengths = [int(x) for x in rng.choice(EDGE_LENGTHS + list(rng.integers(1, 70000, size=8)), size=batch)]
+        step, table, lens = _tables(lengths, 10**6, max(-(-n // PAGE) for n in lengths), rng)
+        capacity = batch * shape.num_kv_heads * num_splits
+        offsets = workspace.split_offsets[:batch * shape.num_kv_heads + 1]
+        workspace.ops.plan_workqueue_on_device(lens, shape.num_kv_heads, num_splits, 2**31 - 1,
+                                               workspace.tasks[:capacity], offsets, workspace.counts)
+        host = plan_workqueue(step, shape.num_kv_heads, shape.group_size, SplitPolicy(num_splits=num_splits))
+        live, widest = workspace.counts.tolist()
+        assert (live, widest) == (host.num_tasks, host.max_splits), (trial, batch)
+        assert np.array_equal(offsets.cpu().numpy(), host.split_offsets)
+        tasks = workspace.tasks[:live].cpu().numpy()
+        assert sorted(map(tuple, tasks.tolist())) == sorted(map(tuple, host.tasks.tolist()))
+        row_lengths = np.asarray(lengths)[tasks[:, 0]]
+        assert np.all(np.diff(row_lengths) <= 0), "tasks must come longest row first"
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_device_planned_step_matches_float64(group, dtype):
+    from pkv.engines.device_step import DeviceDecodeStep
+
+    shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8)
+    rng = np.random.default_rng(group)
+    k, v = _pool(shape, dtype, 11000, seed=group)
+    for splits in (1, 7, 32):
+        workspace = DeviceDecodeStep(shape, max_batch=16, num_splits=splits, stages=2 + splits % 3)
+        lengths = [int(x) for x in rng.choice(EDGE_LENGTHS, size=int(rng.integers(1, 9)))]
+        step, table, lens = _tables(lengths, 11000, 1300, rng)
+        q = make_queries(len(lengths), shape, dtype, "cuda", seed=splits)
+        out = torch.full_like(q, float("nan"))
+        workspace.part_acc.fill_(float("nan"))
+        workspace.run(q, k, v, table, lens, out)
+        torch.cuda.synchronize()
+        _check(out, step, q, k, v, dtype)
+
+
+def test_graph_replays_for_lengths_other_than_the_captured_ones():
+    from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
+
+    shape = ModelShape()
+    dtype = torch.float16
+    rng = np.random.default_rng(7)
+    max_pages = 4096
+    k, v = _pool(shape, dtype, 40000, seed=3)
+    workspace = DeviceDecodeStep(shape, max_batch=8, num_splits=24)
+    graphed = GraphedDecodeStep(workspace, k, v, max_pages)
+    # Captured at the first lengths; every later step has other lengths, longer and shorter,
+    # with rows that need more splits than any captured row and rows of a single tile.
+    batches = [[20000, 3000, 17, 65536, 4097, 1, 900, 12000], [1, 1, 1, 1, 1, 1, 1, 1],
+               [65536] * 8, [33, 65, 4097, 20000, 31, 32, 16, 60000], [20000, 3000, 17, 65536, 4097, 1, 900, 12000]]
+    for trial, lengths in enumerate(batches):
+        step, table, lens = _tables(lengths, 40000, max_pages, rng)
+        q = make_queries(8, shape, dtype, "cuda", seed=100 + trial)
+        out = graphed.run(q, table, lens).clone()
+        torch.cuda.synchronize()
+        _check(out, step, q, k, v, dtype)
+        eager = workspace.run(q, k, v, table, lens, torch.empty_like(q))
+        assert torch.equal(eager, out), trial  # the replay is the eager step, bit for bit
+    assert list(graphed._graphs) == [8]
+    # Another batch size is another graph.
+    step, table, lens = _tables([5000, 70], 40000, max_pages, rng)
+    q = make_queries(2, shape, dtype, "cuda", seed=1)
+    _check(graphed.run(q, table, lens).clone(), step, q, k, v, dtype)
+    assert sorted(graphed._graphs) == [2, 8]
+
+
+def test_bad_input_is_refused_before_any_launch():
+    from pkv.engines.device_step import DeviceDecodeStep
+
+    shape = ModelShape()
+    workspace = DeviceDecodeStep(shape, max_batch=4, num_splits=8)
+    k, v = _pool(shape, torch.float16, 64, seed=0)
+    q = make_queries(5, shape, torch.float16, "cuda", seed=0)
+    table = torch.zeros(5, 4, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="serves 1..4"):
+        workspace.run(q, k, v, table, torch.ones(5, dtype=torch.int32, device="cuda"), torch.empty_like(q))
+    q = q[:2]
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        workspace.run(q, k, v, table[:2], torch.ones(2, dtype=torch.int64, device="cuda"), torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="tasks must be contiguous"):
+        workspace.ops.plan_workqueue_on_device(torch.ones(2, dtype=torch.int32, device="cuda"), 8, 8, 64,
+                                               workspace.tasks[:3], workspace.split_offsets[:17], workspace.counts)
+    with pytest.raises(ValueError, match="max_batch"):
+        DeviceDecodeStep(shape, max_batch=2000, num_splits=8)
+
+
+def test_lengths_past_the_block_table_are_clamped_to_it():
+    """A length the block table cannot address reads no page past it: the step attends over the
+    pages the table holds."""
+    from pkv.engines.device_step import DeviceDecodeStep
+
+    shape = ModelShape()
+    rng = np.random.default_rng(11)
+    k, v = _pool(shape, torch.float16, 512, seed=5)
+    workspace = DeviceDecodeStep(shape, max_batch=2, num_splits=8)
+    step, table, _ = _tables([64 * PAGE, 3 * PAGE], 512, 64, rng)
+    q = make_queries(2, shape, torch.float16, "cuda", seed=2)
+    out = workspace.run(q, k, v, table, torch.tensor([10**6, 3 * PAGE], dtype=torch.int32, device="cuda"),
+                        torch.empty_like(q))
+    torch.cuda.synchronize()
+    _check(out, step, q, k, v, torch.float16)
