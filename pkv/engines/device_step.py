@@ -33,8 +33,8 @@ class DeviceDecodeStep:
         self.max_batch = int(max_batch)
         self.num_splits = int(num_splits)
         self.stages = int(stages)
-        self.device = torch.device(device)
         self.ops = ops.load()
+        self.device = torch.empty(0, device=device).device  # "cuda" resolved to its index, as tensors report it
         capacity = self.max_batch * shape.num_kv_heads * self.num_splits
         g, d = shape.group_size, shape.head_dim
         int32 = dict(dtype=torch.int32, device=self.device)
