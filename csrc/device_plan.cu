@@ -43,6 +43,10 @@ __global__ void __launch_bounds__(kPlanThreads)
   __shared__ int row_at[kPlanThreads];      // sorted position -> row, longest first
   __shared__ int task_begin[kPlanThreads];  // sorted position -> its first task
   __shared__ int warp_totals[32];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The decode grid may launch now; its CTAs wait in griddepcontrol.wait until this plan is written.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
   const int tid = threadIdx.x;
   int tiles = 0, splits = 0;
   if (tid < batch) {

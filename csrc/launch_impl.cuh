@@ -95,8 +95,22 @@ cudaError_t workqueue_decode_typed(const DecodeArgs& args, const int32_t* tasks,
       constexpr int G = decltype(g)::value, S = decltype(st)::value, bytes = decode_smem_bytes<S>();
       constexpr auto kernel = workqueue_decode_kernel<T, G, S>;
       if (cudaError_t e = allow_decode_smem<kernel, bytes>(); e != cudaSuccess) return e;
-      kernel<<<num_tasks, kThreads, bytes, stream>>>(args, tasks, split_offsets, pair_counters, live_tasks);
-      return cudaGetLastError();
+      if (live_tasks == nullptr) {
+        kernel<<<num_tasks, kThreads, bytes, stream>>>(args, tasks, split_offsets, pair_counters, live_tasks);
+        return cudaGetLastError();
+      }
+      // After a device planner: launched programmatically, so the grid is resident when the plan ends.
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(num_tasks);
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = bytes;
+      config.stream = stream;
+      cudaLaunchAttribute attribute{};
+      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attribute.val.programmaticStreamSerializationAllowed = 1;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+      return cudaLaunchKernelEx(&config, kernel, args, tasks, split_offsets, pair_counters, live_tasks);
     });
   });
 }

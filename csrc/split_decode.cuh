@@ -439,8 +439,15 @@ template <typename T, int G, int Stages>
 __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
     workqueue_decode_kernel(DecodeArgs a, const int32_t* tasks, const int32_t* split_offsets,
                             int32_t* pair_counters, const int32_t* live_tasks) {
-  // A plan made on the device launches a grid of its capacity; CTAs past its task count leave at once.
-  if (live_tasks != nullptr && static_cast<int>(blockIdx.x) >= *live_tasks) return;
+  // A plan made on the device launches a grid of its capacity; CTAs past its task count leave at
+  // once. That grid starts while the planner runs (programmatic dependent launch) and waits here
+  // for the plan to be complete and visible.
+  if (live_tasks != nullptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+    if (static_cast<int>(blockIdx.x) >= *live_tasks) return;
+  }
   extern __shared__ __align__(128) char smem[];
   const int32_t* task = tasks + blockIdx.x * 5;
   const int row = task[0], kvh = task[1], split = task[2], tb = task[3], te = task[4];
