@@ -88,11 +88,11 @@ FLASHINFER_ROUTE = StepRoute(ROUTE_FLASHINFER)
 
 
 def describe_route(route: StepRoute) -> str:
-    """The route as results name its code: the schedule, and a merge other than the launch."""
+    """The route as results name its code: the schedule (a key of SCHEDULES), and a merge other than
+    the launch."""
     if route.name == ROUTE_FLASHINFER:
         return ROUTE_FLASHINFER
-    schedule = next(key for key, value in SCHEDULES.items() if value == (route.name, route.bucket_mode)
-                    or (route.name == ROUTE_WORKQUEUE and value[0] == ROUTE_WORKQUEUE))
+    schedule = "workqueue" if route.name == ROUTE_WORKQUEUE else f"bucket_{route.bucket_mode}"
     return schedule + ("" if route.merge == MERGE_LAUNCH else f"+{route.merge}_merge")
 
 
