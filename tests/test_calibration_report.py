@@ -81,3 +81,31 @@ def test_report_of_a_file_without_measurements(tmp_path, capsys):
     save_calibration(path, CALIB, {})
     assert calibration_report.main([str(path)]) == 0
     assert "no measurements recorded" in capsys.readouterr().out
+
+
+def test_cpu_profile_report_says_why_its_routes_are_configured(tmp_path):
+    # The CPU profile keeps conf/gpu/cpu.yaml's routes and gates: CPU times decide nothing. A B1
+    # gate past every B1 step measured means no measured B1 step takes the bucket route.
+    cpu = Calibration(gpu="cpu", num_sms=2, beta_gbps=30.0, lambda_us=2.7, c_min=64.0,
+                      single_row=RegimeParams("persistentkv_bucket", 40, 256, 1.05),
+                      few_rows=RegimeParams("flashinfer", 36, 256, 1.50),
+                      many_rows=RegimeParams("persistentkv_workqueue", 40, 256, 1.05),
+                      supported_group_sizes=(4,))
+    b1_gate = {"regime": "single_row", "fitted": 256, "applied": False, "reason": "FlashInfer faster",
+               "classes": {"16": {"steps": 2, "persistentkv_us": 3.0, "flashinfer_us": 1.0},
+                           "128": {"steps": 2, "persistentkv_us": 3.0, "flashinfer_us": 2.0}}}
+    measured = {"performance_result": False,
+                "context_gates": {"regimes.single_row.min_context_tokens": b1_gate,
+                                  "regimes.many_rows.min_context_tokens": {
+                                      **b1_gate, "regime": "many_rows", "classes": GATE_CLASSES}}}
+    path = tmp_path / "calibration.json"
+    save_calibration(path, cpu, {"measurements": measured})
+    lines = calibration_report.report(path).splitlines()
+    assert lines[1].startswith("CPU profile (not a performance model)") and "conf/gpu/cpu.yaml" in lines[1]
+    assert lines[2] == "B1 bucket S=40 from 256 tokens"
+    assert "past every B1 step measured" in lines[3] and "end at 128 tokens" in lines[3]
+    assert lines[4] == "B2-7 FlashInfer" and lines[5] == "B8+ workqueue S=40 from 256 tokens"
+    # A GPU calibration reads as before: no profile line.
+    gpu = tmp_path / "gpu.json"
+    save_calibration(gpu, CALIB, {"measurements": MEASURED})
+    assert calibration_report.report(gpu).splitlines()[1] == "B1 bucket S=32 from 512 tokens"

@@ -85,10 +85,53 @@ def context_gates(gates: dict, calib) -> list[str]:
     return lines
 
 
+def profile_note(record: dict) -> str | None:
+    """Why the fitted routes, gates and group sizes below read "not applied", where a profile says so."""
+    measured = (record.get("provenance") or {}).get("measurements") or {}
+    source = str((record.get("calibration") or {}).get("source", ""))
+    if measured.get("performance_result") is not False and "profile cpu" not in source:
+        return None
+    return ("CPU profile (not a performance model): the routes, context gates and group sizes in use are "
+            "conf/gpu/cpu.yaml's; what the CPU timings fit is recorded below as 'not applied', because "
+            "CPU times decide nothing. The split counts and constants are fitted as on a GPU.")
+
+
+def unreached_routes(gates: dict, calib) -> dict[str, str]:
+    """{regime: why} for a regime whose PersistentKV route starts past every step the calibration
+    measured in it: the route is in use, but no measured step of that regime takes it."""
+    notes = {}
+    for regime in REGIMES:
+        params = calib.regime(regime)
+        gate = _recorded(gates, regime, "min_context_tokens")
+        if params.route == ROUTE_FLASHINFER or not gate or not gate.get("classes"):
+            continue
+        longest = max(int(c) for c in gate["classes"])
+        if params.min_context_tokens > longest:
+            label = REGIME_LABELS[regime]
+            notes[regime] = (f"  (the gate lies past every {label} step measured, whose context classes end at "
+                             f"{longest} tokens: none of them takes this route)")
+    return notes
+
+
+def annotated_operating_points(calib, gates: dict) -> list[str]:
+    """operating_points, each regime followed by the reason where no measured step takes its route."""
+    unreached = unreached_routes(gates, calib)
+    points = operating_points(calib)
+    lines = []
+    for i, regime in enumerate(REGIMES):
+        lines.append(points[i])
+        if regime in unreached:
+            lines.append(unreached[regime])
+    return lines + points[len(REGIMES):]
+
+
 def report(path: Path) -> str:
     calib = load_calibration(path)
-    measured = json.loads(Path(path).read_text()).get("provenance", {}).get("measurements", {})
-    lines = [f"== {path}", *operating_points(calib),
+    record = json.loads(Path(path).read_text())
+    measured = record.get("provenance", {}).get("measurements", {})
+    note = profile_note(record)
+    lines = [f"== {path}", *([note] if note else []),
+             *annotated_operating_points(calib, measured.get("context_gates") or {}),
              f"beta {calib.beta_gbps:.0f} GB/s, lambda {calib.lambda_us:.2f} us, C_min {calib.c_min:g}, plan us "
              f"FlashInfer {calib.flashinfer_plan_us:.1f} / PersistentKV {calib.persistentkv_plan_us:.1f}"]
     if measured.get("split_sweeps"):

@@ -44,16 +44,19 @@ def table7(root: Path) -> dict[str, Any]:
             for trace in sweep[variant]:
                 by_trace.setdefault(trace, []).append((splits, variant))
         for trace in ordered(by_trace, ("bucketed_b1", "bimodal_b8", "bimodal_b4")):
-            points = []
+            points, row_seeds = [], set()
             for splits, variant in sorted(by_trace[trace]):
                 # A sensitivity check on held-out data: the calibration seed is left out.
                 seeds = {s: sweep[variant][trace][s] for s in held_out(sweep[variant][trace])}
                 agg = aggregate_serving(seeds, f"ablate/{ablation}/{variant}/{trace}", inputs, prefer)
                 all_seeds.update(agg.seeds)
+                row_seeds.update(agg.seeds)
                 cuda, wall = ratio_cells(agg, notes, "no held-out seeds")
                 points.append({"splits": splits, "cuda": cuda, "wall": wall, "seeds": len(agg.seeds),
                                "marks": note_partial(agg, notes)})
-            rows.append({"trace": trace, "label": f"{trace_label(trace)} ({what})", "points": points})
+            # Each sweep runs on its own seeds (config/config.yaml), so a row names the seeds it comes from.
+            rows.append({"trace": trace, "label": f"{trace_label(trace)} ({what})", "points": points,
+                         "seeds": seeds_text(row_seeds)})
     return {**inputs.header(), "rows": rows, "seeds": seeds_text(all_seeds), "notes": notes.items}
 
 

@@ -64,6 +64,9 @@ class Inputs:
             "performance_result": self.files > 0 and not self.any_not_performance,
             "input_files": self.files,
             "not_run": list(self.not_run),
+            # What the "device" time column measured: CUDA events on a GPU; on the CPU profile the
+            # same timer reads the host clock around the call, so the column must not say CUDA.
+            "timer": "CPU-clock" if self.any_cpu_only else "CUDA",
         }
 
 

@@ -9,7 +9,30 @@ from typing import Any
 from pkv.report.results import ResultFileError, read_json
 from pkv.report.table_data.cells import Notes, Num, Sci
 from pkv.report.table_data.inputs import Inputs
-from pkv.report.table_data.labels import ISOLATED_METHOD_ORDER, METHOD_LABELS, PAPER_ISOLATED_CONTEXTS, context_label
+from pkv.report.table_data.labels import (
+    ISOLATED_METHOD_ORDER,
+    METHOD_LABELS,
+    PAPER_ISOLATED_CONTEXTS,
+    STAND_INS,
+    context_label,
+)
+
+
+def _skip_reason(method: str, skipped: str) -> str:
+    """'<method>: <why>', where the benchmark's own reason may already begin with the method's name."""
+    return skipped if skipped.startswith(f"{method}: ") else f"{method}: {skipped}"
+
+
+def _stand_in_note(method: str, implementation: object) -> str | None:
+    """The footnote of a method that ran as another engine's stand-in (the CPU profile), else None."""
+    if not isinstance(implementation, str):
+        return None
+    kind = implementation.split(":", 1)[0]
+    stand_in = STAND_INS.get(method, {}).get(kind)
+    if stand_in is None:
+        return None
+    what, why = stand_in
+    return f"{METHOD_LABELS.get(method, method)}: run by its stand-in, {what} (implementation {implementation}); {why}"
 
 
 def table1(root: Path) -> dict[str, Any]:
@@ -41,7 +64,7 @@ def table1(root: Path) -> dict[str, Any]:
     order = [n for n in ISOLATED_METHOD_ORDER if n in names] + sorted(names - set(ISOLATED_METHOD_ORDER))
     rows = []
     for name in order:
-        cells, errs = [], []
+        cells, errs, skips, marks = [], [], [], []
         for ctx in contexts:
             entry = methods_of(files[ctx]).get(name)
             if entry is None:
@@ -49,9 +72,13 @@ def table1(root: Path) -> dict[str, Any]:
                 cells.append({"ms": miss, "floor": miss})
                 continue
             if "skipped" in entry:
-                miss = notes.missing(f"{name}: {entry['skipped']}")
+                miss = notes.missing(_skip_reason(name, str(entry["skipped"])))
+                skips.append(miss)
                 cells.append({"ms": miss, "floor": miss})
                 continue
+            stand_in = _stand_in_note(name, entry.get("implementation"))
+            if stand_in is not None and notes.number(stand_in) not in marks:
+                marks.append(notes.number(stand_in))
             median_us = entry.get("median_us")
             if not isinstance(median_us, (int, float)):
                 raise ResultFileError(f"{base / f'ctx{ctx}.json'}: methods.{name}.median_us = {median_us!r}")
@@ -63,8 +90,14 @@ def table1(root: Path) -> dict[str, Any]:
             })
             if isinstance(entry.get("rel_err"), (int, float)):
                 errs.append(float(entry["rel_err"]))
-        rel = Sci(max(errs)) if errs else notes.missing(f"{name}: no relative error reported")
-        rows.append({"method": name, "label": METHOD_LABELS.get(name, name), "cells": cells, "rel_err": rel})
+        if errs:
+            rel = Sci(max(errs))
+        elif skips and len(skips) == len(contexts):
+            rel = skips[0]  # skipped everywhere: the same reason, not a second footnote
+        else:
+            rel = notes.missing(f"{name}: no relative error reported")
+        rows.append({"method": name, "label": METHOD_LABELS.get(name, name), "cells": cells, "rel_err": rel,
+                     "marks": marks})
     return {
         **inputs.header(),
         "contexts": [{"tokens": c, "label": context_label(c)} for c in contexts],

@@ -25,6 +25,12 @@ METHOD_LABELS = {
     "reference": "PersistentKV reference (torch)",
     "dense": "Dense float64 reference",
 }
+# What runs a method where its own library cannot (the CPU profile, pkv.engines): method -> the first
+# word of the implementation the result records -> (what that is, why it stands in).
+STAND_INS = {
+    "flashinfer": {"sdpa": ("repack + PyTorch SDPA", "FlashInfer needs a CUDA GPU")},
+    "persistentkv": {"reference": ("the torch reference engine on the same plans", "the CUDA kernels need a GPU")},
+}
 ROUTE_LABELS = {
     "flashinfer": "FlashInfer",
     "sdpa": "SDPA (FlashInfer role)",
