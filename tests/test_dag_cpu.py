@@ -1,10 +1,12 @@
 """The real CPU DAG, end to end, in a copy of the checkout on reduced axes.
 
-It runs every rule (build, calibrate, every trace experiment and ablation, profile, tables) with
-the CPU profile, then checks that all eight tables exist, that a second run has nothing to do and
-that deleting one result file reruns only the job that wrote it and the tables.
+It runs every rule (build, calibrate, every trace experiment and ablation, profile, tables,
+figures) with the CPU profile, then checks that all eight tables exist, that `snakemake --report`
+holds every table, the claims check and every figure, that a second run has nothing to do and that
+deleting one result file reruns only the job that wrote it, the tables and the figures drawn from it.
 """
 
+import base64
 import re
 import shutil
 import subprocess
@@ -141,6 +143,33 @@ def test_every_result_keeps_its_steps(finished_dag):
     assert {s["route"] for s in metrics["per_step"]} == set(metrics["routes"])
 
 
+FIGURES = ("isolated_time", "kernel_floor", "serving_ratio", "route_mix", "host_device")
+
+
+def test_report_holds_every_table_figure_and_the_claims_check(finished_dag):
+    proc = _snakemake(finished_dag, "--report", "report.html")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    page = (finished_dag / "report.html").read_text()
+    entries = dict(re.findall(r'"(artifacts/cpu/[^"]+)": (\{"name".*?"data_uri": "[^"]*")', page))
+    wanted = [f"artifacts/cpu/tables/table{k}.html" for k in range(1, 9)] + ["artifacts/cpu/tables/claims.html"]
+    wanted += [f"artifacts/cpu/figures/{name}.png" for name in FIGURES]
+    assert sorted(entries) == sorted(wanted), sorted(entries)
+    for path in wanted:
+        entry = entries[path]
+        # Every entry has a caption and a category; a figure's caption names its result files and commit.
+        assert re.search(r'"caption": "<p>.+?</p>', entry), path
+        if path.endswith(".png"):
+            assert "Result files under" in entry and "Commit:" in entry, path
+    assert all(f'"{c}"' in page for c in ("Tables", "Figures", "Claims check"))
+    claims = entries["artifacts/cpu/tables/claims.html"]
+    text = base64.b64decode(claims.rsplit("base64,", 1)[1]).decode()
+    performance_rows = [row for row in re.findall(r"<tr>.*?</tr>", text) if "<td>performance</td>" in row]
+    assert performance_rows and all("no verdict on performance is possible" in row for row in performance_rows)
+    for k in (2, 3, 7, 8):
+        table = base64.b64decode(entries[f"artifacts/cpu/tables/table{k}.html"].rsplit("base64,", 1)[1]).decode()
+        assert "CPU profile: not a performance result" in table and "CUDA tok/s" not in table, k
+
+
 def test_second_run_has_nothing_to_do(finished_dag):
     proc = _snakemake(finished_dag, "-n")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -153,7 +182,8 @@ def test_deleting_one_result_reruns_only_its_dependents(finished_dag):
     result.unlink()
     proc = _snakemake(finished_dag, "-n")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _planned_rules(proc) == {"evaluate": 1, "tables": 1, "all": 1}, proc.stdout[-3000:]
+    # The two figures drawn from evaluate/ (the serving ratios and the route mix), not the others.
+    assert _planned_rules(proc) == {"evaluate": 1, "tables": 1, "figure": 2, "all": 1}, proc.stdout[-3000:]
     proc = _snakemake(finished_dag, "--cores", "2")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert result.is_file()

@@ -191,7 +191,8 @@ def test_cpu_profile_marked_not_a_performance_result(cpu_root, tmp_path):
     assert ctx["device"] == "CPU only (no GPU)"
     out = tmp_path / "tables"
     written = tables.render_all(cpu_root, out)
-    assert sorted(p.name for p in written) == sorted(f"table{k}.{f}" for k in range(1, 9) for f in ("md", "tex"))
+    assert sorted(p.name for p in written) == sorted(
+        f"{name}.{f}" for name in tables.output_names() for f in ("md", "tex", "html"))
     for path in written:
         assert "not a performance result" in path.read_text().lower(), path.name
     t6 = (out / "table6.md").read_text()
@@ -219,7 +220,7 @@ def test_cpu_profile_ratio_values_in_both_formats(cpu_root):
 
 def test_render_all_fixture_contains_computed_numbers(tmp_path):
     written = tables.render_all(FIXTURE, tmp_path)
-    assert len(written) == 16
+    assert len(written) == 3 * 9  # tables 1-8 and the claims check, as md, tex and html
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     ctx = table_data.table2(FIXTURE)
     row = _row(ctx["rows"], "trace", "bimodal_b8")
@@ -237,6 +238,10 @@ def test_render_all_fixture_contains_computed_numbers(tmp_path):
     assert "| FlashInfer | 0.1201 | 0.81 | 0.4404 | 0.88 |" in t1
     assert "fixture: vllm not installed" in t1
     assert "CUDA tok/s ratio" in md and "host clock" not in md  # a GPU run keeps its CUDA columns
+    # The HTML page of a table holds the Markdown's text and numbers.
+    page = (tmp_path / "table2.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<table>" in page
+    assert f"{row['cuda'].mean:.3f} ± {row['cuda'].std:.3f}" in page and "Max |e|" in page
 
 
 def test_table1_skip_footnote_names_the_method_once_and_stand_ins_are_named(tmp_path):
@@ -282,7 +287,7 @@ def test_empty_root_renders_every_table_as_not_run(tmp_path):
     root = tmp_path / "artifacts" / "nothing"
     root.mkdir(parents=True)
     written = tables.render_all(root, tmp_path / "out")
-    assert len(written) == 16
+    assert len(written) == 3 * 9
     assert "none of its inputs ran" in (tmp_path / "out" / "table2.md").read_text()
     assert "Not run" in (tmp_path / "out" / "table6.md").read_text()
 

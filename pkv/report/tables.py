@@ -1,9 +1,12 @@
-"""Render the paper's tables from a results root through the Jinja templates in paper_tables/.
+"""Render the paper's tables and the claims check from a results root through the Jinja templates
+in paper_tables/.
 
     python -m pkv.report.tables --root artifacts/<gpu> --out artifacts/<gpu>/tables
 
-Numbers come from pkv.report.table_data (and pkv.report.evidence for Table 6); the templates hold the layout;
-this module only turns typed cells into Markdown or LaTeX text.
+Numbers come from pkv.report.table_data (pkv.report.evidence for Table 6, pkv.report.claims for the
+claims check); the templates hold the layout; this module only turns typed cells into Markdown or
+LaTeX text. Each Markdown table is also written as an HTML page (pkv.report.html_page) for
+`snakemake --report`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Any
 
 import jinja2
 
-from pkv.report import evidence, table_data
+from pkv.report import claims, evidence, table_data
+from pkv.report.html_page import markdown_to_html
 from pkv.report.results import write_text_atomic
 from pkv.report.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
 
@@ -33,6 +37,11 @@ TABLE_BUILDERS: dict[int, Callable[[Path], dict[str, Any]]] = {
     6: evidence.evidence_map,
     7: table_data.table7,
     8: table_data.table8,
+}
+
+# Rendered beside the paper's tables, from templates of the same names.
+NAMED_BUILDERS: dict[str, Callable[[Path], dict[str, Any]]] = {
+    "claims": claims.claims_check,
 }
 
 DASH = {"md": "–", "tex": "--"}
@@ -130,19 +139,37 @@ def render_table(number: int, root: Path, fmt: str, templates_dir: Path = TEMPLA
     return template.render(t=context, table_number=number)
 
 
+def render_named(name: str, root: Path, fmt: str, templates_dir: Path = TEMPLATES_DIR) -> str:
+    """One of NAMED_BUILDERS (the claims check) as Markdown or LaTeX text."""
+    if name not in NAMED_BUILDERS:
+        raise ValueError(f"no table {name!r}; named tables are {sorted(NAMED_BUILDERS)}")
+    template = make_environment(fmt, templates_dir).get_template(f"{name}.{fmt}.j2")
+    return template.render(t=NAMED_BUILDERS[name](Path(root)), table_number=None)
+
+
+def output_names() -> list[str]:
+    """The stems render_all writes: table1 ... table8, then the named tables."""
+    return [f"table{k}" for k in sorted(TABLE_BUILDERS)] + list(NAMED_BUILDERS)
+
+
 def render_all(root: Path, out_dir: Path, templates_dir: Path = TEMPLATES_DIR) -> list[Path]:
-    """Render tables 1-8 as table<K>.md and table<K>.tex under out_dir; returns the files written."""
+    """Render tables 1-8 and the claims check as <name>.md, <name>.tex and <name>.html under out_dir;
+    returns the files written. Every table is rendered before any is written."""
     root, out_dir = Path(root), Path(out_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: results root is not a directory")
-    written = []
-    for number in sorted(TABLE_BUILDERS):
-        context = TABLE_BUILDERS[number](root)
+    builders: dict[str, tuple[Callable[[Path], dict[str, Any]], int | None]] = {
+        f"table{k}": (TABLE_BUILDERS[k], k) for k in sorted(TABLE_BUILDERS)}
+    builders.update({name: (build, None) for name, build in NAMED_BUILDERS.items()})
+    texts = {}
+    for name, (build, number) in builders.items():
+        context = build(root)
         for fmt in FORMATS:
-            template = make_environment(fmt, templates_dir).get_template(f"table{number}.{fmt}.j2")
-            text = template.render(t=context, table_number=number)
-            written.append(write_text_atomic(out_dir / f"table{number}.{fmt}", text))
-    return written
+            template = make_environment(fmt, templates_dir).get_template(f"{name}.{fmt}.j2")
+            texts[out_dir / f"{name}.{fmt}"] = text = template.render(t=context, table_number=number)
+            if fmt == "md":
+                texts[out_dir / f"{name}.html"] = markdown_to_html(text, name)
+    return [write_text_atomic(path, text) for path, text in texts.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
