@@ -113,14 +113,20 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, *, allow_nan: bool = Fa
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; errors name the file."""
+    """Parse a JSON file; errors name the file (and the line of a decoding or syntax error)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
     except OSError as exc:
-        raise JsonFileError(f"{path}: cannot read: {exc}") from exc
+        raise JsonFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise JsonFileError(f"{path}: not UTF-8 text: byte {data[exc.start:exc.start + 1]!r} at line {line} "
+                            f"(offset {exc.start})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

@@ -30,7 +30,10 @@ least one), then ``max_context`` applies to the scaled request. A request with
 - ``"error"``: the file is refused.
 
 Every problem in a file raises :class:`TraceError`, whose message names the file, the 1-based line
-(the header or the first line is line 1) and the field.
+(the header or the first line is line 1) and the field. Any file can be handed in: one that is
+not UTF-8 text (UTF-16 or UTF-32, Latin-1, an archive, binary data), larger than
+``MAX_TRACE_BYTES`` or not a regular file is refused naming the line and what was found there;
+lengths above ``2**31 - 1`` and arrival steps or ids above ``2**63 - 1`` are refused where they stand.
 
 Modules: ``common`` (TraceError, the finishing rules, the CSV writer), ``csv_traces`` (plain and
 Azure CSV), ``json_traces`` (JSON and JSON lines); this package picks the reader by extension.
@@ -41,15 +44,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from pkv.pipeline.trace_readers.common import (
-    OVERLONG_POLICIES, PLAIN_OPTIONAL, PLAIN_REQUIRED, TRACE_CSV_COLUMNS, TraceError, _check_options, _finish,
-    write_trace_csv,
+    MAX_TRACE_BYTES, OVERLONG_POLICIES, PLAIN_OPTIONAL, PLAIN_REQUIRED, TRACE_CSV_COLUMNS, TraceError, _check_options,
+    _finish, read_trace_text, write_trace_csv,
 )
 from pkv.pipeline.trace_readers.csv_traces import AZURE_COLUMNS, CSV_SUFFIXES, _read_csv
 from pkv.pipeline.trace_readers.json_traces import JSON_SUFFIXES, JSONL_SUFFIXES, TIMESTAMPED_KEYS, _read_json, _read_jsonl
 from pkv.pipeline.traces import Request
 
-__all__ = ["AZURE_COLUMNS", "CSV_SUFFIXES", "JSONL_SUFFIXES", "JSON_SUFFIXES", "OVERLONG_POLICIES", "PLAIN_OPTIONAL",
-           "PLAIN_REQUIRED", "TIMESTAMPED_KEYS", "TRACE_CSV_COLUMNS", "TraceError", "read_trace", "write_trace_csv"]
+__all__ = ["AZURE_COLUMNS", "CSV_SUFFIXES", "JSONL_SUFFIXES", "JSON_SUFFIXES", "MAX_TRACE_BYTES", "OVERLONG_POLICIES",
+           "PLAIN_OPTIONAL", "PLAIN_REQUIRED", "TIMESTAMPED_KEYS", "TRACE_CSV_COLUMNS", "TraceError", "read_trace",
+           "read_trace_text", "write_trace_csv"]
 
 
 def read_trace(
@@ -63,7 +67,6 @@ def read_trace(
     """Read a trace file into requests, in file order (see the module docstring for the rules)."""
     _check_options(max_context, overlong, step_ms, length_scale)
     path = Path(path)
-    text = path.read_text(encoding="utf-8-sig")  # Excel exports start with a BOM
     suffix = path.suffix.lower()
     if suffix in CSV_SUFFIXES:
         reader = _read_csv
@@ -74,6 +77,7 @@ def read_trace(
     else:
         supported = ", ".join(CSV_SUFFIXES + JSON_SUFFIXES + JSONL_SUFFIXES)
         raise TraceError(path, None, None, f"unsupported trace extension {suffix or '(none)'!r} (expected {supported})")
+    text = read_trace_text(path)
     if not text.strip():
         raise TraceError(path, 1, "header" if reader is _read_csv else "requests", "file is empty")
     fields, rows = reader(path, text)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
+import stat
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -16,6 +18,22 @@ from pkv.atomic_io import write_text_atomic
 from pkv.pipeline.traces import Request
 
 OVERLONG_POLICIES = ("truncate", "drop", "error")
+
+# A trace file is read whole: 1 GiB of CSV is some 30 million requests, far past what a run replays
+# (pkv.config.schema bounds num_requests), and its parse would take tens of GiB of memory.
+MAX_TRACE_BYTES = 1 << 30
+# Lengths are int32 in the plans (seq_lens); arrival steps and request ids int64 in the serving loop.
+MAX_LENGTH = 2**31 - 1
+MAX_STEP_OR_ID = 2**63 - 1
+# How much of a bad value or line an error quotes.
+QUOTE_CHARS = 40
+
+# Leading bytes of files that are not text at all, and what they are.
+_MAGIC = ((b"\x1f\x8b", "a gzip archive"), (b"PK\x03\x04", "a zip archive"), (b"BZh", "a bzip2 archive"),
+          (b"\xfd7zXZ\x00", "an xz archive"), (b"\x28\xb5\x2f\xfd", "a zstd archive"), (b"PAR1", "a Parquet file"))
+# Byte-order marks of the text encodings that are not UTF-8 (UTF-32 first: its LE mark starts with UTF-16's).
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+         (b"\xfe\xff", "UTF-16"))
 
 PLAIN_REQUIRED = ("prompt_len", "decode_len")
 PLAIN_OPTIONAL = ("arrival_step", "request_id")
@@ -60,6 +78,67 @@ class _Row:
     request_id: int | None = None
 
 
+def quote(value, limit: int = QUOTE_CHARS) -> str:
+    """repr(value), cut to `limit` characters: an error quotes what it found, not a whole file."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------- reading the file
+
+
+def read_trace_text(path: Path) -> str:
+    """The file as text, or TraceError naming the file, the line and what was found there: a file
+    that is missing, not a regular file, too large, an archive, UTF-16/32 or binary, or not UTF-8."""
+    try:
+        with open(path, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise TraceError(path, None, None, "not a regular file")
+            if info.st_size > MAX_TRACE_BYTES:
+                raise TraceError(path, None, None, f"file is {info.st_size} bytes, more than the {MAX_TRACE_BYTES} "
+                                 "a trace may have")
+            data = handle.read(MAX_TRACE_BYTES + 1)
+    except FileNotFoundError:
+        raise TraceError(path, None, None, "no such file") from None
+    except IsADirectoryError:
+        raise TraceError(path, None, None, "is a folder, not a trace file") from None
+    except OSError as exc:
+        raise TraceError(path, None, None, f"cannot read: {exc.strerror or exc}") from None
+    return decode_trace_bytes(path, data)
+
+
+def _line_and_column(data: bytes, offset: int) -> tuple[int, int]:
+    line_start = data.rfind(b"\n", 0, offset) + 1
+    return data.count(b"\n", 0, offset) + 1, offset - line_start + 1
+
+
+def decode_trace_bytes(path, data: bytes) -> str:
+    """UTF-8 text (a leading BOM dropped, as Excel writes it), else TraceError saying what it is."""
+    for magic, what in _MAGIC:
+        if data.startswith(magic):
+            raise TraceError(path, 1, None, f"found {what} (bytes {data[:len(magic)].hex(' ')}), not a text trace; "
+                             "extract it first")
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            raise TraceError(path, 1, None, f"found {encoding} text (byte-order mark {bom.hex(' ')}), not UTF-8; "
+                             "save it as UTF-8")
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        line, column = _line_and_column(data, nul)
+        raise TraceError(path, line, None, f"found a NUL byte at column {column}: binary data or UTF-16/32 text "
+                         "without a byte-order mark, not UTF-8 text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line, column = _line_and_column(data, exc.start)
+        start = data.rfind(b"\n", 0, exc.start) + 1
+        raise TraceError(path, line, None, f"not UTF-8 text: byte 0x{data[exc.start]:02X} at column {column} "
+                         f"(found {quote(data[start:exc.start + 8])}); save the file as UTF-8 (it may be "
+                         "Latin-1 or Windows-1252)") from None
+    return text.removeprefix("\ufeff")
+
+
 # ---------------------------------------------------------------- shared finishing
 
 
@@ -90,6 +169,9 @@ def _assign_arrivals(path, fields: _Fields, rows: list[_Row], step_ms: float) ->
             )
         prev = row
         row.arrival = (row.time_ns - t_first) * step_ns.denominator // step_ns.numerator
+        if row.arrival > MAX_STEP_OR_ID:
+            raise TraceError(path, row.line, fields.time, f"lies {quote(row.arrival)} decode steps after the first "
+                             f"record, more than {MAX_STEP_OR_ID}")
 
 
 def _finish(path, fields: _Fields, rows: list[_Row], max_context, overlong, step_ms, length_scale) -> list[Request]:

@@ -9,7 +9,9 @@ import io
 from datetime import date
 from functools import lru_cache
 
-from pkv.pipeline.trace_readers.common import _PLAIN, PLAIN_OPTIONAL, PLAIN_REQUIRED, TraceError, _Fields, _Row
+from pkv.pipeline.trace_readers.common import (
+    _PLAIN, MAX_LENGTH, MAX_STEP_OR_ID, PLAIN_OPTIONAL, PLAIN_REQUIRED, TraceError, _Fields, _Row, quote,
+)
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
@@ -21,13 +23,15 @@ _AZURE = _Fields("ContextTokens", "GeneratedTokens", time="TIMESTAMP")
 # ---------------------------------------------------------------- value parsing
 
 
-def _csv_int(path, line: int, field: str, text: str) -> int:
+def _csv_int(path, line: int, field: str, text: str, maximum: int = MAX_LENGTH) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise TraceError(path, line, field, f"expected a non-negative integer, got {text!r}") from None
+        raise TraceError(path, line, field, f"expected a non-negative integer, got {quote(text)}") from None
     if value < 0:
         raise TraceError(path, line, field, f"must be >= 0, got {value}")
+    if value > maximum:
+        raise TraceError(path, line, field, f"must be <= {maximum}, got {quote(value)}")
     return value
 
 
@@ -55,7 +59,7 @@ def _azure_time_ns(path, line: int, text: str) -> int:
         return _day_ordinal(day) * _NS_PER_DAY + ((h * 60 + m) * 60 + sc) * 10**9 + frac_ns
     except ValueError:
         raise TraceError(
-            path, line, "TIMESTAMP", f"expected a time like '2023-11-16 18:17:03.9799600', got {text!r}"
+            path, line, "TIMESTAMP", f"expected a time like '2023-11-16 18:17:03.9799600', got {quote(text)}"
         ) from None
 
 
@@ -64,6 +68,13 @@ def _azure_time_ns(path, line: int, text: str) -> int:
 
 def _read_csv(path, text: str) -> tuple[_Fields, list[_Row]]:
     reader = csv.reader(io.StringIO(text))
+    try:
+        return _parse_csv(path, reader)
+    except csv.Error as exc:  # a field past csv's size limit, a stray quote in strict mode
+        raise TraceError(path, reader.line_num, None, f"malformed CSV: {exc}") from None
+
+
+def _parse_csv(path, reader) -> tuple[_Fields, list[_Row]]:
     header = None
     for raw in reader:
         if raw and any(c.strip() for c in raw):
@@ -110,8 +121,8 @@ def _read_csv(path, text: str) -> tuple[_Fields, list[_Row]]:
             row.time_ns = _azure_time_ns(path, line, raw[col["TIMESTAMP"]])
         else:
             if "arrival_step" in col:
-                row.arrival = _csv_int(path, line, "arrival_step", raw[col["arrival_step"]])
+                row.arrival = _csv_int(path, line, "arrival_step", raw[col["arrival_step"]], MAX_STEP_OR_ID)
             if "request_id" in col:
-                row.request_id = _csv_int(path, line, "request_id", raw[col["request_id"]])
+                row.request_id = _csv_int(path, line, "request_id", raw[col["request_id"]], MAX_STEP_OR_ID)
         rows.append(row)
     return fields, rows

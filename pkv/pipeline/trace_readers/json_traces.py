@@ -9,7 +9,9 @@ import json
 import math
 import re
 
-from pkv.pipeline.trace_readers.common import _PLAIN, PLAIN_OPTIONAL, PLAIN_REQUIRED, TraceError, _Fields, _Row
+from pkv.pipeline.trace_readers.common import (
+    _PLAIN, MAX_LENGTH, MAX_STEP_OR_ID, PLAIN_OPTIONAL, PLAIN_REQUIRED, TraceError, _Fields, _Row, quote,
+)
 
 TIMESTAMPED_KEYS = ("timestamp", "input_length", "output_length")
 
@@ -22,20 +24,22 @@ _TIMESTAMPED = _Fields("input_length", "output_length", time="timestamp")
 # ---------------------------------------------------------------- value parsing
 
 
-def _json_int(path, line: int, field: str, value) -> int:
+def _json_int(path, line: int, field: str, value, maximum: int = MAX_LENGTH) -> int:
     # JSON writers such as pandas emit 128.0 for integer columns; accept integral floats only.
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceError(path, line, field, f"expected a non-negative integer, got {value!r}")
+        raise TraceError(path, line, field, f"expected a non-negative integer, got {quote(value)}")
     if value < 0:
         raise TraceError(path, line, field, f"must be >= 0, got {value}")
+    if value > maximum:
+        raise TraceError(path, line, field, f"must be <= {maximum}, got {quote(value)}")
     return value
 
 
 def _ms_time_ns(path, line: int, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TraceError(path, line, "timestamp", f"expected a number of milliseconds, got {value!r}")
+        raise TraceError(path, line, "timestamp", f"expected a number of milliseconds, got {quote(value)}")
     if isinstance(value, int):
         return value * 1_000_000
     return round(value * 1_000_000)
@@ -46,7 +50,7 @@ def _ms_time_ns(path, line: int, value) -> int:
 
 def _record_form(path, line: int, record) -> _Fields:
     if not isinstance(record, dict):
-        raise TraceError(path, line, "request", f"expected a JSON object, got {type(record).__name__}")
+        raise TraceError(path, line, "request", f"expected a JSON object, got {quote(record)}")
     if any(key in record for key in TIMESTAMPED_KEYS):
         return _TIMESTAMPED
     return _PLAIN
@@ -54,16 +58,16 @@ def _record_form(path, line: int, record) -> _Fields:
 
 def _json_row(path, line: int, index: int, record, fields: _Fields) -> _Row:
     if not isinstance(record, dict):
-        raise TraceError(path, line, "request", f"expected a JSON object, got {type(record).__name__}")
+        raise TraceError(path, line, "request", f"expected a JSON object, got {quote(record)}")
     required = TIMESTAMPED_KEYS if fields is _TIMESTAMPED else PLAIN_REQUIRED
     for key in required:
         if key not in record:
-            raise TraceError(path, line, key, f"missing field (record has {', '.join(map(str, record)) or 'no keys'})")
+            raise TraceError(path, line, key, f"missing field (record has {quote(', '.join(map(str, record)), 80) or 'no keys'})")
     if fields is _PLAIN:
         # The plain form is this project's own: a typo such as "promt_len" is refused, not ignored.
         for key in record:
             if key not in PLAIN_REQUIRED and key not in PLAIN_OPTIONAL:
-                raise TraceError(path, line, key, f"unknown field (expected {', '.join(PLAIN_REQUIRED + PLAIN_OPTIONAL)})")
+                raise TraceError(path, line, quote(key), f"unknown field (expected {', '.join(PLAIN_REQUIRED + PLAIN_OPTIONAL)})")
     row = _Row(
         line=line,
         index=index,
@@ -74,9 +78,9 @@ def _json_row(path, line: int, index: int, record, fields: _Fields) -> _Row:
         row.time_ns = _ms_time_ns(path, line, record["timestamp"])
     else:
         if "arrival_step" in record:
-            row.arrival = _json_int(path, line, "arrival_step", record["arrival_step"])
+            row.arrival = _json_int(path, line, "arrival_step", record["arrival_step"], MAX_STEP_OR_ID)
         if "request_id" in record:
-            row.request_id = _json_int(path, line, "request_id", record["request_id"])
+            row.request_id = _json_int(path, line, "request_id", record["request_id"], MAX_STEP_OR_ID)
     return row
 
 
@@ -125,9 +129,20 @@ def _element_offsets(text: str, i: int) -> list[int]:
     return offsets
 
 
+def _loads(path, line: int, text: str):
+    """json.loads, with what it raises besides JSONDecodeError (a number of over 4300 digits, nesting
+    past the recursion limit) as a TraceError on ``line``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise TraceError(path, line, "json", f"unreadable JSON: {quote(str(exc), 80)}") from None
+
+
 def _read_json(path, text: str) -> tuple[_Fields, list[_Row]]:
     try:
-        doc = json.loads(text)
+        doc = _loads(path, 1, text)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data" and text.lstrip().startswith("{"):
             return _read_jsonl(path, text)  # one object per line under a .json name
@@ -154,7 +169,7 @@ def _read_jsonl(path, text: str) -> tuple[_Fields, list[_Row]]:
         if not raw.strip():
             continue
         try:
-            records.append((line, json.loads(raw)))
+            records.append((line, _loads(path, line, raw)))
         except json.JSONDecodeError as exc:
             raise TraceError(path, line, "json", f"malformed JSON line: {exc.msg} at column {exc.colno}") from None
     return _rows_from_records(path, records)
