@@ -6,15 +6,19 @@ Hydra's `+`, errors raised after validation, two runs into one output folder, wr
 midway, and DAG axes that name what does not exist.
 """
 
+import dataclasses
 import gzip
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
 from pkv.atomic_io import JsonFileError, read_json
+from pkv.config import DEFAULT_MAX_CONTEXT_TOKENS, MAX_CONTEXT_TOKENS, ConfigError, PkvConfig, compose
+from pkv.experiments.common import load_requests, resolve_settings
 from pkv.pipeline.trace_readers import TraceError, read_trace
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,3 +114,120 @@ def test_a_byte_order_mark_of_utf8_is_accepted(tmp_path):
     path = tmp_path / "excel.csv"
     path.write_bytes(b"\xef\xbb\xbf" + PLAIN.encode())
     assert [r.prompt_len for r in read_trace(path)] == [100, 200]
+
+
+# ---------------------------------------------------------------- bounds
+
+
+def _numeric(hint) -> bool:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (list, typing.Union) and args:
+        return any(_numeric(a) for a in args)
+    return hint in (int, float)
+
+
+def _schema_fields(cls, prefix=""):
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        item = (typing.get_args(hint) or [None])[0]
+        if dataclasses.is_dataclass(hint):
+            yield from _schema_fields(hint, f"{prefix}{f.name}.")
+        elif typing.get_origin(hint) is list and dataclasses.is_dataclass(item):
+            yield from _schema_fields(item, f"{prefix}{f.name}[].")
+        else:
+            yield f"{prefix}{f.name}", hint, f
+
+
+def test_every_numeric_field_of_the_schema_has_a_bound():
+    unbounded = [name for name, hint, f in _schema_fields(PkvConfig) if _numeric(hint) and "bound" not in f.metadata]
+    assert unbounded == []
+
+
+BOUNDS = [
+    ("seed=18446744073709551616", "seed"),
+    ("seed=-1", "seed"),
+    ("experiment.calibration_seed=18446744073709551616", "experiment.calibration_seed"),
+    ("trace.page_size=1099511627776", "trace.page_size"),
+    ("trace.num_requests=10000000", "trace.num_requests"),
+    ("trace.max_active=100000", "trace.max_active"),
+    ("trace.length_scale=inf", "trace.length_scale"),
+    ("trace.length_scale=nan", "trace.length_scale"),
+    ("trace.length_scale=1e400", "trace.length_scale"),
+    ("trace.arrival_rate=inf", "trace.arrival_rate"),
+    ("trace.hole_fraction=0.999", "trace.hole_fraction"),
+    ("trace.decode_len_range=[1,99999999]", "trace.decode_len_range"),
+    ("trace.max_context=99999999", "trace.max_context"),
+    ("engine.num_splits=4096", "engine.num_splits"),
+    ("experiment.measured_steps=10000000", "experiment.measured_steps"),
+    ("experiment.gate_tolerance=nan", "experiment.gate_tolerance"),
+    ("experiment.probe_buffer_mib=1000000", "experiment.probe_buffer_mib"),
+    ("model.head_dim=4096", "model.head_dim"),
+    ("cpu_profile.length_scale=inf", "cpu_profile.length_scale"),
+    ("gpu.num_sms=100000", "gpu.num_sms"),
+    ("gpu.regimes.many_rows.num_splits=5000", "gpu.regimes.many_rows.num_splits"),
+    ("gpu.regimes.single_row.min_context_tokens=99999999", "gpu.regimes.single_row.min_context_tokens"),
+]
+
+
+@pytest.mark.parametrize("override, field", BOUNDS, ids=[b[0][:40] for b in BOUNDS])
+def test_a_value_past_its_bound_names_file_field_and_value(override, field):
+    with pytest.raises(ConfigError) as err:
+        compose(["out=x", override])
+    msg = str(err.value)
+    assert f"field '{field}' = " in msg and msg.startswith("conf/")
+    value = override.split("=", 1)[1].strip("[]").split(",")[-1]
+    assert value.replace("1e400", "inf") in msg
+
+
+def test_the_largest_64_bit_seed_is_accepted():
+    assert compose(["out=x", f"seed={2**64 - 1}"]).seed == 2**64 - 1
+
+
+def test_a_synthetic_trace_past_the_default_maximum_context_is_refused():
+    cfg = compose(["out=x", "trace=bimodal", "trace.length_scale=16"])  # 64K-token prompts become 1M
+    with pytest.raises(ConfigError, match=rf"'trace.length_scale' = 16.0: .* more than the maximum context "
+                                          rf"{DEFAULT_MAX_CONTEXT_TOKENS}"):
+        load_requests(cfg.trace, cfg.seed, resolve_settings(compose(["out=x", "profile=gpu", "device=cpu",
+                                                                      "trace.length_scale=16"])))
+
+
+def test_an_external_request_past_the_default_maximum_is_refused_unless_a_limit_is_set(tmp_path):
+    path = tmp_path / "long.csv"
+    path.write_text(f"prompt_len,decode_len\n100,10\n{DEFAULT_MAX_CONTEXT_TOKENS},10\n")
+    base = ["out=x", "profile=gpu", "device=cpu", "trace=external", f"trace.path={path}"]
+    cfg = compose(base)
+    with pytest.raises(TraceError, match=rf"long.csv, line 3, .*more than max_context={DEFAULT_MAX_CONTEXT_TOKENS}"):
+        load_requests(cfg.trace, cfg.seed, resolve_settings(cfg))
+    cfg = compose([*base, f"trace.max_context={MAX_CONTEXT_TOKENS}"])
+    assert [r.total_len for r in load_requests(cfg.trace, cfg.seed, resolve_settings(cfg))] == [
+        110, DEFAULT_MAX_CONTEXT_TOKENS + 10]
+
+
+def test_a_trace_path_that_is_a_device_is_refused_before_reading():
+    with pytest.raises(ConfigError, match=r"field 'trace.path' = '/dev/zero': is not a file"):
+        compose(["out=x", "trace=external", "trace.path=/dev/zero"])
+
+
+def test_a_run_whose_pages_do_not_fit_one_h200_is_refused_before_allocating():
+    cfg = compose(["out=x", "profile=gpu", "device=cpu", "trace=homogeneous", "trace.num_requests=4096"])
+    with pytest.raises(ConfigError, match=r"field 'trace.num_requests' = 4096: .* GiB, more than the 96 GiB"):
+        load_requests(cfg.trace, cfg.seed, resolve_settings(cfg))
+
+
+# ---------------------------------------------------------------- keys added with +
+
+
+PLUS_KEYS = [
+    ("+trace.num_requestz=3", "trace.num_requestz", "3"),
+    ("++trace.foo=1", "trace.foo", "1"),
+    ("+bogus=3", "bogus", "3"),
+    ("+model.group=4", "model.group", "4"),
+    ("+experiment.calibration_traces.0.speed=1", "experiment.calibration_traces.0.speed", "1"),
+    ("trace.num_requestz=3", "trace.num_requestz", "3"),
+]
+
+
+@pytest.mark.parametrize("override, field, value", PLUS_KEYS, ids=[p[0] for p in PLUS_KEYS])
+def test_a_key_the_schema_does_not_know_is_refused_plus_or_not(override, field, value):
+    with pytest.raises(ConfigError, match=rf"command line: field '{field}' = {value}: not a field"):
+        compose(["out=x", override])

@@ -4,7 +4,6 @@ and the value."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,13 +12,16 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from pkv.config.fields import bounds_problem, calibration_bounds_problem, unknown_key
 from pkv.config.schema import (
     DEVICES, DRIVERS, DTYPES, EXTERNAL_FAMILY, PLANNERS, PROFILES, ConfigError, EngineConfig, ExperimentConfig,
     PkvConfig, TraceConfig,
 )
 from pkv.pipeline.schedule import SPLIT_KINDS
+from pkv.pipeline.trace_readers import OVERLONG_POLICIES
 from pkv.pipeline.traces import TRACE_FAMILIES
 from pkv.policy.calibration import Calibration
+from pkv.policy.regime import CalibrationError
 from pkv.policy.route import MERGE_KINDS, SCHEDULES
 
 # ---------------------------------------------------------------------------------------------
@@ -37,43 +39,43 @@ def _fail(where: str, key: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"{where}: field '{key}' = {value!r}: {why}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _check_bounds(obj: Any, prefix: str, where: str, only: Sequence[str] | None = None) -> None:
+    found = bounds_problem(obj, prefix, only)
+    if found:
+        raise _fail(where, *found)
+
+
+def check_calibration_bounds(calib: Calibration, where: str, prefix: str = "gpu.") -> None:
+    """The upper ends pkv.config.schema.GPU_BOUNDS puts on a calibration's constants."""
+    found = calibration_bounds_problem(calib)
+    if found:
+        raise _fail(where, f"{prefix}{found[0]}", found[1], found[2])
 
 
 def _check_trace(trace: TraceConfig, where: str, families: Sequence[str]) -> None:
     def bad(name: str, why: str) -> ConfigError:
         return _fail(where, f"trace.{name}", getattr(trace, name), why)
 
+    _check_bounds(trace, "trace.", where)
     if trace.family != EXTERNAL_FAMILY and trace.family not in families:
         raise bad("family", f"must be one of {sorted(families) + [EXTERNAL_FAMILY]}")
     if trace.name is not None and (not trace.name or "/" in trace.name):
         raise bad("name", "must be a non-empty name without '/'")
-    if trace.num_requests < 1:
-        raise bad("num_requests", "must be >= 1")
-    if trace.max_active < 1:
-        raise bad("max_active", "must be >= 1")
-    if not trace.length_scale > 0:
-        raise bad("length_scale", "must be > 0")
     lo_hi = list(trace.decode_len_range)
     if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
         raise bad("decode_len_range", "must be [lo, hi] with 1 <= lo <= hi")
     # Pages and 32-token tiles must nest in one another; powers of two guarantee it.
-    if trace.page_size < 1 or trace.page_size & (trace.page_size - 1):
+    if trace.page_size & (trace.page_size - 1):
         raise bad("page_size", "must be a positive power of two")
-    if not 0.0 <= trace.hole_fraction < 1.0:
-        raise bad("hole_fraction", "must be in [0, 1)")
-    if trace.arrival_rate is not None and not trace.arrival_rate > 0:
-        raise bad("arrival_rate", "must be > 0 when given")
+    if trace.overlong is not None and trace.overlong not in OVERLONG_POLICIES:
+        raise bad("overlong", f"must be one of {list(OVERLONG_POLICIES)} or null")
     if trace.family == EXTERNAL_FAMILY:
         if not trace.path:
             raise bad("path", "an external trace needs trace.path=<CSV/JSON/JSONL file>")
-        if not Path(trace.path).is_file():
+        if not Path(trace.path).exists():
             raise bad("path", "no such file")
-        if trace.max_context is not None and trace.max_context < 1:
-            raise bad("max_context", "must be >= 1 when given")
-        if trace.step_ms is not None and not trace.step_ms > 0:
-            raise bad("step_ms", "must be > 0 when given")
+        if not Path(trace.path).is_file():
+            raise bad("path", "is not a file (a folder?)")
     elif trace.path is not None:
         raise bad("path", f"only an external trace reads a file (trace.family = {trace.family!r})")
 
@@ -87,10 +89,7 @@ def _check_engine(engine: EngineConfig, where: str) -> None:
         raise _fail(where, "engine.split_kind", engine.split_kind, f"must be one of {list(SPLIT_KINDS)} or null")
     if engine.planner not in PLANNERS:
         raise _fail(where, "engine.planner", engine.planner, f"must be one of {list(PLANNERS)}")
-    for name in ("num_splits", "bucket_num_splits"):
-        value = getattr(engine, name)
-        if value is not None and value < 1:
-            raise _fail(where, f"engine.{name}", value, "must be >= 1 (or null for the policy's choice)")
+    _check_bounds(engine, "engine.", where)
 
 
 def _check_experiment(exp: ExperimentConfig, where: str) -> None:
@@ -106,40 +105,17 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
             raise bad("engines", "lists an engine twice")
         if exp.baseline not in exp.engines:
             raise bad("baseline", f"must be one of experiment.engines {list(exp.engines)}")
-    if exp.warmup_steps < 0:
-        raise bad("warmup_steps", "must be >= 0")
-    if exp.measured_steps < 1:
-        raise bad("measured_steps", "must be >= 1")
-    if exp.check_every < 1:
-        raise bad("check_every", "must be >= 1")
-    if exp.reps < 1:
-        raise bad("reps", "must be >= 1")
-    if any(s < 1 for s in exp.split_candidates):
-        raise bad("split_candidates", "split counts must be >= 1")
+    _check_bounds(exp, "experiment.", where)
     if exp.driver == "isolated":
-        if exp.context_len is None or exp.context_len < 1:
-            raise bad("context_len", "the isolated experiment needs experiment.context_len >= 1")
+        if exp.context_len is None:
+            raise bad("context_len", "the isolated experiment needs experiment.context_len")
         if not exp.split_candidates:
             raise bad("split_candidates", "auto split needs at least one candidate")
     if exp.driver == "calibrate":
-        if exp.probe_buffer_mib < 1:
-            raise bad("probe_buffer_mib", "must be >= 1")
-        if exp.launch_probe_reps < 1:
-            raise bad("launch_probe_reps", "must be >= 1")
         for i, ct in enumerate(exp.calibration_traces):
-            if (ct.max_active < 1 or ct.route not in ("bucket_exact", "workqueue") or not ct.split_candidates
-                    or any(s < 1 for s in ct.split_candidates)):
+            if ct.route not in ("bucket_exact", "workqueue") or not ct.split_candidates:
                 raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(ct),
-                            "needs max_active >= 1, route bucket_exact or workqueue, split_candidates >= 1")
-        if not (math.isfinite(exp.gate_tolerance) and 0 <= exp.gate_tolerance < 1):
-            raise bad("gate_tolerance", "must be a fraction in [0, 1)")
-        for i, probe in enumerate(exp.gate_probes):
-            if (probe.max_active < 1 or not probe.length_scale > 0 or not math.isfinite(probe.length_scale)
-                    or (probe.group_size is not None and probe.group_size < 1)
-                    or (probe.num_requests is not None and probe.num_requests < 1)):
-                raise _fail(where, f"experiment.gate_probes[{i}]", dataclasses.asdict(probe),
-                            "needs max_active >= 1, a finite length_scale > 0, group_size and "
-                            "num_requests null or >= 1")
+                            "needs route bucket_exact or workqueue and at least one split candidate")
     for name, key in exp.variant_keys.items():
         if not key or "=" in name:
             raise _fail(where, f"experiment.variant_keys.{name}", key, "must map a name to a config key")
@@ -147,6 +123,8 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
 
 def _check_top(cfg: PkvConfig) -> None:
     where = "conf/config.yaml (or its override)"
+    # trace, engine and experiment are checked with the file they come from
+    _check_bounds(cfg, "", where, only=("seed", "model", "cpu_profile"))
     if cfg.profile not in PROFILES:
         raise _fail(where, "profile", cfg.profile, f"must be one of {list(PROFILES)}")
     if cfg.dtype not in DTYPES:
@@ -155,25 +133,43 @@ def _check_top(cfg: PkvConfig) -> None:
         raise _fail(where, "cpu_profile.dtype", cfg.cpu_profile.dtype, f"must be one of {list(DTYPES)}")
     if cfg.device not in DEVICES:
         raise _fail(where, "device", cfg.device, f"must be one of {list(DEVICES)}")
-    if not _is_int(cfg.seed) or cfg.seed < 0:
-        raise _fail(where, "seed", cfg.seed, "must be a non-negative int")
     if not cfg.out:
         raise _fail(where, "out", cfg.out, "needs an output path (out=...)")
     m = cfg.model
-    if min(m.num_qo_heads, m.num_kv_heads, m.head_dim) < 1 or m.num_qo_heads % m.num_kv_heads:
+    if m.num_qo_heads % m.num_kv_heads:
         raise _fail(where, "model", OmegaConf.to_container(OmegaConf.structured(m)),
-                    "needs positive sizes with num_qo_heads divisible by num_kv_heads")
-    cp = cfg.cpu_profile
-    if not cp.length_scale > 0 or min(cp.max_requests, cp.measured_steps, cp.check_every, cp.reps,
-                                      cp.probe_buffer_mib, cp.launch_probe_reps) < 1 or cp.warmup_steps < 0:
-        raise _fail(where, "cpu_profile", dataclasses.asdict(cp), "needs positive sizes and scale")
+                    "needs num_qo_heads divisible by num_kv_heads")
+
+
+def _check_paths(cfg: PkvConfig) -> None:
+    """The files a run reads and the output it writes are of the right kind before it starts."""
+    where = "command line"
+    if cfg.calibration is not None:
+        path = Path(cfg.calibration)
+        if not path.exists():
+            raise _fail(where, "calibration", cfg.calibration, "no such file (write it with experiment=calibrate)")
+        if not path.is_file():
+            raise _fail(where, "calibration", cfg.calibration, "is not a file (a folder?)")
+    out = Path(cfg.out)
+    # Drivers of trace runs write one file per engine into the out folder; the others one file.
+    wants_folder = cfg.experiment.driver in ("evaluate", "ablate")
+    if wants_folder and out.exists() and not out.is_dir():
+        raise _fail(where, "out", cfg.out, "is a file; this experiment writes one file per engine into a folder")
+    if not wants_folder and out.is_dir():
+        raise _fail(where, "out", cfg.out, "is a folder; this experiment writes one file")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise _fail(where, "out", cfg.out, f"cannot be created: {parent} is not a folder")
 
 
 def _check_gpu(gpu: Mapping[str, Any], where: str) -> None:
     try:
-        Calibration.from_mapping(dict(gpu), where)
-    except (TypeError, KeyError) as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
+        calib = Calibration.from_mapping(dict(gpu), where)
+    except (TypeError, KeyError, CalibrationError) as exc:
+        raise ConfigError(str(exc) if isinstance(exc, CalibrationError) else f"{where}: {exc}") from None
+    check_calibration_bounds(calib, where)
 
 
 def _trace_families() -> tuple[str, ...]:
@@ -187,6 +183,10 @@ def validate(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> PkvCo
     YAML file a bad value came from.
     """
     choices = dict(choices or {})
+    unknown = unknown_key(cfg, PkvConfig, "")
+    if unknown:
+        key, value, why = unknown
+        raise _fail("command line", key, value, why)
     try:
         obj = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as exc:
@@ -205,6 +205,7 @@ def validate(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> PkvCo
     if obj.variant is not None:
         parse_variant(obj.variant, obj.experiment)
     _check_gpu(obj.gpu, f"conf/gpu/{choices.get('gpu', '?')}.yaml")
+    _check_paths(obj)
     return obj
 
 

@@ -17,12 +17,17 @@ from typing import Any
 import torch
 
 from pkv.atomic_io import write_json_atomic
-from pkv.config import EXTERNAL_FAMILY, ConfigError, EngineConfig, PkvConfig, TraceConfig
+from pkv.config import (
+    DEFAULT_MAX_CONTEXT_TOKENS, EXTERNAL_FAMILY, MAX_KV_POOL_BYTES, ConfigError, EngineConfig, PkvConfig, TraceConfig,
+    check_calibration_bounds,
+)
 from pkv.engines import OPTION_NAMES, EngineUnavailable, build_engine, role_policy
+from pkv.pipeline.pages import universe_size
 from pkv.pipeline.trace_readers import read_trace
 from pkv.pipeline.traces import synthetic_trace
 from pkv.policy.calibration import Calibration, load_calibration
 from pkv.policy.overrides import apply_engine_options
+from pkv.policy.regime import CalibrationError
 from pkv.provenance import collect_provenance
 from pkv.shape import ModelShape
 
@@ -58,6 +63,14 @@ class RunSettings:
     probe_buffer_mib: int
     launch_probe_reps: int
     performance_result: bool
+    kv_bytes_per_token: int  # K and V of one token over all KV heads, in the run's dtype
+
+
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _kv_bytes_per_token(cfg: PkvConfig, dtype: str) -> int:
+    return 2 * cfg.model.num_kv_heads * cfg.model.head_dim * _DTYPE_BYTES[dtype]
 
 
 def resolve_settings(cfg: PkvConfig) -> RunSettings:
@@ -66,6 +79,7 @@ def resolve_settings(cfg: PkvConfig) -> RunSettings:
     if cfg.profile == "cpu":
         cp = cfg.cpu_profile
         return RunSettings(
+            kv_bytes_per_token=_kv_bytes_per_token(cfg, cp.dtype),
             profile="cpu", device="cpu", dtype=cp.dtype,
             length_scale=trace.length_scale * cp.length_scale,
             num_requests=min(trace.num_requests, cp.max_requests),
@@ -83,6 +97,7 @@ def resolve_settings(cfg: PkvConfig) -> RunSettings:
                 f"conf/config.yaml (or its override): field 'profile' = {cfg.profile!r}: device=cuda but "
                 "torch sees no CUDA GPU; run with profile=cpu on this machine")
     return RunSettings(
+        kv_bytes_per_token=_kv_bytes_per_token(cfg, cfg.dtype),
         profile=cfg.profile, device=cfg.device, dtype=cfg.dtype, length_scale=trace.length_scale,
         num_requests=trace.num_requests, warmup_steps=exp.warmup_steps,
         measured_steps=exp.measured_steps, check_every=exp.check_every, reps=exp.reps,
@@ -102,22 +117,49 @@ def trace_name(trace: TraceConfig) -> str:
 
 
 def load_requests(trace: TraceConfig, seed: int, settings: RunSettings) -> list:
-    """The trace's requests: a seeded synthetic family or the first num_requests of a file."""
+    """The trace's requests: a seeded synthetic family or the first num_requests of a file.
+
+    No request may be longer than trace.max_context, or DEFAULT_MAX_CONTEXT_TOKENS when that is
+    null: a file's longer request is refused naming its line (or truncated or dropped, as
+    trace.overlong says), a synthetic family's naming trace.length_scale. The K and V pages of
+    all of them must fit MAX_KV_POOL_BYTES.
+    """
+    limit = trace.max_context or DEFAULT_MAX_CONTEXT_TOKENS
     if trace.family == EXTERNAL_FAMILY:
-        options: dict[str, Any] = {"length_scale": settings.length_scale}
-        for key in ("max_context", "overlong", "step_ms"):
-            if getattr(trace, key) is not None:
-                options[key] = getattr(trace, key)
+        # The default limit refuses what it would otherwise cut; a limit the user set truncates by default.
+        overlong = trace.overlong or ("truncate" if trace.max_context else "error")
+        options: dict[str, Any] = {"length_scale": settings.length_scale, "max_context": limit, "overlong": overlong}
+        if trace.step_ms is not None:
+            options["step_ms"] = trace.step_ms
         requests = read_trace(trace.path, **options)[: settings.num_requests]
         if not requests:
             raise ConfigError(f"conf/trace/external.yaml: field 'trace.path' = {trace.path!r}: no requests")
-        return requests
+    else:
+        options = {"length_scale": settings.length_scale, "decode_len_range": tuple(trace.decode_len_range)}
+        for key in ("arrivals", "arrival_rate"):
+            if getattr(trace, key) is not None:
+                options[key] = getattr(trace, key)
+        requests = synthetic_trace(trace.family, settings.num_requests, seed, **options)
+        longest = max(requests, key=lambda r: r.total_len)
+        if longest.total_len > limit:
+            raise ConfigError(
+                f"conf/trace/{trace.family}.yaml: field 'trace.length_scale' = {trace.length_scale!r}: request "
+                f"{longest.request_id} needs {longest.total_len} tokens, more than the maximum context {limit} "
+                f"(trace.max_context, null = {DEFAULT_MAX_CONTEXT_TOKENS})")
+    _check_kv_pool(trace, settings, requests)
+    return requests
 
-    options = {"length_scale": settings.length_scale, "decode_len_range": tuple(trace.decode_len_range)}
-    for key in ("arrivals", "arrival_rate"):
-        if getattr(trace, key) is not None:
-            options[key] = getattr(trace, key)
-    return synthetic_trace(trace.family, settings.num_requests, seed, **options)
+
+def _check_kv_pool(trace: TraceConfig, settings: RunSettings, requests: list) -> None:
+    """Refuse a run whose K and V pages would not fit one H200 (MAX_KV_POOL_BYTES), before allocating."""
+    pages = sum(-(-r.total_len // trace.page_size) for r in requests)
+    pool = universe_size(pages, trace.hole_fraction) * trace.page_size * settings.kv_bytes_per_token
+    if pool > MAX_KV_POOL_BYTES:
+        raise ConfigError(
+            f"conf/trace/{trace.family}.yaml: field 'trace.num_requests' = {trace.num_requests!r}: the K and V pages "
+            f"of {len(requests)} requests ({pages} pages of {trace.page_size} tokens, hole_fraction "
+            f"{trace.hole_fraction}) take {pool / 2**30:.1f} GiB, more than the {MAX_KV_POOL_BYTES >> 30} GiB one "
+            "H200 holds for them; use fewer or shorter requests")
 
 
 def trace_record(trace: TraceConfig, seed: int, settings: RunSettings, num_requests: int) -> dict:
@@ -144,9 +186,18 @@ def engine_role_and_options(label: str, engine: EngineConfig) -> tuple[str, dict
 def run_calibration(cfg: PkvConfig):
     """The calibration every engine of this run decides with: the frozen calibration JSON when
     given (else the starting constants of conf/gpu/<gpu>.yaml), with the run's engine options
-    (an ablation's split count or opened regime) applied once, here."""
-    calib = load_calibration(cfg.calibration) if cfg.calibration else \
-        Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)")
+    (an ablation's split count or opened regime) applied once, here. A calibration file that is
+    missing, a folder, not JSON or out of bounds is a ConfigError naming it."""
+    if cfg.calibration:
+        path = cfg.calibration
+        try:
+            calib = load_calibration(path)
+        except (CalibrationError, OSError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).removeprefix(f"{path}: ")
+            raise ConfigError(f"{path}: field 'calibration' = {path!r}: {why}") from None
+        check_calibration_bounds(calib, path, prefix="calibration.")
+    else:
+        calib = Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)")
     return apply_engine_options(calib, **{k: getattr(cfg.engine, k) for k in _CALIBRATION_OPTIONS})
 
 
