@@ -8,18 +8,23 @@ midway, and DAG axes that name what does not exist.
 
 import dataclasses
 import gzip
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import typing
 from pathlib import Path
 
 import pytest
 
-from pkv.atomic_io import JsonFileError, read_json
+import pkv.atomic_io as atomic_io
+from pkv.atomic_io import JsonFileError, OutputLock, OutputLocked, lock_path_for, read_json, write_files_atomic
 from pkv.config import DEFAULT_MAX_CONTEXT_TOKENS, MAX_CONTEXT_TOKENS, ConfigError, PkvConfig, compose
-from pkv.experiments.common import load_requests, resolve_settings
+from pkv.experiments.common import load_requests, resolve_settings, write_all_or_nothing
 from pkv.pipeline.trace_readers import TraceError, read_trace
+from pkv.report import tables
 
 REPO = Path(__file__).resolve().parent.parent
 PLAIN = "prompt_len,decode_len\n100,10\n200,20\n"
@@ -231,3 +236,154 @@ PLUS_KEYS = [
 def test_a_key_the_schema_does_not_know_is_refused_plus_or_not(override, field, value):
     with pytest.raises(ConfigError, match=rf"command line: field '{field}' = {value}: not a field"):
         compose(["out=x", override])
+
+
+# ---------------------------------------------------------------- one error path
+
+
+def _calibration_cases(tmp_path):
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text('{"schema": "pkv.calibration/2", "calibration": ')
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe" + "{}".encode("utf-16-le"))
+    utf16 = tmp_path / "utf16.csv"
+    utf16.write_bytes(PLAIN.encode("utf-16"))
+    return {
+        "missing calibration": ([f"calibration={tmp_path / 'nope.json'}"], "field 'calibration' = ", "no such file"),
+        "calibration folder": ([f"calibration={tmp_path}"], "field 'calibration' = ", "is not a file"),
+        "corrupt calibration": ([f"calibration={corrupt}"], f"{corrupt}: field 'calibration' = ", "not valid JSON"),
+        "binary calibration": ([f"calibration={binary}"], f"{binary}: field 'calibration' = ", "not UTF-8"),
+        "UTF-16 trace": (["trace=external", f"trace.path={utf16}"], f"{utf16}, line 1", "UTF-16"),
+        "no GPU": (["profile=gpu"], "field 'profile' = 'gpu'", "torch sees no CUDA GPU"),
+        "unknown group option": (["trace=bimodl"], "field 'trace' = 'bimodl'", "no file conf/trace/bimodl.yaml"),
+        "wrong type": (["trace.max_active=abc"], "field 'trace.max_active' = 'abc'", "could not be converted"),
+        "seed past 64 bits": ([f"seed={2**64}"], f"field 'seed' = {2**64}", "64-bit"),
+    }
+
+
+def test_the_cli_refuses_a_plus_key_in_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    line = _refusal(_cli(*TINY, "+trace.num_requestz=3", f"out={out}", f"hydra.run.dir={out}/.run", cwd=tmp_path))
+    assert "field 'trace.num_requestz' = 3" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+CASES = ["missing calibration", "calibration folder", "corrupt calibration", "binary calibration", "UTF-16 trace",
+         "no GPU", "unknown group option", "wrong type", "seed past 64 bits"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_refusal_of_the_cli_is_one_line_with_exit_status_2(tmp_path, case):
+    overrides, names, why = _calibration_cases(tmp_path)[case]
+    out = tmp_path / "out"
+    before = _files(tmp_path)
+    line = _refusal(_cli(*TINY, *overrides, f"out={out}", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path))
+    assert names in line and why in line
+    assert not out.exists() and not lock_path_for(out).exists()
+    assert {k: v for k, v in _files(tmp_path).items() if not k.startswith("run/")} == before
+
+
+# ---------------------------------------------------------------- one writer per output folder
+
+
+def _run_record(out: Path) -> tuple[set, set, set]:
+    """(engines, run ids, seeds) of the result files in out, and the seed its saved overrides name."""
+    records = [json.loads(p.read_text()) for p in out.glob("*.json")]
+    overrides = (out / ".run" / ".hydra" / "overrides.yaml").read_text()
+    seeds = {r["provenance"]["seed"] for r in records} | {int(o.split("=")[1]) for o in overrides.split()
+                                                         if o.startswith("seed=")}
+    return {p.stem for p in out.glob("*.json")}, {r["run_id"] for r in records}, seeds
+
+
+def test_a_run_into_a_held_output_refuses_at_once_naming_the_holder(tmp_path):
+    out = tmp_path / "seed1"
+    with OutputLock(out):
+        line = _refusal(_cli(*TINY, "seed=1", f"out={out}", f"hydra.run.dir={out}/.run", cwd=tmp_path))
+    assert f"pid {os.getpid()} on " in line and "started 20" in line and "another run writes there" in line
+    assert not out.exists()
+
+
+def test_two_runs_into_one_folder_one_refuses_and_the_other_completes(tmp_path):
+    out = tmp_path / "evaluate" / "seed"
+    run = [*TINY, f"out={out}", f"hydra.run.dir={out}/.run"]
+    assert _cli(*run, "seed=3", cwd=tmp_path).returncode == 0  # an older complete run in the folder
+    # A run of more steps holds the lock for a few seconds; the second starts once it holds it.
+    first = _cli(*run, "seed=1", "experiment.measured_steps=40", "cpu_profile.measured_steps=40", cwd=tmp_path,
+                 wait=False)
+    lock = lock_path_for(out)
+    deadline = time.monotonic() + 60
+    while not (lock.exists() and f'"pid": {first.pid}' in lock.read_text()) and first.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    second = _cli(*run, "seed=2", cwd=tmp_path)
+    stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr[-3000:]
+    assert f"pid {first.pid} on " in _refusal(second)
+    engines, run_ids, seeds = _run_record(out)
+    assert engines == {"adaptive", "flashinfer"} and len(run_ids) == 1 and seeds == {1}
+    assert not lock.exists() and not [p for p in out.rglob(".*") if p.suffix in (".tmp", ".old")]
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
+    out = tmp_path / "seed"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pkv.atomic_io import OutputLock; "
+                               f"OutputLock({str(out)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(OutputLocked, match=f"pid {holder.pid} on "):
+        OutputLock(out).acquire()
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    assert lock_path_for(out).exists()
+    proc = _cli(*TINY, "seed=1", f"out={out}", f"hydra.run.dir={out}/.run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"took over the lock of pid {holder.pid}" in proc.stderr
+    assert _run_record(out)[2] == {1} and not lock_path_for(out).exists()
+
+
+# ---------------------------------------------------------------- writes that fail midway
+
+
+def _old_set(folder: Path) -> dict[str, bytes]:
+    write_all_or_nothing({folder / "adaptive.json": {"run": "old", "engine": "adaptive"},
+                          folder / "flashinfer.json": {"run": "old", "engine": "flashinfer"}})
+    return _files(folder)
+
+
+def test_a_result_that_cannot_be_written_leaves_the_old_set(tmp_path):
+    old = _old_set(tmp_path)
+    with pytest.raises(JsonFileError, match=r"flashinfer.json: refusing to write a non-finite value"):
+        write_all_or_nothing({tmp_path / "adaptive.json": {"run": "new"},
+                              tmp_path / "flashinfer.json": {"run": "new", "time": float("nan")}})
+    assert _files(tmp_path) == old
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_a_rename_that_fails_midway_puts_the_old_set_back(tmp_path, monkeypatch, fail_at):
+    old = _old_set(tmp_path)
+    real_replace, calls = os.replace, []
+
+    def failing_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == fail_at:
+            raise OSError(28, "No space left on device", str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(atomic_io.os, "replace", failing_replace)
+    new = {tmp_path / "adaptive.json": "new\n", tmp_path / "flashinfer.json": "new\n", tmp_path / "sdpa.json": "new\n"}
+    with pytest.raises(OSError, match="No space left"):
+        write_files_atomic(new)
+    monkeypatch.undo()
+    assert _files(tmp_path) == old  # the new file without an old one is gone too; no temporaries left
+
+
+def test_tables_are_written_as_a_set_or_not_at_all(tmp_path):
+    root, out = tmp_path / "root", tmp_path / "tables"
+    root.mkdir()
+    tables.render_all(root, out)
+    old = _files(out)
+    (root / "profile").mkdir()
+    (root / "profile" / "ncu_counters.json").write_text('{"schema": ')  # read by a later table than the first
+    with pytest.raises(JsonFileError, match="ncu_counters.json: invalid JSON"):
+        tables.render_all(root, out)
+    assert _files(out) == old and len(old) >= 16

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pkv.atomic_io import write_json_atomic
+from pkv.atomic_io import write_json_files_atomic
 from pkv.config import (
     DEFAULT_MAX_CONTEXT_TOKENS, EXTERNAL_FAMILY, MAX_KV_POOL_BYTES, ConfigError, EngineConfig, PkvConfig, TraceConfig,
     check_calibration_bounds,
@@ -228,23 +228,13 @@ def provenance_for(cfg: PkvConfig, settings: RunSettings, seed: int) -> dict:
 
 
 def write_all_or_nothing(files: Mapping[str | os.PathLike, Any]) -> list[Path]:
-    """Write every JSON atomically; if one write fails, remove the ones already written.
+    """Write every JSON of a run as one set: all replaced, or none (pkv.atomic_io.write_json_files_atomic).
 
     A run that times several engines produces one file per engine; a reader (and Snakemake) must
-    never find some engines of a run without the others.
+    never find some engines of a run without the others, nor one engine of an older run beside a
+    newer one: a failed write leaves the previous run's files as they were.
     """
-    written: list[Path] = []
-    try:
-        for path, obj in files.items():
-            written.append(write_json_atomic(path, obj))
-    except BaseException:
-        for path in written:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        raise
-    return written
+    return write_json_files_atomic(files)
 
 
 def engine_file(out_dir: str | os.PathLike, label: str) -> Path:

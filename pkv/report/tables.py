@@ -20,9 +20,9 @@ from typing import Any
 
 import jinja2
 
+from pkv.atomic_io import write_files_atomic
 from pkv.report import claims, evidence, table_data
 from pkv.report.html_page import markdown_to_html
-from pkv.report.results import write_text_atomic
 from pkv.report.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
 
 TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "paper_tables"
@@ -154,7 +154,11 @@ def output_names() -> list[str]:
 
 def render_all(root: Path, out_dir: Path, templates_dir: Path = TEMPLATES_DIR) -> list[Path]:
     """Render tables 1-8 and the claims check as <name>.md, <name>.tex and <name>.html under out_dir;
-    returns the files written. Every table is rendered before any is written."""
+    returns the files written.
+
+    Every table is rendered before any is written, and the files are replaced as one set: a
+    results file that cannot be read leaves all the previous tables in place, not half of them.
+    """
     root, out_dir = Path(root), Path(out_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: results root is not a directory")
@@ -169,7 +173,7 @@ def render_all(root: Path, out_dir: Path, templates_dir: Path = TEMPLATES_DIR) -
             texts[out_dir / f"{name}.{fmt}"] = text = template.render(t=context, table_number=number)
             if fmt == "md":
                 texts[out_dir / f"{name}.html"] = markdown_to_html(text, name)
-    return [write_text_atomic(path, text) for path, text in texts.items()]
+    return write_files_atomic(texts)
 
 
 def main(argv: list[str] | None = None) -> int:
