@@ -387,3 +387,32 @@ def test_tables_are_written_as_a_set_or_not_at_all(tmp_path):
     with pytest.raises(JsonFileError, match="ncu_counters.json: invalid JSON"):
         tables.render_all(root, out)
     assert _files(out) == old and len(old) >= 16
+
+
+# ---------------------------------------------------------------- the DAG's axes
+
+
+DAG_AXES = [
+    ("evaluate_traces=[bimodl_b8]", "field 'evaluate_traces' = 'bimodl_b8': no trace family 'bimodl'"),
+    ("mlp_traces=[zipf_b0]", "field 'mlp_traces' = 'zipf_b0': max_active 0"),
+    ("held_out_seeds=[18446744073709551616]", "held_out_seeds"),
+    ("isolated_contexts=[99999999]", "isolated_contexts"),
+]
+
+
+@pytest.mark.parametrize("override, expected", DAG_AXES, ids=[a[0] for a in DAG_AXES])
+def test_a_dag_config_naming_what_does_not_exist_fails_the_dry_run(tmp_path, override, expected):
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--config", "gpu=cpu", f"artifacts_root={tmp_path}",
+                           override], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and expected in proc.stdout + proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_ablation_variant_fails_the_dry_run(tmp_path):
+    axes = tmp_path / "axes.yaml"
+    axes.write_text("ablations:\n  splits: {seeds: [20260623], variants: {bimodal_b8: [splitz=24]}}\n")
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--configfile", str(axes), "--config", "gpu=cpu",
+                           f"artifacts_root={tmp_path}/artifacts"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "field 'ablations.splits.variants.bimodal_b8' = 'splitz=24'" in proc.stdout + proc.stderr

@@ -43,9 +43,18 @@ def detect_gpu():
     return max(matches, key=len)
 
 
+def _options(group):
+    return sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
+
+
+def config_error(field, value, why):
+    """The one-line refusal of a config value: names the config, the field and the value."""
+    return WorkflowError(f"config/config.yaml (or --config/--configfile): field '{field}' = {value!r}: {why}")
+
+
 GPU = detect_gpu() if config["gpu"] == "auto" else config["gpu"]
 if not (REPO / "conf" / "gpu" / f"{GPU}.yaml").is_file():
-    raise WorkflowError(f"config: gpu = {GPU!r}: no such file conf/gpu/{GPU}.yaml")
+    raise config_error("gpu", GPU, f"no such file conf/gpu/{GPU}.yaml (options: {', '.join(_options('gpu'))})")
 ON_GPU = GPU != "cpu"
 PROFILE = "gpu" if ON_GPU else "cpu"
 # Rules that time on the device hold the GPU alone; on the CPU profile they run side by side.
@@ -59,6 +68,46 @@ KERNEL_BENCH = f"{ROOT}/kernel_bench/decode.json"
 HOST_BENCH = f"{ROOT}/host_bench/host.json"
 HELD_OUT = [int(s) for s in config["held_out_seeds"]]
 TRACE_NAME = re.compile(r"([a-z]+)_b([0-9]+)")
+
+
+# Rows of one decode step (pkv.config.schema BATCH).
+MAX_ACTIVE = 4096
+
+
+def check_trace_name(field, name):
+    """A trace of the axes names a conf/trace family and a batch, or an external trace: fail at
+    parse time (snakemake -n), not when its job runs."""
+    if name in (config.get("external_traces") or {}):
+        return
+    families = [f for f in _options("trace") if f != "external"]
+    m = TRACE_NAME.fullmatch(name)
+    if not m:
+        raise config_error(field, name, f"must be <family>_b<max_active> (families: {', '.join(families)}) "
+                           "or a name under external_traces")
+    if m.group(1) not in families:
+        raise config_error(field, name, f"no trace family {m.group(1)!r} (conf/trace/{m.group(1)}.yaml does not "
+                           f"exist; families: {', '.join(families)})")
+    if not 1 <= int(m.group(2)) <= MAX_ACTIVE:
+        raise config_error(field, name, f"max_active {m.group(2)} must be in [1, {MAX_ACTIVE}]")
+
+
+def check_axes():
+    """Every trace, variant and external file the axes name exists."""
+    for key in ("evaluate_traces", "mlp_traces"):
+        for name in config[key]:
+            check_trace_name(key, name)
+    for name, spec in (config.get("external_traces") or {}).items():
+        if not Path(spec["path"]).is_file():
+            raise config_error(f"external_traces.{name}.path", spec["path"], "no such file")
+    for ablation, spec in config["ablations"].items():
+        path = REPO / "conf" / "experiment" / f"ablate_{ablation}.yaml"
+        keys = (yaml.safe_load(path.read_text())["experiment"].get("variant_keys") or {}) if path.is_file() else {}
+        for trace, variants in spec["variants"].items():
+            check_trace_name(f"ablations.{ablation}.variants", trace)
+            for variant in variants:
+                if variant.partition("=")[0] not in keys:
+                    raise config_error(f"ablations.{ablation}.variants.{trace}", variant,
+                                       f"<name>=<value> with <name> one of {sorted(keys)} ({path.relative_to(REPO)})")
 
 
 def experiment_engines(experiment):
@@ -167,6 +216,8 @@ def ablation_targets():
 def isolated_targets():
     return [f"{ROOT}/isolated/ctx{ctx}.json" for ctx in config["isolated_contexts"]]
 
+
+check_axes()
 
 TABLE_IDS = list(range(1, 9))
 TABLES = [f"{ROOT}/tables/table{k}.{ext}" for k in TABLE_IDS for ext in ("md", "tex")]
