@@ -27,6 +27,7 @@ from torch.utils.cpp_extension import load
 
 from pkv.atomic_io import write_json_atomic
 from pkv.provenance import collect_provenance
+from pkv.refusal import exit_on_refusal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CSRC = REPO_ROOT / "csrc"
@@ -217,4 +218,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_refusal(main))

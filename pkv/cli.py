@@ -20,39 +20,22 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pkv.atomic_io import JsonFileError, OutputLock, OutputLocked, write_files_atomic
+from pkv.atomic_io import OutputLock, OutputLocked, write_files_atomic
 from pkv.config import ConfigError, apply_variant, compose, validate
-from pkv.pipeline.trace_readers import TraceError
-from pkv.policy.regime import CalibrationError
+from pkv.refusal import REFUSALS, refuse
 
 # conf/ lives at the repository root, next to the package (editable installs and checkouts).
 _CONF_PATH = "../conf"
 # Where Hydra would save the composed config; the CLI saves it there itself, after the results.
 _HYDRA_SUBDIR = ".hydra"
 
-# What a run refuses with one line and exit status 2: input named by file, field and value, a held
-# output, and the files it cannot read or write. Anything else is a bug and keeps its traceback.
-REFUSALS = (ConfigError, TraceError, CalibrationError, JsonFileError, OutputLocked, OSError)
-
 # Set by main() when it took the lock and turned Hydra's own saving off.
 _save_config = False
-
-
-def refusal_line(exc: BaseException) -> str:
-    """The one line a refusal prints: ``pkv: <message>`` with the message's lines joined."""
-    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
-    return f"pkv: {text}"
-
-
-def refuse(exc: BaseException) -> NoReturn:
-    print(refusal_line(exc), file=sys.stderr)
-    sys.exit(2)
 
 
 def run_experiment(cfg, overrides=()) -> list:
@@ -86,6 +69,10 @@ def _main(raw: DictConfig) -> None:
         refuse(exc)
     for path in paths:
         print(f"pkv: wrote {path}", file=sys.stderr)
+    if cfg.profile == "cpu":
+        # So a console shows what these numbers are not (a refusal stays one line: this comes after).
+        print(f"pkv: CPU profile ({cfg.experiment.name}): reference engines on scaled traces; "
+              "not a performance result", file=sys.stderr)
 
 
 def _lock(out: str) -> OutputLock:

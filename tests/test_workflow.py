@@ -65,3 +65,25 @@ def test_unknown_gpu_is_a_clear_error():
     proc = _snakemake("-n", "--config", "gpu=tpu9000")
     assert proc.returncode != 0
     assert "conf/gpu/tpu9000.yaml" in proc.stdout + proc.stderr
+
+
+def test_a_gpus_constants_run_through_the_cpu_profile_into_their_own_folder(tmp_path):
+    proc = _snakemake("-n", "--config", "gpu=h200", "profile=cpu", f"artifacts_root={tmp_path}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{tmp_path}/h200-cpu/calibration/calibration.json" in proc.stdout
+    assert f"{tmp_path}/h200/" not in proc.stdout
+    refused = _snakemake("-n", "--config", "gpu=cpu", "profile=gpu")
+    assert refused.returncode != 0
+    assert "field 'profile' = 'gpu'" in refused.stdout + refused.stderr
+
+
+def test_the_tables_command_refuses_a_corrupt_result_with_one_line(tmp_path):
+    bad = tmp_path / "root" / "evaluate" / "bimodal_b8" / "seed1" / "adaptive.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{")
+    proc = subprocess.run([sys.executable, "-m", "pkv.report.tables", "--root", str(tmp_path / "root"),
+                           "--out", str(tmp_path / "tables")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pkv: {bad}: invalid JSON"), proc.stderr
+    assert not (tmp_path / "tables").exists()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from pkv.atomic_io import write_json_atomic
+from pkv.atomic_io import write_json_atomic, write_text_atomic
 from pkv.config import PkvConfig
 from pkv.experiments.common import (
     build_engines,
@@ -202,7 +202,7 @@ def run(cfg: PkvConfig, overrides: Sequence[str] = ()) -> list[Path]:
     proc = subprocess.run(ncu_command(ncu, report_base, child, cfg.experiment.engines), env=env,
                           capture_output=True, text=True, check=False)
     log = out.parent / "ncu.log"
-    log.write_text(proc.stdout + proc.stderr, encoding="utf-8")
+    write_text_atomic(log, proc.stdout + proc.stderr)
     report = report_base.with_suffix(".ncu-rep")
     if proc.returncode != 0 or not report.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -211,6 +211,6 @@ def run(cfg: PkvConfig, overrides: Sequence[str] = ()) -> list[Path]:
     export = subprocess.run([ncu, "--import", str(report), "--csv", "--page", "raw", "--metrics", METRIC_LIST],
                             capture_output=True, text=True, check=True)
     # The raw export stays beside the report, so the counters can be re-derived without ncu.
-    (out.parent / "ncu_raw.csv").write_text(export.stdout, encoding="utf-8")
+    write_text_atomic(out.parent / "ncu_raw.csv", export.stdout)
     kernels = parse_ncu_csv(export.stdout, str(report))
     return [write_json_atomic(out, _record(cfg, settings, kernels=kernels, report=report.name))]

@@ -30,6 +30,7 @@ from pkv.pipeline.step import build_step
 from pkv.policy.choose import PinnedRoutePolicy
 from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
 from pkv.provenance import collect_provenance
+from pkv.refusal import exit_on_refusal
 from pkv.shape import ModelShape
 
 K = 1024
@@ -125,4 +126,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_refusal(main))

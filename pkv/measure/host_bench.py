@@ -36,6 +36,7 @@ from pkv.pipeline.pages import assign_pages
 from pkv.pipeline.step import build_step
 from pkv.policy.calibration import Calibration, load_calibration
 from pkv.provenance import collect_provenance
+from pkv.refusal import exit_on_refusal
 from pkv.shape import ModelShape
 
 K = 1024
@@ -144,4 +145,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_refusal(main))

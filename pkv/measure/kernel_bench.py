@@ -33,6 +33,7 @@ from pkv.pipeline.step import build_step
 from pkv.policy.choose import PinnedRoutePolicy
 from pkv.policy.route import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
 from pkv.provenance import collect_provenance
+from pkv.refusal import exit_on_refusal
 from pkv.shape import ModelShape
 
 K = 1024
@@ -240,4 +241,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_refusal(main))

@@ -19,6 +19,7 @@ from pathlib import Path
 from pkv.policy.calibration import LEGACY_FIELDS, load_calibration, regime_field
 from pkv.policy.regime import FEW_ROWS, MANY_ROWS, REGIMES, SINGLE_ROW
 from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER
+from pkv.refusal import exit_on_refusal
 
 REGIME_LABELS = {SINGLE_ROW: "B1", FEW_ROWS: "B2-7", MANY_ROWS: "B8+"}
 _ROUTE_LABELS = {ROUTE_FLASHINFER: "FlashInfer", ROUTE_BUCKET: "bucket"}
@@ -165,4 +166,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_refusal(main))

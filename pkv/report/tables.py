@@ -21,6 +21,7 @@ from typing import Any
 import jinja2
 
 from pkv.atomic_io import write_files_atomic
+from pkv.refusal import exit_on_refusal
 from pkv.report import claims, evidence, table_data
 from pkv.report.html_page import markdown_to_html
 from pkv.report.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
@@ -182,15 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for table<K>.md and table<K>.tex")
     parser.add_argument("--templates", type=Path, default=TEMPLATES_DIR, help="folder of table templates")
     args = parser.parse_args(argv)
-    try:
-        paths = render_all(args.root, args.out, args.templates)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"pkv.report.tables: {exc}", file=sys.stderr)
-        return 1
+    # A missing or malformed result refuses with one line and exit status 2 (pkv.refusal).
+    paths = render_all(args.root, args.out, args.templates)
     for path in paths:
         print(path)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_refusal(main))

@@ -55,11 +55,18 @@ def config_error(field, value, why):
 GPU = detect_gpu() if config["gpu"] == "auto" else config["gpu"]
 if not (REPO / "conf" / "gpu" / f"{GPU}.yaml").is_file():
     raise config_error("gpu", GPU, f"no such file conf/gpu/{GPU}.yaml (options: {', '.join(_options('gpu'))})")
-ON_GPU = GPU != "cpu"
-PROFILE = "gpu" if ON_GPU else "cpu"
+# The profile: "auto" is the GPU profile where a CUDA device is visible and the CPU profile
+# elsewhere; profile=cpu runs a GPU's constants through the CPU profile (the new-GPU procedure,
+# tried on a machine without one), and its results land under <artifacts_root>/<gpu>-cpu/.
+PROFILE = config.get("profile", "auto")
+if PROFILE == "auto":
+    PROFILE = "gpu" if GPU != "cpu" and detect_gpu() != "cpu" else "cpu"
+if PROFILE == "gpu" and GPU == "cpu":
+    raise config_error("profile", PROFILE, "the GPU profile needs a GPU's conf/gpu file, not cpu")
+ON_GPU = PROFILE == "gpu"
 # Rules that time on the device hold the GPU alone; on the CPU profile they run side by side.
 GPU_SLOTS = 1 if ON_GPU else 0
-ROOT = f"{config['artifacts_root']}/{GPU}"
+ROOT = f"{config['artifacts_root']}/{GPU}" + ("-cpu" if GPU != "cpu" and not ON_GPU else "")
 LOGS = f"{ROOT}/logs"
 
 CALIBRATION = f"{ROOT}/calibration/calibration.json"
