@@ -16,6 +16,25 @@ cudaError_t allow_decode_smem() {
   return status;
 }
 
+// The configuration of a launch that may start while the previous grid on its stream drains
+// (programmatic dependent launch); the kernel waits for that grid in griddepcontrol.wait.
+struct ProgrammaticLaunch {
+  cudaLaunchAttribute attribute{};
+  cudaLaunchConfig_t config{};
+  ProgrammaticLaunch(dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream) {
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    config.attrs = &attribute;  // a member: the struct is neither copied nor moved
+    config.numAttrs = 1;
+  }
+  ProgrammaticLaunch(const ProgrammaticLaunch&) = delete;
+  ProgrammaticLaunch& operator=(const ProgrammaticLaunch&) = delete;
+};
+
 template <typename F>
 cudaError_t dispatch_stages(int stages, F&& launch) {
   switch (stages) {
@@ -100,17 +119,8 @@ cudaError_t workqueue_decode_typed(const DecodeArgs& args, const int32_t* tasks,
         return cudaGetLastError();
       }
       // After a device planner: launched programmatically, so the grid is resident when the plan ends.
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(num_tasks);
-      config.blockDim = dim3(kThreads);
-      config.dynamicSmemBytes = bytes;
-      config.stream = stream;
-      cudaLaunchAttribute attribute{};
-      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attribute.val.programmaticStreamSerializationAllowed = 1;
-      config.attrs = &attribute;
-      config.numAttrs = 1;
-      return cudaLaunchKernelEx(&config, kernel, args, tasks, split_offsets, pair_counters, live_tasks);
+      const ProgrammaticLaunch launch(dim3(num_tasks), dim3(kThreads), bytes, stream);
+      return cudaLaunchKernelEx(&launch.config, kernel, args, tasks, split_offsets, pair_counters, live_tasks);
     });
   });
 }
@@ -122,16 +132,9 @@ cudaError_t merge_states_typed(const DecodeArgs& args, const int32_t* row_indice
     constexpr int G = decltype(g)::value;
     if (num_splits > kMaxMergeSlots) return cudaErrorInvalidValue;
     // Programmatic dependent launch: the merge grid is set up while the decode grid drains.
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(num_pairs, G);
-    config.blockDim = dim3(kMergeThreads);
-    config.stream = stream;
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, merge_states_kernel<T, G>, args, row_indices, split_offsets, num_splits);
+    const ProgrammaticLaunch launch(dim3(num_pairs, G), dim3(kMergeThreads), 0, stream);
+    return cudaLaunchKernelEx(&launch.config, merge_states_kernel<T, G>, args, row_indices, split_offsets,
+                              num_splits);
   });
 }
 
