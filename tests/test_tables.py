@@ -7,6 +7,7 @@ import pytest
 from pkv.policy import Calibration, RegimeParams, save_calibration
 from pkv.policy.calibration import LEGACY_SCHEMA
 from pkv.provenance import collect_provenance
+from pkv.refusal import exit_on_refusal
 from pkv.report import evidence, table_data, tables
 from pkv.report.results import result_envelope, write_json_atomic
 from pkv.report.table_data import Inputs, MeanStd, Missing, NotApplicable, Num, Sci, Text
@@ -311,7 +312,10 @@ def test_format_cell(value, md, tex):
 def test_cli(tmp_path, capsys):
     assert tables.main(["--root", str(FIXTURE), "--out", str(tmp_path / "t")]) == 0
     assert (tmp_path / "t" / "table8.tex").is_file()
-    assert tables.main(["--root", str(tmp_path / "absent"), "--out", str(tmp_path / "u")]) == 1
+    # A missing root is a refusal: one line and exit status 2 through pkv.refusal.
+    with pytest.raises(SystemExit) as exit_info:
+        exit_on_refusal(lambda: tables.main(["--root", str(tmp_path / "absent"), "--out", str(tmp_path / "u")]))
+    assert exit_info.value.code == 2
     assert "absent" in capsys.readouterr().err
 
 
