@@ -11,10 +11,8 @@ host work it needs (plan and run; for the graph, copying the step's inputs and t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,6 +21,7 @@ from pkv.atomic_io import write_json_atomic
 from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
 from pkv.engines.flashinfer import FlashInferEngine
 from pkv.engines.persistentkv import PersistentKVEngine
+from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.measure.timing import L2Flusher, WallTimer, time_device_us
 from pkv.pipeline.pages import assign_pages
@@ -99,18 +98,10 @@ def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=20260622)
-    args = parser.parse_args(argv)
+    args = bench_parser(__doc__, CASES, reps=30, seed=20260622).parse_args(argv)
     config = {"cases": args.cases, "reps": args.reps}
     if not torch.cuda.is_available():
-        write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/1", "skipped": "no GPU",
-                                     "provenance": collect_provenance(config=config, seed=args.seed)})
-        print("skipped: no GPU")
-        return 0
+        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/1", config, args.seed)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)

@@ -17,7 +17,6 @@ not run.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ import yaml
 
 from pkv.atomic_io import write_json_atomic
 from pkv.engines import OPTION_NAMES, build_engine, role_policy
+from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.calibration_probe import measure_launch_us
 from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.measure.timing import L2Flusher, WallTimer, hold_device, time_device_us
@@ -109,22 +109,15 @@ def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
+    parser = bench_parser(__doc__, CASES, reps=50, seed=1)
     parser.add_argument("--calibration", type=Path, required=True,
                         help="the calibrate rule's JSON, or a conf/gpu/<gpu>.yaml for its starting constants")
-    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
 
 
     config = {"cases": args.cases, "reps": args.reps, "calibration": str(args.calibration)}
     if not torch.cuda.is_available():
-        write_json_atomic(args.out, {"schema": "pkv.measure.host_bench/1", "skipped": "no GPU",
-                                     "provenance": collect_provenance(config=config, seed=args.seed)})
-        print("skipped: no GPU")
-        return 0
+        return write_skipped_no_gpu(args.out, "pkv.measure.host_bench/1", config, args.seed)
     calib = load_calibration(args.calibration) if args.calibration.suffix == ".json" else \
         Calibration.from_mapping(yaml.safe_load(args.calibration.read_text()), str(args.calibration))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

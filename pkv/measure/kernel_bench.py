@@ -12,11 +12,8 @@ ratio to the faster FlashInfer and as a fraction of the read-bandwidth floor
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,6 +22,7 @@ from pkv.atomic_io import write_json_atomic
 from pkv.engines.dense import dense_decode
 from pkv.engines.flashinfer import FlashInferEngine
 from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine
+from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.harness import REF_REL_LIMIT
 from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.measure.timing import L2Flusher, time_device_us, time_interleaved_us
@@ -193,20 +191,13 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=20260622)
+    parser = bench_parser(__doc__, CASES, reps=30, seed=20260622)
     parser.add_argument("--flush", choices=("read", "write"), default="read",
                         help="how L2 is evicted before each timed call (see pkv.measure.timing.L2Flusher)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        write_json_atomic(args.out, {"schema": "pkv.measure.kernel_bench/1", "skipped": "no GPU",
-                                     "provenance": collect_provenance(seed=args.seed)})
-        print("skipped: no GPU")
-        return 0
+        return write_skipped_no_gpu(args.out, "pkv.measure.kernel_bench/1", None, args.seed)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     shape = ModelShape()
     read_gbps = measure_read_gbps("cuda")

@@ -136,16 +136,24 @@ def _skipped_record(fig: FigureData, root: Path, rel: str) -> dict | None:
     return record
 
 
+def _benchmark_cases(fig: FigureData, root: Path, rel: str) -> dict | None:
+    """The "cases" of a benchmark record, or None with fig.empty set where it did not run."""
+    record = _skipped_record(fig, root, rel)
+    if record is None:
+        return None
+    cases = record.get("cases")
+    if not isinstance(cases, dict) or not cases:
+        raise ResultFileError(f"{root / rel}: 'cases' must be a non-empty object")
+    return cases
+
+
 def kernel_floor(root: Path) -> FigureData:
     fig = FigureData("kernel_floor", "Decode kernels: fraction of the read floor",
                      "Fraction of the read-bandwidth floor (floor time over median time; 1 is the floor) "
                      "per kernel-benchmark case and engine, every engine on the same page tables.")
-    record = _skipped_record(fig, root, "kernel_bench/decode.json")
-    if record is None:
+    cases = _benchmark_cases(fig, root, "kernel_bench/decode.json")
+    if cases is None:
         return fig
-    cases = record.get("cases")
-    if not isinstance(cases, dict) or not cases:
-        raise ResultFileError(f"{root / 'kernel_bench/decode.json'}: 'cases' must be a non-empty object")
     engines: dict[str, list[float | None]] = {}
     names = list(cases)
     for i, (case, data) in enumerate(cases.items()):
@@ -230,12 +238,9 @@ def host_device(root: Path) -> FigureData:
                      "Where one serving step's synchronized wall time goes per engine, in a tight loop: host "
                      "planning, issuing the run and waiting for the device (stacked), against the device "
                      "time of the same step (marker).")
-    record = _skipped_record(fig, root, "host_bench/host.json")
-    if record is None:
+    cases = _benchmark_cases(fig, root, "host_bench/host.json")
+    if cases is None:
         return fig
-    cases = record.get("cases")
-    if not isinstance(cases, dict) or not cases:
-        raise ResultFileError(f"{root / 'host_bench/host.json'}: 'cases' must be a non-empty object")
     out = []
     for case, data in cases.items():
         engines = []
