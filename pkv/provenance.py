@@ -133,16 +133,57 @@ def _stamped_commit() -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _nvidia_smi() -> tuple[str | None, str | None]:
-    """(name of GPU 0, driver version) from one nvidia-smi call, (None, None) without one."""
+def _nvidia_smi() -> tuple[str | None, str | None, dict[str, str]]:
+    """(name of GPU 0, driver version, {index: UUID} of every GPU) from one nvidia-smi call;
+    (None, None, {}) without one."""
     if shutil.which("nvidia-smi") is None:
-        return None, None
-    out = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+        return None, None, {}
+    out = _run(["nvidia-smi", "--query-gpu=name,driver_version,index,uuid", "--format=csv,noheader"])
     if not out or not out.strip():
+        return None, None, {}
+    rows = [[field.strip() for field in line.split(",")] for line in out.strip().splitlines()]
+    name, driver = (rows[0] + [""])[:2]
+    uuids = {row[2]: row[3] for row in rows if len(row) >= 4 and row[3]}
+    return (name or None), (driver or None), uuids
+
+
+# Set by pkv.device_slots for the command it runs: the CUDA_VISIBLE_DEVICES entry of the device the
+# job holds, i.e. the physical device behind the job's cuda:0.
+DEVICE_SLOT_ENV = "PKV_DEVICE_SLOT"
+
+
+def _torch_device_uuid() -> str | None:
+    """UUID of the device this process computes on, as nvidia-smi writes it (GPU-...), or None."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    except Exception:  # no torch, or a broken driver: the UUID is only provenance
+        return None
+    if uuid is None or not str(uuid).strip():
+        return None
+    text = str(uuid).strip()
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+def _device_identity(gpu_seen: bool, smi_uuids: Mapping[str, str]) -> tuple[int | None, str | None]:
+    """(physical index, UUID) of the device a result ran on; (None, None) without a GPU.
+
+    The index is the device slot's entry, else the first CUDA_VISIBLE_DEVICES entry, else 0 (CUDA's
+    default device); None when that entry is a UUID rather than an index.
+    """
+    if not gpu_seen:
         return None, None
-    first = out.strip().splitlines()[0]
-    name, _, driver = first.partition(",")
-    return (name.strip() or None), (driver.strip() or None)
+    entry = os.environ.get(DEVICE_SLOT_ENV) or (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    entry = entry.strip()
+    index = int(entry) if entry.isdigit() else None
+    uuid = _torch_device_uuid()
+    if uuid is None:
+        # nvidia-smi numbers devices by PCI bus; a device slot has CUDA do the same, so its index is nvidia-smi's.
+        uuid = entry if entry.startswith(("GPU-", "MIG-")) else smi_uuids.get(str(index))
+    return index, uuid
 
 
 def _torch_info() -> tuple[str, str | None, str | None]:
@@ -209,7 +250,8 @@ def collect_provenance(config: Any = None, seed: int | None = None) -> dict:
 
     `config` may be a mapping, a dataclass instance or an OmegaConf config; it is stored resolved,
     as a plain dict ({} when not given). Values that cannot be determined are "unknown" (strings)
-    or None (GPU name and driver on a machine without a GPU).
+    or None (GPU name, driver, device index and UUID on a machine without a GPU;
+    cuda_visible_devices when the variable is not set).
     """
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"provenance: seed = {seed!r} must be an int or None")
@@ -220,8 +262,9 @@ def collect_provenance(config: Any = None, seed: int | None = None) -> dict:
 
     commit, dirty = _git_state()
     torch_version, cuda_version, torch_device = _torch_info()
-    smi_name, driver = _nvidia_smi()
+    smi_name, driver, smi_uuids = _nvidia_smi()
     gpu_name = torch_device or smi_name
+    device_index, device_uuid = _device_identity(gpu_name is not None, smi_uuids)
     return {
         "git_commit": commit,
         "git_dirty": dirty,
@@ -229,6 +272,10 @@ def collect_provenance(config: Any = None, seed: int | None = None) -> dict:
         "host": socket.gethostname() or UNKNOWN,
         "gpu_name": gpu_name,
         "driver_version": driver,
+        # Which of the machine's devices: with --resources gpu=N, jobs run on different ones.
+        "device_index": device_index,
+        "device_uuid": device_uuid,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "cuda_version": cuda_version,
         "torch": torch_version,
         "flashinfer": _distribution_version("flashinfer-python", "flashinfer"),
