@@ -2,7 +2,7 @@
 
 Snakemake counts GPU jobs (``--resources gpu=N``) but does not say which device a job should use,
 so every job would otherwise run on device 0. Here a slot directory holds one lock file per device
-(``device-<entry>.lock``); a job takes the first device whose file it can ``flock``, waits while
+(``<host>.device-<entry>.lock``); a job takes the first device whose file it can ``flock``, waits while
 every device is busy, and runs its command with ``CUDA_VISIBLE_DEVICES`` narrowed to that device:
 
     python -m pkv.device_slots run [--slot-dir D] [--devices N] [--timeout S] -- <command...>
@@ -36,12 +36,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pkv.config import ConfigError
+from pkv.provenance import DEVICE_SLOT_ENV
 from pkv.refusal import exit_on_refusal
 
 SLOT_DIR_ENV = "PKV_SLOT_DIR"
 FAKE_COUNT_ENV = "PKV_FAKE_DEVICE_COUNT"
 # What the command sees of its slot: the device entry it holds, for the result's provenance.
-SLOT_ENV = "PKV_DEVICE_SLOT"
+SLOT_ENV = DEVICE_SLOT_ENV
 # Where the slots live without --slot-dir or PKV_SLOT_DIR: under the default artifacts root, which
 # every job of one DAG run (started from the repository root) shares.
 DEFAULT_SLOT_DIR = "artifacts/.slots"
@@ -113,9 +114,25 @@ def available_devices(devices: int | None = None, environ: dict | None = None) -
     return entries if devices is None else entries[:devices]
 
 
+def _plain_name(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
 def _lock_name(entry: str) -> str:
+    """``<host>[-slurm<job>].device-<entry>.lock``. Device entries name devices of one host (a slot
+    folder on a shared filesystem serves several), and a Slurm job's entries name the cards of its
+    own allocation ("0" in every job when Slurm constrains devices), which no other job can have:
+    the names are scoped so that only jobs that can share a device wait for each other."""
+    scope = socket.gethostname() or "localhost"
+    if os.environ.get("SLURM_JOB_ID"):
+        scope += f"-slurm{os.environ['SLURM_JOB_ID']}"
     # Entries are indices, or GPU/MIG UUIDs under some schedulers; keep the file name plain.
-    return "device-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in entry) + ".lock"
+    return f"{_plain_name(scope)}.device-{_plain_name(entry)}.lock"
+
+
+def lock_path(slot_dir: str | os.PathLike, entry: str) -> Path:
+    """The lock file of device ``entry`` in ``slot_dir``, for this host (and Slurm job)."""
+    return Path(slot_dir) / _lock_name(entry)
 
 
 def _read_holder(fd: int) -> dict | None:
@@ -177,7 +194,7 @@ def try_acquire(slot_dir: Path, entries: Sequence[str]) -> DeviceSlot | None:
     except OSError as exc:
         raise _slot_dir_error(slot_dir, exc) from None
     for entry in entries:
-        path = slot_dir / _lock_name(entry)
+        path = lock_path(slot_dir, entry)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as exc:
@@ -200,7 +217,7 @@ def busy_holders(slot_dir: Path, entries: Sequence[str]) -> list[str]:
     lines = []
     for entry in entries:
         try:
-            fd = os.open(slot_dir / _lock_name(entry), os.O_RDONLY)
+            fd = os.open(lock_path(slot_dir, entry), os.O_RDONLY)
         except OSError:
             continue
         try:
@@ -245,6 +262,10 @@ def run_in_slot(command: Sequence[str], slot_dir: Path, devices: int | None = No
     slot = None
     if entries:
         slot = acquire(slot_dir, entries, timeout_s)
+        if "CUDA_VISIBLE_DEVICES" not in os.environ:
+            # The entries are nvidia-smi's indices, which follow the PCI bus; CUDA's own order puts
+            # the fastest device first. Same order, so the index recorded is the one nvidia-smi shows.
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         env["CUDA_VISIBLE_DEVICES"] = slot.entry
         env[SLOT_ENV] = slot.entry
     try:
