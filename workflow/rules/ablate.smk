@@ -30,7 +30,7 @@ rule ablate_splits:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
 
 
 rule ablate_raggedness:
@@ -60,7 +60,7 @@ rule ablate_raggedness:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
 
 
 rule ablate_gqa:
@@ -90,7 +90,7 @@ rule ablate_gqa:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
 
 
 rule ablate_graph:
@@ -120,7 +120,7 @@ rule ablate_graph:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
 
 
 rule ablate_fused_merge:
@@ -150,7 +150,7 @@ rule ablate_fused_merge:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
 
 
 rule ablate_b4:
@@ -180,4 +180,4 @@ rule ablate_b4:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"

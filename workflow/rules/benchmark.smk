@@ -17,7 +17,7 @@ rule kernel_bench:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.measure.kernel_bench --out {{output}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.measure.kernel_bench --out {{output}} > {{log}} 2>&1"
 
 
 rule host_bench:
@@ -34,4 +34,4 @@ rule host_bench:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.measure.host_bench --calibration {{input.calibration}} --out {{output}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.measure.host_bench --calibration {{input.calibration}} --out {{output}} > {{log}} 2>&1"

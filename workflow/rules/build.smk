@@ -15,5 +15,7 @@ rule build:
         CONDA_ENV
     resources:
         gpu=GPU_SLOTS,
+    # No device slot (PYTHON, not GPU_JOB): the build times nothing and every timed rule waits for
+    # its record, so there is no job to keep off its device; it only reads the device's capability.
     shell:
         f"{PYTHON} -m pkv.build --record {{output}} > {{log}} 2>&1"

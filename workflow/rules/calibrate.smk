@@ -24,4 +24,4 @@ rule calibrate:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"

@@ -171,11 +171,22 @@ def pkv_cli(overrides, out, run_dir):
 
 # Every rule runs the checkout's package with the interpreter that runs Snakemake, one thread per
 # job on the CPU (Snakemake runs jobs side by side instead).
+# Absolute but not resolved: a virtual environment's python is a symlink to the base interpreter,
+# and following it would leave the environment's packages behind.
+INTERPRETER = shlex.quote(os.path.abspath(sys.executable))
 PYTHON = (
     f"PYTHONPATH={shlex.quote(str(REPO))}${{{{PYTHONPATH:+:$PYTHONPATH}}}} OMP_NUM_THREADS={{threads}} "
-    # Absolute but not resolved: a virtual environment's python is a symlink to the base
-    # interpreter, and following it would leave the environment's packages behind.
-    f"{shlex.quote(os.path.abspath(sys.executable))}"
+    f"{INTERPRETER}"
+)
+# The lock files of the device slots: one folder for every job of the run, so --resources gpu=N runs
+# N GPU jobs each on a device of its own. PKV_SLOT_DIR shares one folder between DAG runs with other
+# artifacts roots on one machine.
+SLOT_DIR = os.path.abspath(os.environ.get("PKV_SLOT_DIR") or f"{config['artifacts_root']}/.slots")
+# The rules that hold the GPU (gpu=GPU_SLOTS) run their command through pkv.device_slots on the GPU
+# profile: it takes a free device, narrows CUDA_VISIBLE_DEVICES to it and records it for the
+# result's provenance. On the CPU profile there is no device to hand out.
+GPU_JOB = (
+    f"{PYTHON} -m pkv.device_slots run --slot-dir {shlex.quote(SLOT_DIR)} -- {INTERPRETER}" if ON_GPU else PYTHON
 )
 
 

@@ -22,7 +22,7 @@ rule evaluate:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
 
 
 rule mlp:
@@ -45,7 +45,7 @@ rule mlp:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
 
 
 rule isolated:
@@ -73,4 +73,4 @@ rule isolated:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{PYTHON} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
