@@ -48,8 +48,10 @@ def test_cli_evaluate_writes_one_result_per_engine(tmp_path):
                 f"hydra.run.dir={out}/.run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
-    assert set(records) == {"adaptive", "flashinfer"}
+    assert set(records) == {"adaptive", "flashinfer", "xqa"}
     assert len({r["run_id"] for r in records.values()}) == 1
+    # XQA has no CPU stand-in: its file says why it did not run, the others ran.
+    assert records.pop("xqa")["skipped"] == "XQA needs a CUDA device, got cpu"
     for rec in records.values():
         assert rec["performance_result"] is False
         assert rec["trace"]["name"] == "bimodal_b8" and rec["trace"]["num_requests"] == 4

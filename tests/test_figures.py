@@ -66,7 +66,7 @@ def test_isolated_time_reads_times_and_the_floor():
     data = figure_data.isolated_time(FIXTURE)
     s = data.series
     assert s["contexts"] == [8192, 32768]
-    assert s["methods"]["FlashInfer"] == pytest.approx([0.1201, 0.4404])
+    assert s["methods"]["FlashInfer, best path"] == pytest.approx([0.1201, 0.4404])
     # No floor_us in the fixture: median x fraction of the floor.
     assert s["floor_ms"][0] == pytest.approx(0.1201 * 0.81)
     assert "vllm" in s["skipped"]

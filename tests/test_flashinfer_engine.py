@@ -1,8 +1,8 @@
-"""FlashInferEngine's best-of-both variant pick, on the CPU with a stand-in flashinfer module.
+"""FlashInferEngine's best-path pick, on the CPU with a stand-in flashinfer module.
 
 The engine's own kernels need a GPU; what is tested here is the probe bookkeeping: one probe per
-batch class for every best-of-both engine of the process, so the baseline and the adaptive
-engine's fallback run the same FlashInfer path on the same steps.
+batch class for every best-of engine of the process, so the baseline and the adaptive engine's
+fallback run the same FlashInfer path on the same steps, and each path's times are recorded.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pkv.shape import ModelShape
 
 
 class _Wrapper:
-    """Counts plan() and run() calls; run() advances a clock by the variant's decode time."""
+    """Counts plan() and run() calls; run() advances a clock by the path's decode time."""
 
-    def __init__(self, workspace, kv_layout, use_tensor_cores):
-        self.tc = use_tensor_cores
+    def __init__(self, workspace, kv_layout, use_tensor_cores, backend=None):
+        self.path = "fa3" if backend == "fa3" else ("tc" if use_tensor_cores else "cc")
         self.plans = 0
         self.runs = 0
 
@@ -30,13 +30,26 @@ class _Wrapper:
 
     def run(self, q, kv):
         self.runs += 1
-        _Clock.now_us += _Clock.decode_us[self.tc]
+        _Clock.now_us += _Clock.decode_us[self.path]
         return q
+
+
+class _Holistic(_Wrapper):
+    def __init__(self, kv_layout, device):
+        self.path, self.plans, self.runs = "holistic", 0, 0
+        self.kv_len = None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len, *args, **kwargs):
+        self.plans += 1
+        self.kv_len = kv_len.tolist()
+
+    def run(self, q, kv):
+        return super().run(q, kv), None
 
 
 class _Clock:
     now_us = 0.0
-    decode_us = {True: 10.0, False: 12.0}
+    decode_us = {"tc": 10.0, "cc": 12.0, "holistic": 13.0, "fa3": 40.0}
 
 
 class _Event:
@@ -55,12 +68,15 @@ class _Event:
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    module = types.SimpleNamespace(__version__="fake", BatchDecodeWithPagedKVCacheWrapper=_Wrapper)
+    module = types.SimpleNamespace(__version__="fake", BatchDecodeWithPagedKVCacheWrapper=_Wrapper,
+                                   BatchAttention=_Holistic)
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(fi, "_allocate_workspace", lambda device: None)
-    monkeypatch.setattr(fi, "_VARIANT_PICKS", {})
+    monkeypatch.setattr(fi, "_upload", lambda tensor, device: tensor)
+    monkeypatch.setattr(fi, "_PATH_PICKS", {})
+    monkeypatch.setattr(fi, "_PATH_PROBES", {})
     monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(_Clock, "decode_us", {True: 10.0, False: 12.0})
+    monkeypatch.setattr(_Clock, "decode_us", {"tc": 10.0, "cc": 12.0, "holistic": 13.0, "fa3": 40.0})
     return module
 
 
@@ -71,7 +87,7 @@ def _inputs(dtype=torch.float16):
 
 
 def _probe_runs(engine):
-    return sum(w.runs for w in engine._wrappers.values())
+    return sum(getattr(p, "wrapper").runs for p in engine._paths.values())
 
 
 def test_second_engine_reuses_the_first_engines_pick(fake_flashinfer, make_step):
@@ -81,17 +97,17 @@ def test_second_engine_reuses_the_first_engines_pick(fake_flashinfer, make_step)
     q, k, v = _inputs()
 
     baseline.prepare(step, q, k, v)
-    assert _probe_runs(baseline) == 2 * (fi.PROBE_REPS + 1)  # both variants, warm run + timed reps
+    assert _probe_runs(baseline) == 3 * (fi.PROBE_REPS + 1)  # every path, warm run + timed reps
     fallback.prepare(step, q, k, v)
     assert _probe_runs(fallback) == 0  # no second probe that could pick the other path
 
     assert baseline.plan(step).kernel_variant == "tc"  # the faster stand-in
     assert fallback.plan(step).kernel_variant == "tc"
-    assert fallback.choices == baseline.choices == {fi.probe_key(step): True}
+    assert fallback.choices == baseline.choices == {fi.probe_key(step): "tc"}
 
 
 def test_pick_follows_the_faster_variant(fake_flashinfer, monkeypatch, make_step):
-    monkeypatch.setattr(_Clock, "decode_us", {True: 15.0, False: 11.0})
+    monkeypatch.setattr(_Clock, "decode_us", {"tc": 15.0, "cc": 11.0, "holistic": 14.0, "fa3": 40.0})
     engine = fi.FlashInferEngine(ModelShape(), device="cuda")
     step = make_step([5000])
     engine.prepare(step, *_inputs())
@@ -112,12 +128,84 @@ def test_picks_are_kept_apart_by_dtype_shape_and_batch_class(fake_flashinfer, ma
         if engine is group1:
             k = v = torch.zeros(64, 32, 16, 128, dtype=dtype)
         engine.prepare(other_step, q, k, v)
-        assert _probe_runs(engine) - before == 2 * (fi.PROBE_REPS + 1)
+        assert _probe_runs(engine) - before == 3 * (fi.PROBE_REPS + 1)
 
 
 def test_pinned_variant_never_probes(fake_flashinfer, make_step):
-    engine = fi.FlashInferEngine(ModelShape(), use_tensor_cores=False, device="cuda")
+    engine = fi.FlashInferEngine(ModelShape(), paths=("cc",), device="cuda")
     step = make_step([3000])
     engine.prepare(step, *_inputs())
     assert _probe_runs(engine) == 0
     assert engine.plan(step).kernel_variant == "cc"
+
+
+def test_a_tie_goes_to_the_cheaper_plan():
+    measured = {"tc": {"device_us": 100.0, "plan_us": 90.0},
+                "holistic": {"device_us": 99.5, "plan_us": 400.0},
+                "cc": {"device_us": 130.0, "plan_us": 80.0}}
+    assert fi.pick_path(measured) == "tc"  # holistic is 0.5% faster: within noise, plan 4x dearer
+    measured["holistic"]["device_us"] = 90.0
+    assert fi.pick_path(measured) == "holistic"  # 10% faster wins whatever its plan costs
+
+
+def test_the_record_names_every_path_and_its_times(fake_flashinfer, make_step):
+    engine = fi.FlashInferEngine(ModelShape(), device="cuda")
+    step = make_step([3000, 1000])
+    engine.prepare(step, *_inputs())
+    record = engine.path_record()
+    assert set(record["paths"]) == {"cc", "tc", "holistic"} and record["missing_paths"] == {}
+    (probe,) = record["probed"]
+    assert probe["picked"] == "tc" and (probe["batch"], probe["longest_pow2"]) == fi.probe_key(step)
+    assert {p: m["device_us"] for p, m in probe["measured"].items()} == pytest.approx(
+        {"tc": 10.0, "cc": 12.0, "holistic": 13.0})
+    assert all(m["plan_us"] >= 0 for m in probe["measured"].values())
+
+
+def test_holistic_plans_the_token_lengths_of_the_step(fake_flashinfer, make_step):
+    engine = fi.FlashInferEngine(ModelShape(), paths=("holistic",), device="cuda")
+    step = make_step([3000, 17, 16, 1])
+    q, k, v = _inputs()
+    engine.run(q, k, v, engine.plan(step))
+    assert engine._paths["holistic"].wrapper.kv_len == [3000, 17, 16, 1]
+
+
+def test_a_flashinfer_without_batch_attention_runs_the_other_paths(fake_flashinfer, monkeypatch, make_step):
+    monkeypatch.delattr(fake_flashinfer, "BatchAttention")
+    engine = fi.FlashInferEngine(ModelShape(), device="cuda")
+    assert set(engine._paths) == {"cc", "tc"}
+    assert "no BatchAttention" in engine.path_record()["missing_paths"]["holistic"]
+    with pytest.raises(fi.EngineUnavailable, match="no BatchAttention"):
+        fi.FlashInferEngine(ModelShape(), paths=("holistic",), device="cuda")
+
+
+def test_fa3_is_a_pinned_path_only(fake_flashinfer, make_step):
+    engine = fi.FlashInferEngine(ModelShape(), paths=("fa3",), device="cuda", name="flashinfer_fa3")
+    assert engine.plan(make_step([3000])).kernel_variant == "fa3"
+    assert "fa3" not in fi.PATHS
+    with pytest.raises(ValueError, match="known paths"):
+        fi.FlashInferEngine(ModelShape(), paths=("fa4",), device="cuda")
+
+
+@pytest.mark.parametrize("role", ["flashinfer", "flashinfer_cc", "flashinfer_tc", "flashinfer_holistic",
+                                  "flashinfer_fa3", "xqa"])
+def test_baseline_roles_name_why_they_cannot_run_on_the_cpu(role):
+    from pkv.engines import EngineUnavailable, build_engine
+
+    if role == "flashinfer":
+        # The CPU profile's FlashInfer role is its stand-in, repack + SDPA.
+        assert build_engine(role, shape=ModelShape(), device="cpu").implementation.startswith("sdpa")
+        return
+    with pytest.raises(EngineUnavailable, match="CUDA device"):
+        build_engine(role, shape=ModelShape(), device="cpu")
+
+
+def test_xqa_without_the_entry_point_says_which_flashinfer_has_it(monkeypatch):
+    from pkv.engines import xqa
+
+    flashinfer = types.ModuleType("flashinfer")
+    flashinfer.__version__ = "0.5.3"
+    flashinfer.decode = types.ModuleType("flashinfer.decode")
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
+    monkeypatch.setitem(sys.modules, "flashinfer.decode", flashinfer.decode)
+    with pytest.raises(fi.EngineUnavailable, match=r"flashinfer 0\.5\.3 has no .*xqa.*>= 0\.7"):
+        xqa._import_xqa()

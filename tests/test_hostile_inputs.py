@@ -320,7 +320,7 @@ def test_two_runs_into_one_folder_one_refuses_and_the_other_completes(tmp_path):
     assert first.returncode == 0, stderr[-3000:]
     assert f"pid {first.pid} on " in _refusal(second)
     engines, run_ids, seeds = _run_record(out)
-    assert engines == {"adaptive", "flashinfer"} and len(run_ids) == 1 and seeds == {1}
+    assert engines == {"adaptive", "flashinfer", "xqa"} and len(run_ids) == 1 and seeds == {1}
     assert not lock.exists() and not [p for p in out.rglob(".*") if p.suffix in (".tmp", ".old")]
 
 

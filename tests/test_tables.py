@@ -236,7 +236,9 @@ def test_render_all_fixture_contains_computed_numbers(tmp_path):
         assert "FAKE-GPU" in (tmp_path / f"table{k}.md").read_text()
         assert "\\begin{table}" in (tmp_path / f"table{k}.tex").read_text()
     t1 = (tmp_path / "table1.md").read_text()
-    assert "| FlashInfer | 0.1201 | 0.81 | 0.4404 | 0.88 |" in t1
+    assert "| FlashInfer, best path | 0.1201 | 0.81 | 0.4404 | 0.88 |" in t1
+    # The paper's MMHA row stays, saying why it is absent and which row runs TensorRT-LLM's kernel.
+    assert "| TensorRT-LLM MMHA | –[" in t1 and "TensorRT-LLM XQA runs on the same pages" in t1
     assert "fixture: vllm not installed" in t1
     assert "CUDA tok/s ratio" in md and "host clock" not in md  # a GPU run keeps its CUDA columns
     # The HTML page of a table holds the Markdown's text and numbers.
@@ -264,7 +266,26 @@ def test_table1_skip_footnote_names_the_method_once_and_stand_ins_are_named(tmp_
     pk = _row(ctx["rows"], "method", "persistentkv")
     assert "torch reference engine" in dict(ctx["notes"])[pk["marks"][0]]
     md = tables.render_table(1, root, "md")
-    assert f"| FlashInfer[{fi['marks'][0]}] | 0.2000 |" in md
+    assert f"| FlashInfer, best path[{fi['marks'][0]}] | 0.2000 |" in md
+
+
+def test_table1_names_the_code_and_the_path_behind_each_number(tmp_path):
+    root = tmp_path / "artifacts" / "gpu"
+    prov = {"git_commit": "c" * 40, "gpu_name": "H"}
+    for ctx, selected in ((8192, "flashinfer_cc"), (32768, "flashinfer_tc")):
+        methods = {"flashinfer": {"median_us": 50.0, "fraction_of_floor": 0.6, "rel_err": 1e-4,
+                                  "implementation": "flashinfer-0.7.2.post1-cc", "selected": selected},
+                   "xqa": {"median_us": 49.0, "fraction_of_floor": 0.6, "rel_err": 2e-4,
+                           "implementation": "trtllm-xqa-via-flashinfer-0.7.2.post1"}}
+        write_json_atomic(root / "isolated" / f"ctx{ctx}.json",
+                          {"schema": "pkv.result/1", "performance_result": True, "provenance": prov,
+                           "metrics": {"methods": methods}})
+    ctx = table_data.table1(root)
+    notes = dict(ctx["notes"])
+    fi, xqa = _row(ctx["rows"], "method", "flashinfer"), _row(ctx["rows"], "method", "xqa")
+    assert "8K flashinfer_cc, 32K flashinfer_tc" in notes[fi["marks"][0]]
+    assert xqa["label"] == "TensorRT-LLM XQA (via FlashInfer)"
+    assert "trtllm-xqa-via-flashinfer-0.7.2.post1" in notes[xqa["marks"][0]]
 
 
 def test_table7_names_the_seeds_of_each_row(tmp_path):

@@ -15,17 +15,17 @@ import torch
 
 from pkv.engines.adaptive import AdaptiveEngine
 from pkv.engines.base import Engine, EnginePlan, EngineUnavailable
-from pkv.engines.flashinfer import FlashInferEngine
+from pkv.engines.flashinfer import ROLE_PATHS, FlashInferEngine
 from pkv.engines.persistentkv import PersistentKVEngine
 from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
 from pkv.engines.vllm import VllmEngine
+from pkv.engines.xqa import XqaEngine
 from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, pinned_route
 from pkv.policy.overrides import kernel_variants
 from pkv.policy.route import MERGE_LAUNCH
 
-ENGINE_NAMES = ("persistentkv", "adaptive", "flashinfer", "flashinfer_tc", "flashinfer_cc", "reference", "sdpa",
-                "vllm")
+ENGINE_NAMES = ("persistentkv", "adaptive", *ROLE_PATHS, "reference", "sdpa", "vllm", "xqa")
 # Options of how an engine executes (not what it runs, which is the policy's).
 OPTION_NAMES = ("cuda_graph", "planner", "use_tensor_cores", "page_size")
 _PERSISTENT_OPTIONS = ("cuda_graph", "planner")
@@ -65,10 +65,12 @@ def _flashinfer(name: str, shape, device: torch.device, options: dict) -> Engine
         engine = SdpaEngine(shape, device=device)
         engine.name = name
         return engine
-    tensor_cores = {"flashinfer": options.get("use_tensor_cores"), "flashinfer_tc": True,
-                    "flashinfer_cc": False}[name]
-    return FlashInferEngine(shape, use_tensor_cores=tensor_cores, device=device,
-                            page_size=int(options.get("page_size", 16)))
+    paths = ROLE_PATHS[name]
+    if name == "flashinfer" and options.get("use_tensor_cores") is not None:
+        # engine.use_tensor_cores pins the baseline to one fa2 path (null: the best of all paths).
+        paths = ("tc",) if options["use_tensor_cores"] else ("cc",)
+    return FlashInferEngine(shape, paths=paths, device=device, page_size=int(options.get("page_size", 16)),
+                            name=name)
 
 
 def build_engine(name: str, *, shape, device, policy=None, options: dict | None = None) -> Engine:
@@ -92,12 +94,14 @@ def build_engine(name: str, *, shape, device, policy=None, options: dict | None 
 
     if name in ("reference", "persistentkv"):
         return _persistent(name, shape, device, policy, persistent_options)
-    if name in ("flashinfer", "flashinfer_tc", "flashinfer_cc"):
+    if name in ROLE_PATHS:
         return _flashinfer(name, shape, device, fallback_options)
     if name == "sdpa":
         return SdpaEngine(shape, device=device)
     if name == "vllm":
         return VllmEngine(shape, device=device)
+    if name == "xqa":
+        return XqaEngine(shape, device=device, page_size=int(options.get("page_size", 16)))
     if not isinstance(policy, RoutePolicy):
         raise ValueError(f"build_engine('adaptive') needs policy, a pkv.policy.RoutePolicy; got {policy!r}")
     persistent = _persistent("persistentkv", shape, device, policy, persistent_options)

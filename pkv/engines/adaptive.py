@@ -73,6 +73,11 @@ class AdaptiveEngine(Engine):
         if route.name != ROUTE_FLASHINFER:
             self.persistent.warm_up(self.persistent.plan_route(step, route), q, k_pages, v_pages)
 
+    def path_record(self) -> dict | None:
+        """The fallback's FlashInfer path record, where the fallback is FlashInfer."""
+        record = getattr(self.fallback, "path_record", None)
+        return None if record is None else record()
+
     def run(self, q, k_pages, v_pages, plan):
         if plan.route == ROUTE_FLASHINFER:
             return self.fallback.run(q, k_pages, v_pages, plan)

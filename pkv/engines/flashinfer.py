@@ -1,6 +1,16 @@
-"""FlashInfer's native paged decode (BatchDecodeWithPagedKVCacheWrapper, HND layout)."""
+"""FlashInfer's paged decode over the shared pages (HND layout): each of its Hopper-capable decode
+paths, and the best of them per batch class.
+
+Paths (``PATHS``): "cc" and "tc" are ``BatchDecodeWithPagedKVCacheWrapper`` on CUDA cores and on
+tensor cores (fa2), "holistic" is the persistent ``BatchAttention``. ``MEASURED_ONLY_PATHS`` holds
+"fa3" (the decode wrapper's ``backend="fa3"``): on Hopper decode it is several times slower than
+the others (README of the GPU notes), so it is timed and reported by the kernel benchmark, never
+picked as the baseline.
+"""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -8,15 +18,37 @@ import torch
 from pkv.engines.base import Engine, EnginePlan, EngineUnavailable
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
-# Timed repetitions per variant when choosing between tensor-core and CUDA-core decode.
+# Timed repetitions per path when choosing the best path for a batch class.
 PROBE_REPS = 5
+# Paths whose probed decode times lie within this fraction of the fastest count as tied; the tie
+# goes to the cheaper plan(), since the wall step pays plan() every call and five repetitions
+# cannot tell apart kernels closer than this.
+TIE_FRACTION = 0.02
 
-# The variant each probed class runs, shared by every best-of-both engine of the process (the
-# baseline and the adaptive engine's fallback), keyed by FlashInferEngine._pick_key. Where the
-# two paths tie (short contexts), engines that probed on their own picked differently from seed
-# to seed, so the same steps ran different kernels, with different plan() costs, under the two
-# engines. The pick belongs to the GPU, the shape and the batch class.
-_VARIANT_PICKS: dict[tuple, bool] = {}
+PATHS = ("cc", "tc", "holistic")
+MEASURED_ONLY_PATHS = ("fa3",)
+PATH_LABELS = {
+    "cc": "fa2 decode, CUDA cores",
+    "tc": "fa2 decode, tensor cores",
+    "holistic": "holistic BatchAttention",
+    "fa3": "fa3 decode wrapper",
+}
+# Role name -> the paths that role runs; "flashinfer" is the best of PATHS.
+ROLE_PATHS = {
+    "flashinfer": PATHS,
+    "flashinfer_cc": ("cc",),
+    "flashinfer_tc": ("tc",),
+    "flashinfer_holistic": ("holistic",),
+    "flashinfer_fa3": ("fa3",),
+}
+
+# Per probed class: the path every best-of engine of the process runs, and what each path measured.
+# Shared by the baseline and the adaptive engine's fallback, keyed by FlashInferEngine._pick_key:
+# engines that probed on their own picked differently where paths tie, so the same steps ran
+# different kernels with different plan() costs under the two engines. The pick belongs to the
+# GPU, the shape and the batch class.
+_PATH_PICKS: dict[tuple, str] = {}
+_PATH_PROBES: dict[tuple, dict[str, dict[str, float]]] = {}
 
 
 def _import_flashinfer():
@@ -32,138 +64,217 @@ def _allocate_workspace(device: torch.device) -> torch.Tensor:
     return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
+def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.to(device, non_blocking=True)
+
+
 def probe_key(step) -> tuple[int, int]:
-    """Batch-shape class for the best-of-both choice: rows and the longest row's length
-    rounded up to a power of two (FlashInfer's split heuristics change with both)."""
+    """Batch-shape class for the best-path choice: rows and the longest row's length rounded up
+    to a power of two (FlashInfer's split heuristics change with both)."""
     longest = int(np.max(step.seq_lens))
     return int(len(step.seq_lens)), 1 << max(0, (longest - 1).bit_length())
+
+
+def pick_path(measured: dict[str, dict[str, float]]) -> str:
+    """The fastest path by decode time; paths within TIE_FRACTION of it go to the cheaper plan."""
+    fastest = min(m["device_us"] for m in measured.values())
+    tied = [p for p, m in measured.items() if m["device_us"] <= fastest * (1 + TIE_FRACTION)]
+    return min(tied, key=lambda p: (measured[p]["plan_us"], measured[p]["device_us"]))
+
+
+class _DecodeWrapperPath:
+    """BatchDecodeWithPagedKVCacheWrapper: fa2 on CUDA or tensor cores, or the fa3 backend."""
+
+    def __init__(self, flashinfer, device, tensor_cores: bool, backend: str | None) -> None:
+        kwargs = {} if backend is None else {"backend": backend}
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            _allocate_workspace(device), kv_layout="HND", use_tensor_cores=tensor_cores, **kwargs)
+
+    def plan(self, tensors: dict, shape, page_size: int, q_dtype, kv_dtype) -> None:
+        # Host tensors, as FlashInfer's plan() expects: it plans from host copies and uploads
+        # them itself without blocking. Device tensors would cost it two device-to-host syncs.
+        self.wrapper.plan(
+            tensors["indptr"], tensors["indices"], tensors["last_page_len"],
+            shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, page_size,
+            pos_encoding_mode="NONE", q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=shape.sm_scale)
+
+    def run(self, q, k_pages, v_pages):
+        return self.wrapper.run(q, (k_pages, v_pages))
+
+
+class _HolisticPath:
+    """BatchAttention, the persistent kernel that serves prefill and decode rows in one launch."""
+
+    def __init__(self, flashinfer, device) -> None:
+        if not hasattr(flashinfer, "BatchAttention"):
+            raise EngineUnavailable(
+                f"flashinfer {getattr(flashinfer, '__version__', '?')} has no BatchAttention (holistic path)")
+        self.device = device
+        self.wrapper = flashinfer.BatchAttention(kv_layout="HND", device=str(device))
+
+    def plan(self, tensors: dict, shape, page_size: int, q_dtype, kv_dtype) -> None:
+        batch = tensors["last_page_len"].numel()
+        kv_len = (tensors["indptr"][1:] - tensors["indptr"][:-1] - 1) * page_size + tensors["last_page_len"]
+        # Its plan() reads the indptrs and lengths on the host and keeps kv_indices for run(),
+        # so those go up here: the upload is part of this path's plan cost.
+        self.wrapper.plan(
+            torch.arange(batch + 1, dtype=torch.int32), tensors["indptr"],
+            _upload(tensors["indices"], self.device), kv_len.to(torch.int32),
+            shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim, page_size,
+            causal=False, sm_scale=shape.sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
+
+    def run(self, q, k_pages, v_pages):
+        out, _lse = self.wrapper.run(q, (k_pages, v_pages))
+        return out
+
+
+def _make_path(flashinfer, device, path: str):
+    if path == "holistic":
+        return _HolisticPath(flashinfer, device)
+    return _DecodeWrapperPath(flashinfer, device, tensor_cores=path in ("tc", "fa3"),
+                              backend="fa3" if path == "fa3" else None)
 
 
 class FlashInferPlan(EnginePlan):
     @property
     def kernel_variant(self) -> str | None:
-        """Which of FlashInfer's decode paths runs the step ("tc" tensor-core, "cc" CUDA-core),
-        once known; the harness records it per step."""
-        tc = self.extra.get("use_tensor_cores")
-        return None if tc is None else ("tc" if tc else "cc")
+        """Which FlashInfer path runs the step (a PATHS name), once known; the harness records
+        it per step."""
+        return self.extra.get("path")
 
 
 class FlashInferEngine(Engine):
     """FlashInfer's batch decode over the shared pages, planned every step.
 
-    ``use_tensor_cores`` True/False pins one kernel family ("flashinfer_tc" / "flashinfer_cc").
-    None ("flashinfer") holds both wrappers; ``prepare`` (untimed, before a step is timed)
-    times each on the step's real inputs the first time any such engine of the process sees a
-    batch-shape class (``probe_key``), and every such engine runs the faster for that class.
-    The baseline is therefore the stronger of FlashInfer's two decode paths for every shape,
-    the adaptive engine's fallback runs the same path on the same steps, and the probe never
-    lands in a timed step.
+    ``paths`` is one path (a pinned role such as "flashinfer_tc") or several ("flashinfer": the
+    best of PATHS). With several, ``prepare`` (untimed, before a step is timed) times each path on
+    the step's real inputs the first time any engine of the process sees a batch-shape class
+    (``probe_key``), records each path's decode time and plan() host time, and every such engine
+    runs the winner (``pick_path``) for that class. The baseline is therefore the strongest of
+    FlashInfer's Hopper paths for every shape, the adaptive engine's fallback runs the same path
+    on the same steps, and the probe never lands in a timed step. A path this FlashInfer lacks is
+    left out of the set, with the reason in ``missing_paths``.
 
-    wrapper.plan() (host work plus uploads) runs in ``plan(step)`` and is part of the wall
-    step, as in the paper. It needs the q/KV dtypes, which a StepBatch does not carry: they
-    are taken from ``prepare`` (or, if prepare was skipped, the first ``run``, which then
-    plans itself).
+    plan() (host work plus uploads) runs in ``plan(step)`` and is part of the wall step, as in the
+    paper. It needs the q/KV dtypes, which a StepBatch does not carry: they are taken from
+    ``prepare`` (or, if prepare was skipped, the first ``run``, which then plans itself).
     """
 
-    def __init__(self, shape, *, use_tensor_cores: bool | None = None, device="cuda",
-                 page_size: int = 16) -> None:
+    def __init__(self, shape, *, paths: tuple[str, ...] = PATHS, device="cuda", page_size: int = 16,
+                 name: str = "flashinfer") -> None:
         self.shape = shape
         self.device = torch.device(device)
         self.page_size = page_size
-        self.use_tensor_cores = use_tensor_cores
+        unknown = sorted(set(paths) - set(PATHS) - set(MEASURED_ONLY_PATHS))
+        if unknown or not paths:
+            raise ValueError(f"FlashInferEngine paths {list(paths)}: known paths are "
+                             f"{list(PATHS + MEASURED_ONLY_PATHS)}")
         if self.device.type != "cuda":
             raise EngineUnavailable(f"flashinfer needs a CUDA device, got {self.device}")
         flashinfer = _import_flashinfer()
         self.version = getattr(flashinfer, "__version__", "unknown")
-        variants = [False, True] if use_tensor_cores is None else [bool(use_tensor_cores)]
-        self._wrappers = {}
-        for tc in variants:
-            workspace = _allocate_workspace(self.device)
-            self._wrappers[tc] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, kv_layout="HND", use_tensor_cores=tc)
+        self._paths, self.missing_paths = {}, {}
+        for path in paths:
+            try:
+                self._paths[path] = _make_path(flashinfer, self.device, path)
+            except EngineUnavailable as exc:
+                self.missing_paths[path] = exc.reason
+        if not self._paths:
+            raise EngineUnavailable("; ".join(self.missing_paths.values()))
         self._dtypes = None
-        self._fixed_key = (str(self.device), shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, page_size)
+        self._fixed_key = (str(self.device), shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, page_size,
+                           tuple(sorted(self._paths)))
         # A wrapper holds only its latest plan; remember which EnginePlan that was.
-        self._planned_for: dict[bool, EnginePlan] = {}
-        suffix = {None: "", True: "_tc", False: "_cc"}[use_tensor_cores]
-        self.name = "flashinfer" + suffix
-        flavour = {None: "best_of_tc_cc", True: "tc", False: "cc"}[use_tensor_cores]
+        self._planned_for: dict[str, EnginePlan] = {}
+        self.name = name
+        flavour = "best_of_" + "_".join(self._paths) if len(self._paths) > 1 else next(iter(self._paths))
         self.implementation = f"flashinfer-{self.version}-{flavour}"
 
     def _pick_key(self, step) -> tuple:
-        """What a variant pick depends on: device and shape, dtypes, batch class (_VARIANT_PICKS)."""
+        """What a path pick depends on: device, shape and path set, dtypes, batch class."""
         return self._fixed_key, self._dtypes, probe_key(step)
 
-    def _variant_for(self, step) -> bool | None:
-        if len(self._wrappers) == 1:
-            return next(iter(self._wrappers))
+    def _path_for(self, step) -> str | None:
+        if len(self._paths) == 1:
+            return next(iter(self._paths))
         if self._dtypes is None:  # not prepared yet: run() probes
             return None
-        return _VARIANT_PICKS.get(self._pick_key(step))
+        return _PATH_PICKS.get(self._pick_key(step))
 
     def plan(self, step) -> EnginePlan:
         if step.page_size != self.page_size:
             raise ValueError(f"step.page_size={step.page_size}, engine was built for {self.page_size}")
-        # Host tensors, as FlashInfer's plan() expects: it plans from host copies and uploads
-        # them itself without blocking. Device tensors would cost it two device-to-host syncs.
         tensors = {
             "indptr": torch.from_numpy(np.ascontiguousarray(step.kv_indptr, dtype=np.int32)),
             "indices": torch.from_numpy(np.ascontiguousarray(step.kv_indices, dtype=np.int32)),
             "last_page_len": torch.from_numpy(np.ascontiguousarray(step.kv_last_page_len, dtype=np.int32)),
         }
         plan = FlashInferPlan(route="flashinfer", step=step, tensors=tensors,
-                          extra={"use_tensor_cores": self._variant_for(step), "planned": None})
-        tc = plan.extra["use_tensor_cores"]
-        if tc is not None and self._dtypes is not None:
-            self._plan_wrapper(tc, plan, *self._dtypes)
+                              extra={"path": self._path_for(step), "planned": None})
+        path = plan.extra["path"]
+        if path is not None and self._dtypes is not None:
+            self._plan_path(path, plan, *self._dtypes)
         return plan
 
-    def _plan_wrapper(self, tc: bool, plan: EnginePlan, q_dtype, kv_dtype) -> None:
-        t = plan.tensors
-        self._wrappers[tc].plan(
-            t["indptr"], t["indices"], t["last_page_len"],
-            self.shape.num_qo_heads, self.shape.num_kv_heads, self.shape.head_dim, self.page_size,
-            pos_encoding_mode="NONE", q_data_type=q_dtype, kv_data_type=kv_dtype,
-            sm_scale=self.shape.sm_scale)
-        plan.extra["planned"] = (tc, q_dtype, kv_dtype)
-        self._planned_for[tc] = plan
+    def _plan_path(self, path: str, plan: EnginePlan, q_dtype, kv_dtype) -> None:
+        self._paths[path].plan(plan.tensors, self.shape, self.page_size, q_dtype, kv_dtype)
+        plan.extra["planned"] = (path, q_dtype, kv_dtype)
+        self._planned_for[path] = plan
 
     def prepare(self, step, q, k_pages, v_pages) -> None:
         self._dtypes = (q.dtype, k_pages.dtype)
-        if self._variant_for(step) is not None:
+        if self._path_for(step) is not None:
             return
-        best, best_us = None, float("inf")
-        for tc, wrapper in self._wrappers.items():
+        measured = {}
+        for path, runner in self._paths.items():
             plan = self.plan(step)
-            self._plan_wrapper(tc, plan, q.dtype, k_pages.dtype)
-            wrapper.run(q, (k_pages, v_pages))  # first call may compile or load the kernel
+            self._plan_path(path, plan, q.dtype, k_pages.dtype)  # first plan may JIT-compile: untimed
+            host_start = time.perf_counter()
+            self._plan_path(path, plan, q.dtype, k_pages.dtype)
+            plan_us = (time.perf_counter() - host_start) * 1e6
+            runner.run(q, k_pages, v_pages)  # first call may compile or load the kernel
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(PROBE_REPS):
-                wrapper.run(q, (k_pages, v_pages))
+                runner.run(q, k_pages, v_pages)
             end.record()
             end.synchronize()
-            us = start.elapsed_time(end) * 1e3 / PROBE_REPS
-            if us < best_us:
-                best, best_us = tc, us
-        _VARIANT_PICKS[self._pick_key(step)] = best
+            measured[path] = {"device_us": start.elapsed_time(end) * 1e3 / PROBE_REPS, "plan_us": plan_us}
+        key = self._pick_key(step)
+        _PATH_PROBES[key] = measured
+        _PATH_PICKS[key] = pick_path(measured)
 
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
-        tc = plan.extra["use_tensor_cores"]
-        if tc is None:
+        path = plan.extra["path"]
+        if path is None:
             # prepare() was not called for this shape class: probe now (inside the timing).
             self.prepare(plan.step, q, k_pages, v_pages)
-            tc = plan.extra["use_tensor_cores"] = self._variant_for(plan.step)
-        if (self._planned_for.get(tc) is not plan
-                or plan.extra["planned"] != (tc, q.dtype, k_pages.dtype)):
+            path = plan.extra["path"] = self._path_for(plan.step)
+        if (self._planned_for.get(path) is not plan
+                or plan.extra["planned"] != (path, q.dtype, k_pages.dtype)):
             self._dtypes = (q.dtype, k_pages.dtype)
-            self._plan_wrapper(tc, plan, q.dtype, k_pages.dtype)
-        return self._wrappers[tc].run(q, (k_pages, v_pages))
+            self._plan_path(path, plan, q.dtype, k_pages.dtype)
+        return self._paths[path].run(q, k_pages, v_pages)
+
+    def _own_classes(self, table: dict) -> dict:
+        return {batch_class: value for (fixed, dtypes, batch_class), value in table.items()
+                if fixed == self._fixed_key and dtypes == self._dtypes}
 
     @property
     def choices(self) -> dict:
-        """Chosen variant per probed batch class of this engine's shape and dtypes (True = tensor
-        cores), including classes another engine of the process probed."""
-        return {batch_class: tc for (fixed, dtypes, batch_class), tc in _VARIANT_PICKS.items()
-                if fixed == self._fixed_key and dtypes == self._dtypes}
+        """The path run per probed batch class of this engine's shape and dtypes, including
+        classes another engine of the process probed."""
+        return self._own_classes(_PATH_PICKS)
+
+    def path_record(self) -> dict:
+        """What a result records of the path choice: the paths held, those this FlashInfer lacks,
+        and per probed batch class the pick and each path's decode and plan() times."""
+        probes = self._own_classes(_PATH_PROBES)
+        picks = self.choices
+        return {
+            "paths": {p: PATH_LABELS[p] for p in self._paths},
+            "missing_paths": dict(self.missing_paths),
+            "probed": [{"batch": b, "longest_pow2": n, "picked": picks.get((b, n)), "measured": probes[(b, n)]}
+                       for (b, n) in sorted(probes)],
+        }

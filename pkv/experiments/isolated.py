@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pkv.atomic_io import write_json_atomic
-from pkv.config import PkvConfig
+from pkv.config import ConfigError, PkvConfig
 from pkv.engines import EngineUnavailable, build_engine
 from pkv.experiments.common import (
     model_shape,
@@ -25,7 +25,8 @@ from pkv.policy.choose import PinnedRoutePolicy, pinned_route
 from pkv.report.results import RESULT_SCHEMA
 
 # Several engines can play one method; the fastest one that runs is the method's number.
-_FLASHINFER_PATHS = ("flashinfer_tc", "flashinfer_cc")
+# FlashInfer's Hopper-capable decode paths; fa3 is timed by the kernel benchmark only (pkv.engines.flashinfer).
+_FLASHINFER_PATHS = ("flashinfer_cc", "flashinfer_tc", "flashinfer_holistic")
 
 
 def _candidates(method: str, cfg: PkvConfig, shape, device, calib) -> tuple[dict, dict]:
@@ -45,6 +46,8 @@ def _candidates(method: str, cfg: PkvConfig, shape, device, calib) -> tuple[dict
             engines[label] = build_engine(role, shape=shape, device=device, policy=policy)
         except EngineUnavailable as exc:
             skipped[label] = exc.reason
+        except ValueError as exc:  # a method no engine runs, misspelt in experiment.methods
+            raise ConfigError(f"conf/experiment: experiment.methods = {method!r}: {exc}") from None
     if method == "flashinfer" and not engines:
         # The CPU profile's FlashInfer role has no tensor-core/CUDA-core paths, only the stand-in.
         engines["flashinfer"] = build_engine("flashinfer", shape=shape, device=device)

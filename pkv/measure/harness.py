@@ -300,4 +300,10 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
     if progress:
         print(f"[{spec.name}] done: {index + 1} steps in {time.perf_counter() - started:.1f}s",
               file=sys.stderr, flush=True)
-    return {name: records[name].metrics(engines[name].implementation) for name in names}
+    results = {name: records[name].metrics(engines[name].implementation) for name in names}
+    for name in names:
+        # Which FlashInfer path each batch class ran, and what every path measured in its probe.
+        path_record = getattr(engines[name], "path_record", lambda: None)()
+        if path_record is not None:
+            results[name]["flashinfer_paths"] = path_record
+    return results

@@ -16,7 +16,7 @@ from pkv.report.table_data.inputs import Inputs
 from pkv.report.table_data.loading import Loaded
 
 # Engines that only ever play the baseline role in a comparison.
-_BASELINE_ENGINES = frozenset({"flashinfer", "sdpa"})
+_BASELINE_ENGINES = frozenset({"flashinfer", "sdpa", "xqa"})
 
 
 def engine_key(path: Path, record: Mapping[str, Any]) -> set[str]:
@@ -45,14 +45,17 @@ class Comparison:
     problem: str | None
 
 
-def compare_in_run(records: list[Loaded], where: str, prefer: Iterable[str] = ("adaptive",)) -> Comparison:
+def compare_in_run(records: list[Loaded], where: str, prefer: Iterable[str] = ("adaptive",),
+                   baseline: str | None = None) -> Comparison:
+    """The subject against the run's baseline engine, or against ``baseline`` where given (a
+    second baseline of the same run, such as XQA)."""
     picked = pick_subject(records, prefer)
     if picked is None:
         return Comparison(None, None, f"{where}: no engine other than the baseline")
     spath, subject = picked
     if "skipped" in subject:
         return Comparison(subject, None, f"{where}: {subject['engine']} skipped: {subject['skipped']}")
-    base_name = subject.get("baseline_engine")
+    base_name = baseline or subject.get("baseline_engine")
     if not base_name:
         return Comparison(subject, None, f"{where}: {spath.name} names no baseline_engine")
     candidates = [(p, r) for p, r in records if base_name in engine_key(p, r) and p != spath]
@@ -103,12 +106,12 @@ class ServingAggregate:
 
 
 def aggregate_serving(seeds: Mapping[int, list[Loaded]], where: str, inputs: Inputs,
-                      prefer: Iterable[str] = ("adaptive",)) -> ServingAggregate:
+                      prefer: Iterable[str] = ("adaptive",), baseline: str | None = None) -> ServingAggregate:
     agg = ServingAggregate([], [], [], [], [])
     for seed in sorted(seeds):
         for _, rec in seeds[seed]:
             inputs.add(rec)
-        cmp = compare_in_run(seeds[seed], f"{where} seed {seed}", prefer)
+        cmp = compare_in_run(seeds[seed], f"{where} seed {seed}", prefer, baseline)
         if cmp.problem:
             agg.problems.append(cmp.problem)
             continue

@@ -10,6 +10,7 @@ from pkv.report.results import ResultFileError, read_json
 from pkv.report.table_data.cells import Notes, Num, Sci
 from pkv.report.table_data.inputs import Inputs
 from pkv.report.table_data.labels import (
+    ABSENT_METHODS,
     ISOLATED_METHOD_ORDER,
     METHOD_LABELS,
     PAPER_ISOLATED_CONTEXTS,
@@ -61,12 +62,19 @@ def table1(root: Path) -> dict[str, Any]:
         return rec.get("methods") if "methods" in rec else rec["metrics"]["methods"]
 
     names = {name for rec in files.values() for name in methods_of(rec)}
+    if files:
+        names |= set(ABSENT_METHODS)
     order = [n for n in ISOLATED_METHOD_ORDER if n in names] + sorted(names - set(ISOLATED_METHOD_ORDER))
     rows = []
     for name in order:
-        cells, errs, skips, marks = [], [], [], []
+        cells, errs, skips, marks, ran = [], [], [], [], {}
         for ctx in contexts:
             entry = methods_of(files[ctx]).get(name)
+            if entry is None and name in ABSENT_METHODS:
+                miss = notes.missing(ABSENT_METHODS[name])
+                skips.append(miss)
+                cells.append({"ms": miss, "floor": miss})
+                continue
             if entry is None:
                 miss = notes.missing(f"{name} not run at {context_label(ctx)}")
                 cells.append({"ms": miss, "floor": miss})
@@ -79,6 +87,9 @@ def table1(root: Path) -> dict[str, Any]:
             stand_in = _stand_in_note(name, entry.get("implementation"))
             if stand_in is not None and notes.number(stand_in) not in marks:
                 marks.append(notes.number(stand_in))
+            if stand_in is None and entry.get("implementation"):
+                ran.setdefault(str(entry["implementation"]), []).append(
+                    f"{context_label(ctx)} {entry['selected']}" if entry.get("selected") else context_label(ctx))
             median_us = entry.get("median_us")
             if not isinstance(median_us, (int, float)):
                 raise ResultFileError(f"{base / f'ctx{ctx}.json'}: methods.{name}.median_us = {median_us!r}")
@@ -96,6 +107,11 @@ def table1(root: Path) -> dict[str, Any]:
             rel = skips[0]  # skipped everywhere: the same reason, not a second footnote
         else:
             rel = notes.missing(f"{name}: no relative error reported")
+        if ran:
+            # Which code each number is: the library version and, for a method with several
+            # candidates (FlashInfer's paths, PersistentKV's splits), the one that was fastest.
+            marks.append(notes.number(f"{METHOD_LABELS.get(name, name)}: " + "; ".join(
+                f"{impl} ({', '.join(where)})" for impl, where in ran.items())))
         rows.append({"method": name, "label": METHOD_LABELS.get(name, name), "cells": cells, "rel_err": rel,
                      "marks": marks})
     return {

@@ -1,0 +1,69 @@
+"""TensorRT-LLM's XQA decode kernel, as FlashInfer ships it (``xqa_batch_decode_with_kv_cache``).
+
+XQA is TensorRT-LLM's generation-phase attention for GQA on Hopper, the kernel vLLM can also take
+there. It needs no plan: the block table and lengths go up, and one launch reads them. TensorRT-LLM
+itself is not installed anywhere this project runs (its wheels need their own CUDA stack); FlashInfer
+vendors the kernel's sources and JIT-compiles them, so this row runs the same kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pkv.engines.base import Engine, EnginePlan, EngineUnavailable, check_decode_inputs
+
+# XQA keeps its semaphores and split scratch here; it must start zeroed and stay with the engine.
+WORKSPACE_BYTES = 128 * 1024 * 1024
+# The FlashInfer release that first exposes XQA through flashinfer.decode, for the reason text.
+FIRST_RELEASE_WITH_XQA = "0.7"
+
+
+def _import_xqa():
+    # An optional dependency: imported where XQA runs, so its absence is a reason, not a crash.
+    try:
+        import flashinfer
+        import flashinfer.decode as decode
+    except ImportError as exc:
+        raise EngineUnavailable(f"flashinfer not installed (XQA ships in it): {exc}") from exc
+    version = getattr(flashinfer, "__version__", "unknown")
+    entry = getattr(decode, "xqa_batch_decode_with_kv_cache", None)
+    if entry is None:
+        raise EngineUnavailable(
+            f"flashinfer {version} has no flashinfer.decode.xqa_batch_decode_with_kv_cache "
+            f"(XQA needs flashinfer >= {FIRST_RELEASE_WITH_XQA})")
+    return version, entry
+
+
+class XqaEngine(Engine):
+    """XQA over the shared HND pages and block tables: plan() uploads the table and the lengths."""
+
+    def __init__(self, shape, device="cuda", page_size: int = 16) -> None:
+        self.shape = shape
+        self.device = torch.device(device)
+        self.page_size = page_size
+        if self.device.type != "cuda":
+            raise EngineUnavailable(f"XQA needs a CUDA device, got {self.device}")
+        version, self._decode = _import_xqa()
+        self.name = "xqa"
+        self.implementation = f"trtllm-xqa-via-flashinfer-{version}"
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+
+    def plan(self, step) -> EnginePlan:
+        if step.page_size != self.page_size:
+            raise ValueError(f"step.page_size={step.page_size}, engine was built for {self.page_size}")
+        seq_lens = np.ascontiguousarray(step.seq_lens, dtype=np.int32)
+        tensors = {
+            "block_table": torch.from_numpy(np.ascontiguousarray(step.block_table, dtype=np.int32)).to(
+                self.device, non_blocking=True),
+            # XQA reads the lengths as uint32; the values fit int32, so the bits are the same.
+            "seq_lens": torch.from_numpy(seq_lens).to(self.device, non_blocking=True).view(torch.uint32),
+        }
+        return EnginePlan(route="xqa", step=step, tensors=tensors, extra={"max_seq_len": int(seq_lens.max())})
+
+    def run(self, q, k_pages, v_pages, plan: EnginePlan):
+        check_decode_inputs(q, k_pages, v_pages, self.shape, self.page_size)
+        t = plan.tensors
+        return self._decode(q, (k_pages, v_pages), self._workspace, t["block_table"], t["seq_lens"],
+                            plan.extra["max_seq_len"], bmm1_scale=self.shape.sm_scale, bmm2_scale=1.0,
+                            kv_layout="HND")
