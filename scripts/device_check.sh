@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # One GPU-machine run: build, kernel tests, compute-sanitizer, kernel benchmark, host-time split.
 # Logs under $OUT.
-#   (from the repository root, with the wheels of ../shared/device/wheels.txt in .whl/; results
+#   (from the repository root, with .whl/ filled as scripts/device_site.sh says; results
 #   name the commit of .device/source_stamp.json, if carried, when the sources match it)
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+source scripts/device_site.sh || exit 1
 export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
 [ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine run of the DAG after the kernel tests. Logs and a tarball of artifacts/<gpu>/
-# land under $OUT. Needs the wheels of ../shared/device/wheels.txt in .whl/.
+# land under $OUT. Needs .whl/ filled as scripts/device_site.sh says.
 #   DAG_CONFIG=config/gpu_smoke.yaml (default): the reduced DAG (calibration seed, one held-out
 #     seed, every trace family and ablation, the Nsight profile), about 5 minutes on an H200;
 #   DAG_CONFIG=config/config.yaml: the full DAG (five held-out seeds), 15-20 minutes: where jobs
@@ -22,8 +22,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 GPU_NAME=${GPU_NAME:-h200}
 DAG_CONFIG=${DAG_CONFIG:-config/gpu_smoke.yaml}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
+source scripts/device_site.sh || exit 1
 export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
 [ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
 if [ -n "${BUILD_CACHE_FROM:-}" ]; then

@@ -84,8 +84,8 @@ def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
                                     "wall_us": _wall_us(lambda: graphed.run(q, table, lens), reps)}
 
     best = None
-    for label, tensor_cores in (("flashinfer_tc", True), ("flashinfer_cc", False)):
-        engine = FlashInferEngine(shape, use_tensor_cores=tensor_cores, device="cuda")
+    for label, path in (("flashinfer_tc", "tc"), ("flashinfer_cc", "cc"), ("flashinfer_holistic", "holistic")):
+        engine = FlashInferEngine(shape, paths=(path,), device="cuda")
         engine.prepare(step, q, k, v)
         fi_plan = engine.plan(step)
         device_us = time_device_us(lambda: engine.run(q, k, v, fi_plan), flusher=flusher, reps=reps).median_us

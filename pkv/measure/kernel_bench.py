@@ -1,11 +1,13 @@
-"""Decode-kernel benchmark: PersistentKV's best split point against FlashInfer on identical pages.
+"""Decode-kernel benchmark: PersistentKV's best split point against today's baselines on identical pages.
 
 Each case is one decode call over a fixed batch (50% holes, page 16, fp16). For every case the
-script times FlashInfer's tensor-core and CUDA-core decode and a sweep of PersistentKV split
+script times FlashInfer's decode paths (fa2 CUDA-core, fa2 tensor-core, holistic BatchAttention,
+and the fa3 backend, reported but never the baseline), TensorRT-LLM's XQA as FlashInfer ships it,
+vLLM's PagedAttention and Triton decode where they are built, and a sweep of PersistentKV split
 points, all with the L2 flushed before each timed call and CUDA events around the call alone,
-then checks the fastest configuration of each engine against float64. It reports each time as a
-ratio to the faster FlashInfer and as a fraction of the read-bandwidth floor
-(KV bytes / read bandwidth measured in the same run).
+each checked against float64. A baseline that cannot run here is recorded with the reason. It
+reports each time as a ratio to FlashInfer's fastest path and to XQA, and as a fraction of the
+read-bandwidth floor (KV bytes / read bandwidth measured in the same run).
 
     python -m pkv.measure.kernel_bench --out artifacts/h200/kernel_bench/decode.json
 """
@@ -19,8 +21,8 @@ import numpy as np
 import torch
 
 from pkv.atomic_io import write_json_atomic
+from pkv.engines import ENGINE_NAMES, EngineUnavailable, build_engine
 from pkv.engines.dense import dense_decode
-from pkv.engines.flashinfer import FlashInferEngine
 from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.harness import REF_REL_LIMIT
@@ -53,7 +55,11 @@ B1_SPLITS = (16, 24, 32, 48, 64, 96)
 B1_CLUSTER_SPLITS = (8, 12, 16)
 WORKQUEUE_SPLITS = (1, 2, 4, 8, 16, 24, 32)
 BALANCED_WAVES = (1, 2, 4, 8)  # target CTAs = waves x SMs
-CONFIRM_ROUNDS = 5  # interleaved rounds that re-time the fastest FlashInfer and PersistentKV
+CONFIRM_ROUNDS = 5  # interleaved rounds that re-time the fastest FlashInfer, XQA and PersistentKV
+# Baselines timed on every case. FlashInfer's best is the fastest of FLASHINFER_BEST_OF; its fa3
+# backend is timed and reported beside them, never picked (pkv.engines.flashinfer).
+FLASHINFER_BEST_OF = ("flashinfer_cc", "flashinfer_tc", "flashinfer_holistic")
+BASELINE_ROLES = (*FLASHINFER_BEST_OF, "flashinfer_fa3", "xqa", "vllm", "vllm_triton")
 
 
 def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
@@ -89,6 +95,38 @@ def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False):
         for waves in BALANCED_WAVES:
             route = StepRoute(ROUTE_WORKQUEUE, 1, "balanced", target_ctas=waves * num_sms)
             yield f"balanced:{waves}w:st{stages}", route, stages
+
+
+def time_baselines(step, q, k, v, shape, flusher, reps, errors) -> tuple[dict, dict]:
+    """Every baseline role on the case's pages: ({role: timing and errors, or why it did not run},
+    {role: (engine, plan)} of those that ran). Each role's plan() host time is recorded beside its
+    decode time, which is taken alone with the L2 flushed."""
+    rows, runs = {}, {}
+    for role in BASELINE_ROLES:
+        if role not in ENGINE_NAMES:
+            rows[role] = {"skipped": f"no engine {role!r} in this build"}
+            continue
+        try:
+            engine = build_engine(role, shape=shape, device="cuda")
+            engine.prepare(step, q, k, v)
+            plan = engine.plan(step)
+            out = engine.run(q, k, v, plan)  # first call: loads or compiles the kernel
+            torch.cuda.synchronize()
+        except EngineUnavailable as exc:
+            rows[role] = {"skipped": exc.reason}
+            continue
+        except RuntimeError as exc:  # a JIT build or launch that fails here: the row says how
+            rows[role] = {"skipped": f"failed on its first call: {str(exc).strip().splitlines()[0][:300]}"}
+            continue
+        host_start = time.perf_counter()
+        plan = engine.plan(step)
+        plan_us = (time.perf_counter() - host_start) * 1e6
+        out = engine.run(q, k, v, plan)
+        runs[role] = (engine, plan)
+        stats = time_device_us(lambda: engine.run(q, k, v, plan), reps=reps, warmup=3, flusher=flusher)
+        rows[role] = dict(median_us=stats.median_us, p10_us=stats.p10_us, p90_us=stats.p90_us, plan_us=plan_us,
+                          implementation=engine.implementation, **errors(out))
+    return rows, runs
 
 
 def _engine(shape, route: StepRoute, stages: int) -> PersistentKVEngine:
@@ -132,15 +170,7 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
         return dict(max_abs_err=diff.max().item(), mean_abs_err=diff.mean().item(),
                     rel_err=((out.double() - ref).norm() / ref.norm()).item())
 
-    rows, flashinfer_runs = {}, {}
-    for label, tc in (("flashinfer_tc", True), ("flashinfer_cc", False)):
-        engine = FlashInferEngine(shape, use_tensor_cores=tc, device=device)
-        engine.prepare(step, q, k, v)
-        plan = engine.plan(step)
-        out = engine.run(q, k, v, plan)
-        flashinfer_runs[label] = (engine, plan)
-        stats = time_device_us(lambda: engine.run(q, k, v, plan), reps=reps, warmup=3, flusher=flusher)
-        rows[label] = dict(median_us=stats.median_us, p10_us=stats.p10_us, p90_us=stats.p90_us, **errors(out))
+    rows, baseline_runs = time_baselines(step, q, k, v, shape, flusher, reps, errors)
     sweep = {}
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     clusters = torch.cuda.get_device_capability(0)[0] >= 9
@@ -166,22 +196,32 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
         route, stages = {label: (r, st) for label, r, st in persistentkv_configs(1, num_sms)}[unfused]
         engine = _engine(shape, route, stages)
         breakdown = dict(config=unfused, **b1_breakdown(engine, engine.plan(step), q, k, v, flusher, reps))
-    fi_label = min(("flashinfer_tc", "flashinfer_cc"), key=lambda label: rows[label]["median_us"])
+    fi_label = min((label for label in FLASHINFER_BEST_OF if "median_us" in rows[label]),
+                   key=lambda label: rows[label]["median_us"], default=None)
+    if fi_label is None:
+        raise RuntimeError(f"kernel_bench {name}: no FlashInfer path ran: "
+                           + "; ".join(f"{label}: {rows[label]['skipped']}" for label in FLASHINFER_BEST_OF))
     fi_best = rows[fi_label]["median_us"]
-    fi_engine, fi_plan = flashinfer_runs[fi_label]
-    rounds = time_interleaved_us({"flashinfer": lambda: fi_engine.run(q, k, v, fi_plan),
-                                  "persistentkv": lambda: best_engine.run(q, k, v, best_plan)},
-                                 rounds=CONFIRM_ROUNDS, reps=max(reps // 3, 5), flusher=flusher)
-    per_round = [f / p for f, p in zip(rounds["flashinfer"], rounds["persistentkv"])]
+    pkv_us = rows["persistentkv"]["median_us"]
+    # The two winners (and XQA, where it runs) re-timed in turns: the sweep's minimum over many
+    # configurations is biased low by its own noise, these round-by-round ratios are not.
+    contenders = {"flashinfer": fi_label, "xqa": "xqa"} if "median_us" in rows["xqa"] else {"flashinfer": fi_label}
+    timed = {role: (lambda r=baseline_runs[label]: r[0].run(q, k, v, r[1])) for role, label in contenders.items()}
+    timed["persistentkv"] = lambda: best_engine.run(q, k, v, best_plan)
+    rounds = time_interleaved_us(timed, rounds=CONFIRM_ROUNDS, reps=max(reps // 3, 5), flusher=flusher)
+    confirmed = dict(flashinfer=fi_label, persistentkv=best_label, rounds_us=rounds)
+    for role in contenders:
+        per_round = [b / p for b, p in zip(rounds[role], rounds["persistentkv"])]
+        suffix = "" if role == "flashinfer" else f"_vs_{role}"
+        confirmed[f"speedup_per_round{suffix}"] = per_round
+        confirmed[f"speedup{suffix}"] = float(np.median(per_round))
     result = dict(
         seq_lens=list(map(int, seq_lens)), kv_bytes=kv_bytes, floor_us=floor_us, engines=rows, sweep_us=sweep,
-        flashinfer_best_us=fi_best, speedup_vs_flashinfer=fi_best / rows["persistentkv"]["median_us"],
-        pkv_fraction_of_floor=floor_us / rows["persistentkv"]["median_us"],
-        flashinfer_fraction_of_floor=floor_us / fi_best,
-        # The two winners re-timed in turns: the sweep's minimum over many configurations is
-        # biased low by its own noise, these round-by-round ratios are not.
-        confirmed=dict(flashinfer=fi_label, persistentkv=best_label, rounds_us=rounds,
-                       speedup_per_round=per_round, speedup=float(np.median(per_round))),
+        flashinfer_best=fi_label, flashinfer_best_us=fi_best, speedup_vs_flashinfer=fi_best / pkv_us,
+        xqa_us=rows["xqa"].get("median_us"),
+        speedup_vs_xqa=rows["xqa"]["median_us"] / pkv_us if "median_us" in rows["xqa"] else None,
+        pkv_fraction_of_floor=floor_us / pkv_us, flashinfer_fraction_of_floor=floor_us / fi_best,
+        confirmed=confirmed,
     )
     if breakdown is not None:
         result["b1_breakdown"] = breakdown
@@ -197,7 +237,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.kernel_bench/1", None, args.seed)
+        return write_skipped_no_gpu(args.out, "pkv.measure.kernel_bench/2", None, args.seed)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     shape = ModelShape()
     read_gbps = measure_read_gbps("cuda")
@@ -206,18 +246,27 @@ def main(argv=None) -> int:
     start = time.time()
     cases = {name: run_case(name, CASES[name], shape, flusher, read_gbps, args.reps, args.seed, log)
              for name in args.cases}
-    record = {"schema": "pkv.measure.kernel_bench/1", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
+    record = {"schema": "pkv.measure.kernel_bench/2", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
               "hole_fraction": 0.5, "reps": args.reps, "flush": args.flush, "seconds": time.time() - start, "cases": cases,
               "command": "python -m pkv.measure.kernel_bench " + " ".join(argv or sys.argv[1:]),
               "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps}, seed=args.seed)}
     write_json_atomic(args.out, record)
-    print(f"{'case':<12}{'floor us':>9}{'FI tc':>9}{'FI cc':>9}{'PKV':>9}{'x FI':>8}{'confirmed':>10}"
-          f"{'PKV/floor':>10}{'FI/floor':>9}  config")
+    columns = (("FI cc", "flashinfer_cc"), ("FI tc", "flashinfer_tc"), ("FI hol", "flashinfer_holistic"),
+               ("FI fa3", "flashinfer_fa3"), ("XQA", "xqa"), ("vLLM", "vllm"), ("vLLM tr", "vllm_triton"),
+               ("PKV", "persistentkv"))
+    print(f"{'case':<12}{'floor us':>9}" + "".join(f"{head:>9}" for head, _ in columns)
+          + f"{'x FI':>8}{'x XQA':>8}{'confirmed':>10}{'PKV/floor':>10}  config")
     for name, c in cases.items():
         e = c["engines"]
-        print(f"{name:<12}{c['floor_us']:>9.1f}{e['flashinfer_tc']['median_us']:>9.1f}{e['flashinfer_cc']['median_us']:>9.1f}"
-              f"{e['persistentkv']['median_us']:>9.1f}{c['speedup_vs_flashinfer']:>8.3f}{c['confirmed']['speedup']:>10.3f}"
-              f"{c['pkv_fraction_of_floor']:>10.2f}{c['flashinfer_fraction_of_floor']:>9.2f}  {e['persistentkv']['config']}")
+        times = "".join(f"{e[role]['median_us']:>9.1f}" if "median_us" in e[role] else f"{'-':>9}"
+                        for _, role in columns)
+        vs_xqa = f"{c['speedup_vs_xqa']:>8.3f}" if c["speedup_vs_xqa"] else f"{'-':>8}"
+        print(f"{name:<12}{c['floor_us']:>9.1f}{times}{c['speedup_vs_flashinfer']:>8.3f}{vs_xqa}"
+              f"{c['confirmed']['speedup']:>10.3f}{c['pkv_fraction_of_floor']:>10.2f}  {e['persistentkv']['config']}")
+    for role in BASELINE_ROLES:
+        reasons = {c["engines"][role]["skipped"] for c in cases.values() if "skipped" in c["engines"][role]}
+        for reason in sorted(reasons):
+            print(f"{role}: not available: {reason}")
     families = ("bucket:", "bucket+fused:", "bucket+cluster:", "workqueue:", "workqueue+fused:")
     for name, c in cases.items():
         if "b1_breakdown" not in c:

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Sourced by the GPU-machine scripts: installs what a run carried in .whl/ into /tmp/site and puts
+# it on the path. The GPU machine can download nothing, so everything comes from there:
+#   .whl/*.whl                          the wheels of ../shared/device/wheels.txt (cp312)
+#   .whl/flashinfer-*-slim.tgz          FlashInfer 0.7.2 slimmed to fit the carry limit
+#                                       (../shared/device/flashinfer_slim.sh; leave its full
+#                                       wheel and the 0.5.3 wheel out of .whl/ when carrying it)
+# A run that carries vLLM's sources names their folder in its carry (scripts/vllm_carry.sh).
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || return 1
+for slim in .whl/flashinfer-*-slim.tgz; do
+  [ -f "$slim" ] || continue
+  rm -rf /tmp/site/flashinfer /tmp/site/flashinfer_python-*.dist-info
+  tar xzf "$slim" -C /tmp/site || return 1
+done
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null || echo "flashinfer: not importable"
