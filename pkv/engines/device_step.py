@@ -61,20 +61,37 @@ class DeviceDecodeStep:
                              f"{out.dtype} {tuple(out.shape)}")
         return batch
 
-    def run(self, q, k_pages, v_pages, block_table, seq_lens, out) -> torch.Tensor:
-        """Plan on the GPU and decode into ``out``; returns ``out``. Lengths past what the block
-        table addresses (max_pages x page size) are clamped to it, never read beyond it."""
+    def plan(self, block_table, seq_lens, page_size: int) -> None:
+        """Plan the step's workqueue on the GPU from the lengths and the block table's width. A
+        model step plans once and decodes every layer with it (the lengths are the same in every
+        layer); lengths past what the block table addresses (max_pages x page size) are clamped
+        to it, never read beyond it."""
+        batch = int(seq_lens.shape[0])
+        if not 1 <= batch <= self.max_batch or seq_lens.dtype != torch.int32 or seq_lens.device != self.device:
+            raise ValueError(f"DeviceDecodeStep.plan: seq_lens must be int32 [1..{self.max_batch}] on {self.device}, "
+                             f"got {seq_lens.dtype} {tuple(seq_lens.shape)} on {seq_lens.device}")
+        hkv, splits = self.shape.num_kv_heads, self.num_splits
+        capacity = batch * hkv * splits
+        max_tokens = min(block_table.shape[1] * int(page_size), 2**31 - 1)
+        self.ops.plan_workqueue_on_device(seq_lens, hkv, splits, max_tokens, self.tasks[:capacity],
+                                          self.split_offsets[:batch * hkv + 1], self.counts)
+
+    def decode(self, q, k_pages, v_pages, block_table, seq_lens, out) -> torch.Tensor:
+        """Decode into ``out`` with the last ``plan`` (of this batch size); returns ``out``."""
         batch = self._check(q, block_table, seq_lens, out)
         hkv, splits = self.shape.num_kv_heads, self.num_splits
         capacity = batch * hkv * splits
-        max_tokens = min(block_table.shape[1] * k_pages.shape[2], 2**31 - 1)
-        tasks, offsets = self.tasks[:capacity], self.split_offsets[:batch * hkv + 1]
-        self.ops.plan_workqueue_on_device(seq_lens, hkv, splits, max_tokens, tasks, offsets, self.counts)
-        self.ops.run_workqueue_planned_on_device(q, k_pages, v_pages, block_table, seq_lens, tasks, offsets,
-                                                 self.counts, self.shape.sm_scale, self.stages, out,
-                                                 self.part_m[:capacity], self.part_l[:capacity],
-                                                 self.part_acc[:capacity])
+        self.ops.run_workqueue_planned_on_device(q, k_pages, v_pages, block_table, seq_lens, self.tasks[:capacity],
+                                                 self.split_offsets[:batch * hkv + 1], self.counts,
+                                                 self.shape.sm_scale, self.stages, out, self.part_m[:capacity],
+                                                 self.part_l[:capacity], self.part_acc[:capacity])
         return out
+
+    def run(self, q, k_pages, v_pages, block_table, seq_lens, out) -> torch.Tensor:
+        """Plan on the GPU and decode into ``out``; returns ``out``."""
+        self._check(q, block_table, seq_lens, out)
+        self.plan(block_table, seq_lens, k_pages.shape[2])
+        return self.decode(q, k_pages, v_pages, block_table, seq_lens, out)
 
 
 class GraphedDecodeStep:
