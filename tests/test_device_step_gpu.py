@@ -155,3 +155,44 @@ def test_lengths_past_the_block_table_are_clamped_to_it():
                         torch.empty_like(q))
     torch.cuda.synchronize()
     _check(out, step, q, k, v, torch.float16)
+
+
+def test_lengths_past_the_table_are_refused_in_eager_mode_and_caught_on_the_device_under_replay():
+    from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
+
+    shape = ModelShape()
+    rng = np.random.default_rng(3)
+    k, v = _pool(shape, torch.float16, 4000, seed=0)
+    workspace = DeviceDecodeStep(shape, max_batch=4, num_splits=8)
+    step, table, lens = _tables([100, 4000, 17], 4000, 256, rng)
+    q = make_queries(3, shape, torch.float16, "cuda", seed=0)
+    too_long = lens.clone()
+    too_long[1] = 256 * PAGE + 1
+    for host_lens in (None, too_long.cpu().numpy()):
+        with pytest.raises(ValueError, match=r"row 1 has length 4097; .* 256 pages of 16 tokens address 0\.\.4096"):
+            workspace.run(q, k, v, table, too_long, torch.empty_like(q), host_lens=host_lens)
+    graphed = GraphedDecodeStep(workspace, k, v, 256, debug_checks=True)
+    _check(graphed.run(q, table, lens).clone(), step, q, k, v, torch.float16)
+    with pytest.raises(ValueError, match=r"debug check on the device\): row 1 has length 4097"):
+        graphed.run(q, table, too_long)
+    _check(graphed.run(q, table, lens).clone(), step, q, k, v, torch.float16)  # the graph still serves
+
+
+def test_device_planned_ops_compile_with_torch_compile():
+    from pkv.engines.device_step import DeviceDecodeStep
+
+    shape = ModelShape()
+    rng = np.random.default_rng(11)
+    k, v = _pool(shape, torch.float16, 6000, seed=2)
+    workspace = DeviceDecodeStep(shape, max_batch=4, num_splits=16)
+    step, table, lens = _tables([5000, 33, 16, 1], 6000, 400, rng)
+    q = make_queries(4, shape, torch.float16, "cuda", seed=4)
+
+    def decode(q, table, lens, out):
+        workspace.plan(table, lens, PAGE)
+        return workspace.decode(q, k, v, table, lens, out)
+
+    compiled = torch.compile(decode, fullgraph=True)
+    out = compiled(q, table, lens, torch.full_like(q, float("nan")))
+    torch.cuda.synchronize()
+    _check(out, step, q, k, v, torch.float16)

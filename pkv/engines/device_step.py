@@ -13,12 +13,26 @@ kind "fixed"); the split count comes from the caller's route (pkv.policy), one p
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pkv import ops
 
 MAX_DEVICE_PLAN_ROWS = 1024  # kMaxDevicePlanRows in csrc/device_plan.h: one planner CTA, a thread per row
 MAX_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
+
+
+def check_lengths(host_lens, table_pages: int, page_size: int, where: str = "DeviceDecodeStep") -> None:
+    """Refuse, before any launch, a length the block table cannot address: the error names the row,
+    its length and the limit. The device planner would clamp such a row to the table, which
+    computes attention over fewer tokens than the caller asked for."""
+    lens = np.asarray(host_lens)
+    limit = int(table_pages) * int(page_size)
+    bad = np.flatnonzero((lens > limit) | (lens < 0))
+    if bad.size:
+        row = int(bad[0])
+        raise ValueError(f"{where}: row {row} has length {int(lens[row])}; the block table's {table_pages} pages "
+                         f"of {page_size} tokens address 0..{limit} ({bad.size} row(s) out of range)")
 
 
 class DeviceDecodeStep:
@@ -87,9 +101,17 @@ class DeviceDecodeStep:
                                                  self.part_l[:capacity], self.part_acc[:capacity])
         return out
 
-    def run(self, q, k_pages, v_pages, block_table, seq_lens, out) -> torch.Tensor:
-        """Plan on the GPU and decode into ``out``; returns ``out``."""
+    def run(self, q, k_pages, v_pages, block_table, seq_lens, out, host_lens=None) -> torch.Tensor:
+        """Plan on the GPU and decode into ``out``; returns ``out``.
+
+        Eager calls check every length against the block table before launching: from
+        ``host_lens`` where the caller has them (a serving scheduler does), else from a copy of
+        ``seq_lens`` (one synchronization). Under CUDA-graph capture there is no host check;
+        ``GraphedDecodeStep(debug_checks=True)`` checks on the device instead."""
         self._check(q, block_table, seq_lens, out)
+        if not torch.cuda.is_current_stream_capturing():
+            check_lengths(seq_lens.cpu().numpy() if host_lens is None else host_lens, block_table.shape[1],
+                          k_pages.shape[2])
         self.plan(block_table, seq_lens, k_pages.shape[2])
         return self.decode(q, k_pages, v_pages, block_table, seq_lens, out)
 
@@ -98,11 +120,15 @@ class GraphedDecodeStep:
     """One CUDA graph per batch size over a DeviceDecodeStep: ``run`` copies the step's inputs into
     the graph's static buffers and replays it, whatever the lengths."""
 
-    def __init__(self, step: DeviceDecodeStep, k_pages, v_pages, max_pages: int):
+    def __init__(self, step: DeviceDecodeStep, k_pages, v_pages, max_pages: int, *, debug_checks: bool = False):
         self.step = step
         self.k_pages, self.v_pages = k_pages, v_pages
         self.max_pages = int(max_pages)
+        # debug_checks: each graph also records, on the device, the first row whose length the
+        # table cannot address; run() reads it after the replay (one synchronization) and raises.
+        self.debug_checks = bool(debug_checks)
         self._graphs: dict[int, tuple] = {}
+        self._debug: dict[int, torch.Tensor] = {}
 
     def _capture(self, q, block_table, seq_lens):
         batch = q.shape[0]
@@ -119,6 +145,8 @@ class GraphedDecodeStep:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
+            if self.debug_checks:
+                self._debug[batch] = _first_out_of_range(static_lens, self.max_pages * self.k_pages.shape[2])
             self.step.run(static_q, self.k_pages, self.v_pages, static_table, static_lens, static_out)
         self._graphs[batch] = (graph, *static)
 
@@ -136,4 +164,18 @@ class GraphedDecodeStep:
         static_table[:, :block_table.shape[1]].copy_(block_table)
         static_lens.copy_(seq_lens)
         graph.replay()
+        if self.debug_checks:
+            found, row, length = self._debug[batch].tolist()
+            if found:
+                limit = self.max_pages * self.k_pages.shape[2]
+                raise ValueError(f"GraphedDecodeStep (debug check on the device): row {row} has length {length}; "
+                                 f"the graph's block table addresses 0..{limit} tokens")
         return static_out
+
+
+def _first_out_of_range(lens: torch.Tensor, limit: int) -> torch.Tensor:
+    """[any, first row, its length] of the rows outside 0..limit, computed by device ops that a
+    graph captures (no host synchronization inside the graph)."""
+    bad = (lens > limit) | (lens < 0)
+    row = torch.argmax(bad.to(torch.int32))
+    return torch.stack((bad.any().to(torch.int64), row.to(torch.int64), lens[row].to(torch.int64)))
