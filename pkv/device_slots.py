@@ -297,18 +297,14 @@ def run_in_slot(command: Sequence[str], slot_dir: Path, devices: int | None = No
             slot.release()
 
 
-def default_slot_dir() -> Path:
-    return Path(os.environ.get(SLOT_DIR_ENV) or DEFAULT_SLOT_DIR)
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pkv.device_slots",
                                      description="Run a command on a device of its own (one lock file per device).")
     sub = parser.add_subparsers(dest="action", required=True)
     run = sub.add_parser("run", help="take a free device, run the command on it, give the device back")
     run.add_argument("--slot-dir", type=Path, default=None,
-                     help=f"folder of the lock files, shared by every job of the run "
-                          f"(default: ${SLOT_DIR_ENV}, else {DEFAULT_SLOT_DIR})")
+                     help=f"folder of the lock files, shared by every job of the run (default: "
+                          f"{DEFAULT_SLOT_DIR}); ${SLOT_DIR_ENV}, when set, wins over it")
     run.add_argument("--devices", type=int, default=None, metavar="N",
                      help="use only the first N devices (default: every visible one)")
     run.add_argument("--timeout", type=float, default=None, metavar="S",
@@ -325,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--devices {args.devices}: must be >= 0")
     if args.timeout is not None and args.timeout < 0:
         parser.error(f"--timeout {args.timeout}: must be >= 0")
-    return run_in_slot(command, args.slot_dir or default_slot_dir(), args.devices, args.timeout)
+    # PKV_SLOT_DIR wins over --slot-dir: the DAG passes its artifacts root's folder in the command,
+    # and a user who runs DAGs with other artifacts roots on one machine points them at one folder
+    # without changing the command text (which Snakemake would take for a code change).
+    slot_dir = Path(os.environ.get(SLOT_DIR_ENV) or args.slot_dir or DEFAULT_SLOT_DIR)
+    return run_in_slot(command, slot_dir, args.devices, args.timeout)
 
 
 if __name__ == "__main__":

@@ -204,6 +204,13 @@ def test_jobs_of_different_slurm_allocations_do_not_wait_for_each_other(tmp_path
     assert lock_path(tmp_path, "0") != mine
 
 
+def test_pkv_slot_dir_wins_over_the_commands_folder(tmp_path):
+    shared = tmp_path / "shared"
+    proc = _run(tmp_path / "dag", ["true"], _env(fake=1, PKV_SLOT_DIR=str(shared)))
+    assert proc.returncode == 0, proc.stderr
+    assert lock_path(shared, "0").exists() and not (tmp_path / "dag").exists()
+
+
 def test_without_devices_the_command_runs_unslotted(tmp_path):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
@@ -235,7 +242,8 @@ def test_provenance_names_the_slots_device(monkeypatch):
         return real_run(cmd, **kwargs)
 
     monkeypatch.setattr(provenance.subprocess, "run", fake_smi)
-    monkeypatch.setattr(provenance.shutil, "which", lambda n: "/usr/bin/nvidia-smi" if n == "nvidia-smi" else real_which(n))
+    monkeypatch.setattr(provenance.shutil, "which",
+                        lambda n: "/usr/bin/nvidia-smi" if n == "nvidia-smi" else real_which(n))
     monkeypatch.setattr(provenance, "_torch_info", lambda: ("2.5.0", "12.4", "NVIDIA H200"))
     monkeypatch.setattr(provenance, "_torch_device_uuid", lambda: None)  # only nvidia-smi knows it here
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")

@@ -179,9 +179,10 @@ PYTHON = (
     f"{INTERPRETER}"
 )
 # The lock files of the device slots: one folder for every job of the run, so --resources gpu=N runs
-# N GPU jobs each on a device of its own. PKV_SLOT_DIR shares one folder between DAG runs with other
-# artifacts roots on one machine.
-SLOT_DIR = os.path.abspath(os.environ.get("PKV_SLOT_DIR") or f"{config['artifacts_root']}/.slots")
+# N GPU jobs each on a device of its own. PKV_SLOT_DIR, read by the wrapper when the job runs, shares
+# one folder between DAG runs with other artifacts roots; it stays out of the command, whose text
+# Snakemake compares (rerun-triggers: code), so setting it reruns nothing.
+SLOT_DIR = f"{config['artifacts_root']}/.slots"
 # The rules that hold the GPU (gpu=GPU_SLOTS) run their command through pkv.device_slots on the GPU
 # profile: it takes a free device, narrows CUDA_VISIBLE_DEVICES to it and records it for the
 # result's provenance. On the CPU profile there is no device to hand out.
