@@ -1,4 +1,9 @@
-"""vLLM's PagedAttention decode kernels (paged_attention_v1 / v2) over the shared pages."""
+"""vLLM's decode attention over the shared pages: the CUDA PagedAttention kernels (v1 / v2) of the
+last release that ships them, and the current release's Triton unified attention.
+
+Both are built from vLLM's own sources, fetched and pinned by pkv.engines.vllm_sources (no vLLM
+install): ``python -m pkv.engines.vllm_sources fetch``.
+"""
 
 from __future__ import annotations
 
@@ -9,95 +14,114 @@ from pkv.engines.base import Engine, EnginePlan, EngineUnavailable, check_decode
 
 # vLLM's v2 kernel partitions each sequence into chunks of this many tokens.
 PARTITION_SIZE = 512
+# What vLLM's paged_attention_v{1,2}.cu instantiate (its launchers refuse the rest).
+PAGED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
+PAGED_BLOCK_SIZES = (8, 16, 32)
+# vLLM's _custom_ops defaults for the arguments the decode path never sets: no tensor-parallel
+# rank offset, no block sparsity.
+_TP_RANK, _BS_LOCAL_BLOCKS, _BS_VERT_STRIDE, _BS_BLOCK_SIZE, _BS_HEAD_SLIDING_STEP = 0, 0, 0, 64, 0
+
+# vLLM's Triton backend (vllm/v1/attention/backends/triton_attn.py): the 2D kernel's launch grid
+# should reach this many programs, else the split-KV (3D) kernel runs with this many segments.
+MIN_LAUNCH_GRID_SIZE_2D = 128
+NUM_PAR_SOFTMAX_SEGMENTS = 16
 
 
-def _import_vllm_ops():
-    # An optional dependency: imported where vLLM runs, so its absence is a reason, not a crash.
-    try:
-        import vllm
-        from vllm import _custom_ops as ops
-    except ImportError as exc:
-        raise EngineUnavailable(f"vllm not installed: {exc}") from exc
-    for op in ("paged_attention_v1", "paged_attention_v2"):
-        if not hasattr(ops, op):
-            raise EngineUnavailable(
-                f"vllm {getattr(vllm, '__version__', '?')} has no vllm._custom_ops.{op}")
-    return vllm, ops
+def _cuda_device(device, what: str) -> torch.device:
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise EngineUnavailable(f"{what} needs a CUDA device, got {device}")
+    return device
+
+
+class _ConvertedCache:
+    """One layout conversion per KV tensor: the converted copies are kept while the same pages
+    (pointer, shape, dtype) come back, so the conversion is untimed work of ``prepare``."""
+
+    def __init__(self, convert) -> None:
+        self._convert = convert
+        self._key = None
+        self._caches = None
+
+    def __call__(self, k_pages, v_pages):
+        key = (k_pages.data_ptr(), v_pages.data_ptr(), tuple(k_pages.shape), k_pages.dtype)
+        if self._key != key:
+            self._caches = None  # free the old copies before making new ones
+            self._caches = self._convert(k_pages, v_pages)
+            self._key = key
+        return self._caches
+
+
+def _paged_layout(k_pages, v_pages):
+    # vLLM's PagedAttention: K [blocks, Hkv, d / x, P, x] (x = 16 bytes of elements), V [blocks, Hkv, d, P].
+    blocks, heads, page, dim = k_pages.shape
+    x = 16 // k_pages.element_size()
+    key_cache = k_pages.reshape(blocks, heads, page, dim // x, x).permute(0, 1, 3, 2, 4)
+    value_cache = v_pages.permute(0, 1, 3, 2)
+    return key_cache.contiguous(), value_cache.contiguous()
+
+
+def _nhd_layout(k_pages, v_pages):
+    # vLLM's Triton backend: K and V [blocks, P, Hkv, d].
+    return k_pages.permute(0, 2, 1, 3).contiguous(), v_pages.permute(0, 2, 1, 3).contiguous()
+
+
+def _step_tensors(step, device) -> tuple[dict, int]:
+    seq_lens = np.asarray(step.seq_lens, dtype=np.int32)
+    tensors = {
+        "block_table": torch.as_tensor(np.asarray(step.block_table, dtype=np.int32)).to(device),
+        "seq_lens": torch.as_tensor(seq_lens).to(device),
+    }
+    return tensors, int(seq_lens.max())
 
 
 class VllmEngine(Engine):
     """vLLM's paged decode, v1 or v2 chosen with vLLM's own rule for the step.
 
-    vLLM stores K as [blocks, Hkv, d / x, P, x] (x = 16 bytes of elements) and V as
-    [blocks, Hkv, d, P]; the adapter converts the shared HND pages into that layout once per
-    KV tensor (in ``prepare``, untimed), keeping the same physical page ids, so vLLM reads
-    the same pages through the same block tables as every other engine.
+    The kernels are vLLM 0.22.1's csrc/attention/paged_attention_v{1,2}.cu, built here with the
+    project's binding (pkv.engines.vllm_sources). The adapter converts the shared HND pages into
+    vLLM's layout once per KV tensor (in ``prepare``, untimed), keeping the same physical page
+    ids, so vLLM reads the same pages through the same block tables as every other engine.
     """
 
     def __init__(self, shape, device="cuda") -> None:
         self.shape = shape
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise EngineUnavailable(f"vllm paged attention needs a CUDA device, got {self.device}")
-        vllm, self._ops = _import_vllm_ops()
-        self.name = "vllm"
-        self.implementation = f"vllm-{getattr(vllm, '__version__', 'unknown')}"
-        self._cache_key = None
-        self._caches = None
-        self._scale_as_tensor = None
+        self.device = _cuda_device(device, "vllm paged attention")
+        # Imported here, not at the top: pkv.engines imports this module, and
+        # `python -m pkv.engines.vllm_sources` must not find its own module imported before it runs.
+        from pkv.engines.vllm_sources import PAGED_ATTENTION, load_vllm_paged_attention
 
-    def _convert(self, k_pages, v_pages):
-        key = (k_pages.data_ptr(), v_pages.data_ptr(), tuple(k_pages.shape), k_pages.dtype)
-        if self._cache_key != key:
-            blocks, heads, page, dim = k_pages.shape
-            x = 16 // k_pages.element_size()
-            key_cache = k_pages.reshape(blocks, heads, page, dim // x, x).permute(0, 1, 3, 2, 4)
-            value_cache = v_pages.permute(0, 1, 3, 2)
-            self._caches = (key_cache.contiguous(), value_cache.contiguous())
-            self._cache_key = key
-        return self._caches
+        if shape.head_dim not in PAGED_HEAD_SIZES:
+            raise EngineUnavailable(f"vllm paged attention has no kernel for head_dim {shape.head_dim} "
+                                    f"(vLLM {PAGED_ATTENTION.version} builds {PAGED_HEAD_SIZES})")
+        self._ops = load_vllm_paged_attention()
+        self._version = PAGED_ATTENTION.version
+        self.name = "vllm"
+        self.implementation = f"vllm-{PAGED_ATTENTION.version}-paged_attention_v2-own-build"
+        self._convert = _ConvertedCache(_paged_layout)
+        self._one = torch.ones((), dtype=torch.float32, device=self.device)
 
     def plan(self, step) -> EnginePlan:
-        seq_lens = np.asarray(step.seq_lens, dtype=np.int32)
-        tensors = {
-            "block_table": torch.as_tensor(np.asarray(step.block_table, dtype=np.int32)).to(self.device),
-            "seq_lens": torch.as_tensor(seq_lens).to(self.device),
-        }
-        return EnginePlan(route="vllm", step=step, tensors=tensors,
-                          extra={"max_seq_len": int(seq_lens.max())})
+        if step.page_size not in PAGED_BLOCK_SIZES:
+            raise EngineUnavailable(f"vllm paged attention has no kernel for page_size {step.page_size} "
+                                    f"(vLLM {self._version} builds block sizes {PAGED_BLOCK_SIZES})")
+        tensors, max_seq_len = _step_tensors(step, self.device)
+        return EnginePlan(route="vllm", step=step, tensors=tensors, extra={"max_seq_len": max_seq_len})
 
     def prepare(self, step, q, k_pages, v_pages) -> None:
         self._convert(k_pages, v_pages)
-        if self._scale_as_tensor is None:
-            # The kv-scale arguments changed from float to Tensor across vLLM releases: find
-            # which this build takes with one real call, and report both errors otherwise.
-            errors = []
-            for as_tensor in (True, False):
-                self._scale_as_tensor = as_tensor
-                try:
-                    self.run(q, k_pages, v_pages, self.plan(step))
-                    torch.cuda.synchronize(self.device)
-                    return
-                except (RuntimeError, TypeError) as exc:
-                    errors.append(f"{'tensor' if as_tensor else 'float'} scales: {exc}")
-            self._scale_as_tensor = None
-            raise EngineUnavailable(f"{self.implementation}: paged_attention call failed ({'; '.join(errors)})")
 
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
         check_decode_inputs(q, k_pages, v_pages, self.shape, plan.step.page_size)
-        if self._scale_as_tensor is None:
-            self.prepare(plan.step, q, k_pages, v_pages)
         key_cache, value_cache = self._convert(k_pages, v_pages)
         shape = self.shape
         out = torch.empty_like(q)
         batch = q.shape[0]
         max_seq_len = plan.extra["max_seq_len"]
-        one = torch.ones((), dtype=torch.float32, device=self.device)
-        k_scale = v_scale = one if self._scale_as_tensor else 1.0
         partitions = -(-max_seq_len // PARTITION_SIZE)
-        common = (shape.num_kv_heads, shape.sm_scale, plan.tensors["block_table"],
-                  plan.tensors["seq_lens"], plan.step.page_size, max_seq_len, None, "auto",
-                  k_scale, v_scale)
+        common = (shape.num_kv_heads, shape.sm_scale, plan.tensors["block_table"], plan.tensors["seq_lens"],
+                  plan.step.page_size, max_seq_len, None, "auto", self._one, self._one, _TP_RANK,
+                  _BS_LOCAL_BLOCKS, _BS_VERT_STRIDE, _BS_BLOCK_SIZE, _BS_HEAD_SLIDING_STEP)
         # vLLM's own dispatch rule between the single-pass and the partitioned kernel.
         if max_seq_len <= 8192 and (partitions == 1 or batch * shape.num_qo_heads > 512):
             self._ops.paged_attention_v1(out, q, key_cache, value_cache, *common)
@@ -109,4 +133,63 @@ class VllmEngine(Engine):
                                   dtype=q.dtype, device=self.device)
             self._ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, q, key_cache,
                                          value_cache, *common)
+        return out
+
+
+class VllmTritonEngine(Engine):
+    """vLLM's Triton unified attention (the current release's decode path on every GPU), called as
+    vLLM's Triton backend calls it for a decode batch: one query token per sequence as a ragged
+    batch (cu_seqlens_q = 0..B), causal, no window, no softcap, the split-KV (3D) kernel below
+    vLLM's batch threshold with vLLM's 16 segments. The shared HND pages are converted to vLLM's
+    NHD pages once per KV tensor (in ``prepare``, untimed), keeping the physical page ids.
+    """
+
+    def __init__(self, shape, device="cuda") -> None:
+        self.shape = shape
+        self.device = _cuda_device(device, "vllm triton unified attention")
+        from pkv.engines.vllm_sources import TRITON_ATTENTION, load_vllm_triton_unified_attention
+
+        self._attention = load_vllm_triton_unified_attention()
+        self.name = "vllm_triton"
+        self.implementation = f"vllm-{TRITON_ATTENTION.version}-triton_unified_attention"
+        self._convert = _ConvertedCache(_nhd_layout)
+        # As vLLM's TritonAttentionMetadataBuilder sizes them: one scratch row per sequence up to
+        # the threshold, the head size padded to a power of two.
+        self._seq_threshold_3d = MIN_LAUNCH_GRID_SIZE_2D // shape.num_kv_heads
+        rows = max(self._seq_threshold_3d, 1)
+        padded = 1 << (shape.head_dim - 1).bit_length()
+        self._segm_output = torch.empty(rows, shape.num_qo_heads, NUM_PAR_SOFTMAX_SEGMENTS, padded,
+                                        dtype=torch.float32, device=self.device)
+        self._segm_max = torch.empty(rows, shape.num_qo_heads, NUM_PAR_SOFTMAX_SEGMENTS,
+                                     dtype=torch.float32, device=self.device)
+        self._segm_expsum = torch.empty_like(self._segm_max)
+        self._one = torch.ones(1, dtype=torch.float32, device=self.device)
+
+    def plan(self, step) -> EnginePlan:
+        tensors, max_seq_len = _step_tensors(step, self.device)
+        batch = len(step.seq_lens)
+        tensors["cu_seqlens_q"] = torch.arange(batch + 1, dtype=torch.int32, device=self.device)
+        # vLLM expands its per-layer scales to [num_seqs, Hkv] (unquantized KV reads them as 1).
+        tensors["descale"] = self._one.expand(batch, self.shape.num_kv_heads)
+        return EnginePlan(route="vllm_triton", step=step, tensors=tensors, extra={"max_seq_len": max_seq_len})
+
+    def prepare(self, step, q, k_pages, v_pages) -> None:
+        self._convert(k_pages, v_pages)
+
+    def run(self, q, k_pages, v_pages, plan: EnginePlan):
+        check_decode_inputs(q, k_pages, v_pages, self.shape, plan.step.page_size)
+        key_cache, value_cache = self._convert(k_pages, v_pages)
+        out = torch.empty_like(q)
+        tensors = plan.tensors
+        self._attention(
+            q=q, k=key_cache, v=value_cache, out=out,
+            cu_seqlens_q=tensors["cu_seqlens_q"], max_seqlen_q=1,
+            seqused_k=tensors["seq_lens"], max_seqlen_k=plan.extra["max_seq_len"],
+            softmax_scale=self.shape.sm_scale, causal=True, window_size=(-1, -1),
+            block_table=tensors["block_table"], softcap=0,
+            q_descale=None, k_descale=tensors["descale"], v_descale=tensors["descale"],
+            seq_threshold_3D=self._seq_threshold_3d, num_par_softmax_segments=NUM_PAR_SOFTMAX_SEGMENTS,
+            softmax_segm_output=self._segm_output, softmax_segm_max=self._segm_max,
+            softmax_segm_expsum=self._segm_expsum,
+        )
         return out
