@@ -1,0 +1,24 @@
+# The vLLM baseline rows: vLLM's sources, fetched from the pinned sdists into the git-ignored
+# third_party/vllm (pkv.engines.vllm_sources), and, where torch sees a CUDA GPU, the PagedAttention
+# build and the Triton kernel's import. Not an input of `all`: it needs PyPI the first time, and
+# without network or GPU it records the reason instead (tables print "not available: <reason>").
+#
+#   snakemake --cores 1 vllm_sources
+
+
+rule vllm_sources:
+    input:
+        fetcher="pkv/engines/vllm_sources.py",
+        binding=sorted(str(p.relative_to(REPO)) for p in (REPO / "csrc" / "vllm_binding").rglob("*") if p.is_file()),
+    output:
+        f"{ROOT}/build/vllm.json",
+    log:
+        f"{LOGS}/vllm_sources.log",
+    threads: 1
+    conda:
+        CONDA_ENV
+    resources:
+        gpu=GPU_SLOTS,
+    # Like the build: no device slot, it times nothing.
+    shell:
+        f"{PYTHON} -m pkv.engines.vllm_sources record --record {{output}} > {{log}} 2>&1"
