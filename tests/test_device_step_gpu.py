@@ -196,3 +196,48 @@ def test_device_planned_ops_compile_with_torch_compile():
     out = compiled(q, table, lens, torch.full_like(q, float("nan")))
     torch.cuda.synchronize()
     _check(out, step, q, k, v, torch.float16)
+
+
+class _RouteByBatch:
+    """A stand-in policy: FlashInfer for the batch sizes named, a workqueue of `splits` otherwise."""
+
+    def __init__(self, flashinfer_batches, splits):
+        self.flashinfer_batches, self.splits = set(flashinfer_batches), splits
+
+    def choose(self, step):
+        from pkv.policy.choose import RouteDecision
+        from pkv.policy.route import FLASHINFER_ROUTE, ROUTE_WORKQUEUE, StepRoute
+
+        lens = list(step.seq_lens)
+        route = FLASHINFER_ROUTE if len(lens) in self.flashinfer_batches else StepRoute(ROUTE_WORKQUEUE, self.splits)
+        return RouteDecision(route, "test", {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_routed_graphs_replay_every_route_for_fresh_lengths(dtype):
+    from pkv.engines.routed_graphs import RoutedGraphStep
+
+    flashinfer = pytest.importorskip("flashinfer")
+    del flashinfer
+    shape = ModelShape()
+    rng = np.random.default_rng(17)
+    max_pages = 4200
+    k, v = _pool(shape, dtype, 30000, seed=9)
+    routed = RoutedGraphStep(_RouteByBatch({3}, splits=16), shape, k, v, max_pages=max_pages,
+                             batch_buckets=(1, 4, 8), debug_checks=True)
+    # Batch 3 goes to FlashInfer, the others to the device-planned workqueue; 3 and 4 share a
+    # bucket, so one bucket replays both routes, with padding rows in between.
+    batches = [[65536], [20000, 17, 1, 4097], [1, 16, 4096], [33, 65], [60000, 100, 5, 16, 17, 1000, 3000],
+               [7, 7, 7], [1], [4000] * 8, [15, 16, 17, 33]]
+    for trial, lengths in enumerate(batches * 2):
+        step, table, lens = _tables(lengths, 30000, max_pages, rng)
+        q = make_queries(len(lengths), shape, dtype, "cuda", seed=200 + trial)
+        buffers = routed.buffers(len(lengths))
+        buffers.q.copy_(q)
+        buffers.block_table.copy_(table)
+        buffers.seq_lens.copy_(lens)
+        buffers.out.fill_(float("nan"))
+        out = routed.run(step.seq_lens, host_table=table.cpu().numpy()).clone()
+        torch.cuda.synchronize()
+        _check(out, step, q, k, v, dtype)
+        assert (routed.last_route.name == "flashinfer") == (len(lengths) == 3)

@@ -200,3 +200,17 @@ def test_context_gate_tolerance_lets_a_tie_hold():
     assert lost.min_context_tokens == 32768 and "by more than 2%" in lost.reason
     with pytest.raises(ValueError, match="tolerance"):
         fit_context_gate([17000], [26.0], [25.0], 4096, tolerance=-0.1)
+
+
+@pytest.mark.parametrize("route", [BUCKET32, WORKQUEUE20, StepRoute("persistentkv_workqueue", 1),
+                                   StepRoute("persistentkv_workqueue", 8, "balanced", target_ctas=264),
+                                   StepRoute("persistentkv_workqueue", 4, "balanced")])
+def test_an_array_of_lengths_counts_as_the_same_integers_as_a_list(route):
+    est = estimator()
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        batch = int(rng.integers(1, 300))
+        lens = rng.choice(np.r_[1, 31, 32, 33, 64, 65, 4096, rng.integers(1, 70000, size=6)], size=batch)
+        array = lens.astype(np.int32)
+        assert est.counts(array, route) == est.counts(array.tolist(), route), (trial, batch)
+        assert est.total_us(array, route) == est.total_us(array.tolist(), route)

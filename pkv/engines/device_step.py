@@ -117,38 +117,47 @@ class DeviceDecodeStep:
 
 
 class GraphedDecodeStep:
-    """One CUDA graph per batch size over a DeviceDecodeStep: ``run`` copies the step's inputs into
-    the graph's static buffers and replays it, whatever the lengths."""
+    """CUDA graphs over a DeviceDecodeStep, replayed whatever the lengths.
+
+    ``run`` copies the step's inputs into static buffers of its own (one graph per batch size);
+    ``replay_static`` replays a graph captured over buffers the caller owns and writes in place
+    (one graph per set of buffers), as a serving engine's persistent input buffers are used."""
 
     def __init__(self, step: DeviceDecodeStep, k_pages, v_pages, max_pages: int, *, debug_checks: bool = False):
         self.step = step
         self.k_pages, self.v_pages = k_pages, v_pages
         self.max_pages = int(max_pages)
         # debug_checks: each graph also records, on the device, the first row whose length the
-        # table cannot address; run() reads it after the replay (one synchronization) and raises.
+        # table cannot address; a replay reads it afterwards (one synchronization) and raises.
         self.debug_checks = bool(debug_checks)
-        self._graphs: dict[int, tuple] = {}
-        self._debug: dict[int, torch.Tensor] = {}
+        self._graphs: dict[object, tuple] = {}  # key -> (graph, q, table, lens, out, debug record)
 
-    def _capture(self, q, block_table, seq_lens):
-        batch = q.shape[0]
-        static = (torch.zeros_like(q), torch.zeros(batch, self.max_pages, dtype=torch.int32, device=q.device),
-                  torch.ones(batch, dtype=torch.int32, device=q.device), torch.empty_like(q))
+    def _capture(self, key, static) -> tuple:
         static_q, static_table, static_lens, static_out = static
-        static_q.copy_(q)
-        static_table[:, :block_table.shape[1]].copy_(block_table)
-        static_lens.copy_(seq_lens)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # first launches outside capture: the shared-memory opt-in
             self.step.run(static_q, self.k_pages, self.v_pages, static_table, static_lens, static_out)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        debug = None
         with torch.cuda.graph(graph):
             if self.debug_checks:
-                self._debug[batch] = _first_out_of_range(static_lens, self.max_pages * self.k_pages.shape[2])
+                debug = _first_out_of_range(static_lens, static_table.shape[1] * self.k_pages.shape[2])
             self.step.run(static_q, self.k_pages, self.v_pages, static_table, static_lens, static_out)
-        self._graphs[batch] = (graph, *static)
+        self._graphs[key] = (graph, *static, debug)
+        return self._graphs[key]
+
+    def _replay(self, entry) -> torch.Tensor:
+        graph, _, static_table, _, static_out, debug = entry
+        graph.replay()
+        if debug is not None:
+            found, row, length = debug.tolist()
+            if found:
+                limit = static_table.shape[1] * self.k_pages.shape[2]
+                raise ValueError(f"GraphedDecodeStep (debug check on the device): row {row} has length {length}; "
+                                 f"the graph's block table addresses 0..{limit} tokens")
+        return static_out
 
     def run(self, q, block_table, seq_lens) -> torch.Tensor:
         """The output of one replayed step: the graph's static output, valid until the next replay
@@ -157,20 +166,26 @@ class GraphedDecodeStep:
         if block_table.shape[1] > self.max_pages:
             raise ValueError(f"GraphedDecodeStep: block_table has {block_table.shape[1]} pages a row; the "
                              f"graphs were sized for {self.max_pages}")
-        if batch not in self._graphs:
-            self._capture(q, block_table, seq_lens)
-        graph, static_q, static_table, static_lens, static_out = self._graphs[batch]
+        entry = self._graphs.get(batch)
+        if entry is None:
+            static = (torch.zeros_like(q), torch.zeros(batch, self.max_pages, dtype=torch.int32, device=q.device),
+                      torch.ones(batch, dtype=torch.int32, device=q.device), torch.empty_like(q))
+            static[2].copy_(seq_lens)  # the first (untimed) launch plans these lengths
+            entry = self._capture(batch, static)
+        _, static_q, static_table, static_lens, _, _ = entry
         static_q.copy_(q)
         static_table[:, :block_table.shape[1]].copy_(block_table)
         static_lens.copy_(seq_lens)
-        graph.replay()
-        if self.debug_checks:
-            found, row, length = self._debug[batch].tolist()
-            if found:
-                limit = self.max_pages * self.k_pages.shape[2]
-                raise ValueError(f"GraphedDecodeStep (debug check on the device): row {row} has length {length}; "
-                                 f"the graph's block table addresses 0..{limit} tokens")
-        return static_out
+        return self._replay(entry)
+
+    def replay_static(self, buffers) -> torch.Tensor:
+        """Replay the graph of these caller-owned (q, block_table, seq_lens, out) buffers, capturing
+        it on first use; the caller has written the step into them. Returns ``out``."""
+        key = ("static", buffers[0].data_ptr(), buffers[0].shape[0])
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, tuple(buffers))
+        return self._replay(entry)
 
 
 def _first_out_of_range(lens: torch.Tensor, limit: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from types import MappingProxyType
 import numpy as np
 
 from pkv.policy.calibration import Calibration
-from pkv.policy.estimator import Estimator
+from pkv.policy.estimator import VECTOR_MIN_ROWS, Estimator
 from pkv.policy.regime import REGIMES, regime_of
 from pkv.policy.route import (
     DEFAULT_BUCKET_SPLITS,
@@ -86,10 +86,12 @@ class RoutePolicy:
     def choose(self, step) -> RouteDecision:
         if not self._group_supported:
             return GATE_GROUP
-        lens = np.asarray(step.seq_lens).tolist()
+        lens = np.asarray(step.seq_lens)
         batch = len(lens)
         if batch == 0:
             raise ValueError("RoutePolicy.choose: StepBatch.seq_lens is empty; a decode step needs a row")
+        if batch < VECTOR_MIN_ROWS:
+            lens = lens.tolist()  # short batches count fastest as Python ints
         gate, candidate, margin = self._regimes[regime_of(batch)]
         if max(lens) < gate:
             return GATE_CONTEXT

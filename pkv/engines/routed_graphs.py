@@ -1,0 +1,187 @@
+"""A decode step's route under CUDA graphs, for a serving engine that replays graphs
+(DESIGN.md, "Inside a serving engine").
+
+The host's whole share of a step is to ask the calibrated route policy with the lengths its
+scheduler already holds (``RoutePolicy.choose`` reads nothing else of a step) and to replay the
+graph captured for that route and the step's batch-size bucket:
+
+- a PersistentKV route replays a ``DeviceDecodeStep`` graph with the route's split count: the
+  split ranges and the compact workqueue are planned on the GPU inside the graph, so one graph
+  serves any lengths. A single-row bucket route runs as the one-row workqueue, which splits the
+  row the same way;
+- a FlashInfer step replays FlashInfer's CUDA-graph decode wrapper. FlashInfer plans on the host
+  (on Hopper it has no device-side plan), so its plan() runs every such step, outside the graph,
+  from the host lengths and page table, as serving engines that use it do.
+
+The caller owns nothing per step but the contents of ``buffers(batch)``: it writes the step's
+queries, block table and lengths there (rows past the batch are set to length 0 here, so they get
+no task) and reads the output from the same place.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from pkv.engines.base import EngineUnavailable
+from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep, check_lengths
+from pkv.policy.route import ROUTE_FLASHINFER
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+class StepBuffers(NamedTuple):
+    """The static tensors one batch-size bucket's graphs read and write."""
+
+    q: torch.Tensor  # [bucket, Hq, d]
+    block_table: torch.Tensor  # int32 [bucket, max_pages]
+    seq_lens: torch.Tensor  # int32 [bucket]
+    out: torch.Tensor  # [bucket, Hq, d]
+
+
+class _HostLengths:
+    """What the route policy reads of a step: its lengths, as the scheduler holds them."""
+
+    __slots__ = ("seq_lens",)
+
+    def __init__(self, seq_lens) -> None:
+        self.seq_lens = seq_lens
+
+
+class _FlashInferGraphPath:
+    """FlashInfer's decode wrapper in CUDA-graph mode for one bucket: its plan() refills the
+    wrapper's own index buffers on the host's data, then the captured run reads them."""
+
+    def __init__(self, shape, bucket: int, max_pages: int, page_size: int, device, use_tensor_cores: bool) -> None:
+        try:
+            import flashinfer  # optional: only FlashInfer steps need it
+        except ImportError as exc:
+            raise EngineUnavailable(f"flashinfer not installed: {exc}") from exc
+        int32 = dict(dtype=torch.int32, device=device)
+        self.shape, self.bucket, self.page_size = shape, bucket, page_size
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device), kv_layout="HND",
+            use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(bucket + 1, **int32),
+            paged_kv_indices_buffer=torch.zeros(bucket * max_pages, **int32),
+            paged_kv_last_page_len_buffer=torch.zeros(bucket, **int32))
+
+    def plan(self, host_lens, host_table, q_dtype, kv_dtype) -> None:
+        lens = np.asarray(host_lens, dtype=np.int64)
+        batch, page = len(lens), self.page_size
+        # The bucket's padding rows read one token of page 0: FlashInfer's batch size is fixed
+        # for a graph, and their output rows are never read.
+        pages = np.ones(self.bucket, dtype=np.int64)
+        pages[:batch] = np.maximum(-(-lens // page), 1)
+        last = np.ones(self.bucket, dtype=np.int32)
+        last[:batch] = np.where(lens > 0, lens - (pages[:batch] - 1) * page, 1)
+        table = np.asarray(host_table)
+        indices = np.concatenate([table[row, :pages[row]] for row in range(batch)]
+                                 + [np.zeros(self.bucket - batch, dtype=np.int32)]).astype(np.int32)
+        indptr = np.concatenate(([0], np.cumsum(pages))).astype(np.int32)
+        shape = self.shape
+        self.wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
+                          shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, page, pos_encoding_mode="NONE",
+                          q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=shape.sm_scale)
+
+    def run(self, buffers: StepBuffers, k_pages, v_pages) -> None:
+        self.wrapper.run(buffers.q, (k_pages, v_pages), out=buffers.out)
+
+
+class RoutedGraphStep:
+    """Captured graphs per (batch-size bucket, route) over one KV pool, chosen per step on the host."""
+
+    def __init__(self, policy, shape, k_pages, v_pages, *, max_pages: int,
+                 batch_buckets=DEFAULT_BATCH_BUCKETS, stages: int = 2, use_tensor_cores: bool = True,
+                 debug_checks: bool = False) -> None:
+        buckets = sorted({int(b) for b in batch_buckets})
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"RoutedGraphStep: batch_buckets must be positive sizes, got {batch_buckets!r}")
+        self.policy, self.shape = policy, shape
+        self.k_pages, self.v_pages = k_pages, v_pages
+        self.max_pages, self.page_size = int(max_pages), int(k_pages.shape[2])
+        self.batch_buckets = tuple(buckets)
+        self.stages, self.use_tensor_cores, self.debug_checks = int(stages), bool(use_tensor_cores), debug_checks
+        self.device = k_pages.device
+        self._buffers: dict[int, StepBuffers] = {}
+        self._last_batch: dict[int, int] = {}
+        self._persistent: dict[int, GraphedDecodeStep] = {}  # split count -> its graphs, one per bucket
+        self._flashinfer: dict[int, tuple[_FlashInferGraphPath, torch.cuda.CUDAGraph | None]] = {}
+        self.last_route = None
+
+    def bucket_of(self, batch: int) -> int:
+        for bucket in self.batch_buckets:
+            if batch <= bucket:
+                return bucket
+        raise ValueError(f"RoutedGraphStep: batch {batch} exceeds the largest bucket {self.batch_buckets[-1]}")
+
+    def buffers(self, batch: int) -> StepBuffers:
+        """The first ``batch`` rows of the bucket's static tensors: where the caller writes a step."""
+        bucket = self.bucket_of(batch)
+        if bucket not in self._buffers:
+            q_like = dict(dtype=self.k_pages.dtype, device=self.device)
+            int32 = dict(dtype=torch.int32, device=self.device)
+            shape = self.shape
+            self._buffers[bucket] = StepBuffers(
+                torch.zeros(bucket, shape.num_qo_heads, shape.head_dim, **q_like),
+                torch.zeros(bucket, self.max_pages, **int32), torch.zeros(bucket, **int32),
+                torch.zeros(bucket, shape.num_qo_heads, shape.head_dim, **q_like))
+            self._last_batch[bucket] = bucket
+        full = self._buffers[bucket]
+        return StepBuffers(*(t[:batch] for t in full))
+
+    def route(self, host_lens):
+        """The route the policy takes for these lengths (a StepRoute)."""
+        return self.policy.choose(_HostLengths(host_lens)).route
+
+    def run(self, host_lens, host_table=None) -> torch.Tensor:
+        """Replay the step the caller wrote into ``buffers(len(host_lens))``; returns its output
+        rows. ``host_table`` (the block table as the scheduler holds it) is read only on steps
+        the policy sends to FlashInfer, whose plan needs it on the host."""
+        batch = len(host_lens)
+        bucket = self.bucket_of(batch)
+        full = self._buffers.get(bucket)
+        if full is None:
+            raise ValueError(f"RoutedGraphStep.run: write the step into buffers({batch}) first")
+        if self.debug_checks:
+            check_lengths(host_lens, self.max_pages, self.page_size, "RoutedGraphStep")
+        if batch < self._last_batch[bucket]:
+            full.seq_lens[batch:].zero_()  # padding rows: length 0, no task, output never read
+        self._last_batch[bucket] = batch
+        route = self.last_route = self.route(host_lens)
+        if route.name == ROUTE_FLASHINFER:
+            if host_table is None:
+                raise ValueError("RoutedGraphStep.run: this step routes to FlashInfer, whose plan needs host_table")
+            self._replay_flashinfer(bucket, full, host_lens, host_table)
+        else:
+            self._graphed(route.num_splits).replay_static(full)
+        return full.out[:batch]
+
+    def _graphed(self, num_splits: int) -> GraphedDecodeStep:
+        if num_splits not in self._persistent:
+            workspace = DeviceDecodeStep(self.shape, max_batch=self.batch_buckets[-1], num_splits=num_splits,
+                                         device=self.device, stages=self.stages)
+            self._persistent[num_splits] = GraphedDecodeStep(workspace, self.k_pages, self.v_pages, self.max_pages,
+                                                             debug_checks=self.debug_checks)
+        return self._persistent[num_splits]
+
+    def _replay_flashinfer(self, bucket: int, full: StepBuffers, host_lens, host_table) -> None:
+        path, graph = self._flashinfer.get(bucket, (None, None))
+        if path is None:
+            path = _FlashInferGraphPath(self.shape, bucket, self.max_pages, self.page_size, self.device,
+                                        self.use_tensor_cores)
+        path.plan(host_lens, host_table, full.q.dtype, self.k_pages.dtype)
+        if graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # first run outside capture: kernel loading and JIT
+                path.run(full, self.k_pages, self.v_pages)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                path.run(full, self.k_pages, self.v_pages)
+            self._flashinfer[bucket] = (path, graph)
+        graph.replay()
