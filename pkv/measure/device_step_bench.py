@@ -1,10 +1,14 @@
 """The device-planned decode step against the host-planned one and FlashInfer, on identical pages.
 
 Per case: PersistentKV's workqueue planned on the host (C++ planner, one upload) and run eagerly;
-the same split count planned on the GPU (pkv.engines.device_step) run eagerly and replayed from a
-CUDA graph; FlashInfer's faster decode path (tensor or CUDA cores) for reference. Device time is
-CUDA events with an L2 flush before each call (median); wall time is a synchronized step with the
-host work it needs (plan and run; for the graph, copying the step's inputs and the replay).
+the same split count planned on the GPU (pkv.engines.device_step) run eagerly, replayed from a
+CUDA graph, and replayed through the routed graphs a serving engine would hold
+(pkv.engines.routed_graphs: the route asked of the policy with the host's lengths, then the
+replay over static buffers the caller writes); FlashInfer's fastest decode path for reference.
+Device time is CUDA events with an L2 flush before each call (median); wall time is a
+synchronized step with the host work it needs (plan and run; for the graph, copying the step's
+inputs and the replay); host time is how long the host takes to return from that work, with the
+device idle before each call (what a serving engine's step pays on the CPU).
 
     python -m pkv.measure.device_step_bench --out device_step.json
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 
 import numpy as np
 import torch
@@ -21,6 +26,7 @@ from pkv.atomic_io import write_json_atomic
 from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
 from pkv.engines.flashinfer import FlashInferEngine
 from pkv.engines.persistentkv import PersistentKVEngine
+from pkv.engines.routed_graphs import RoutedGraphStep
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.measure.timing import L2Flusher, WallTimer, time_device_us
@@ -39,7 +45,22 @@ CASES = {
     "b1_128k": ([128 * K], 32),
     "b8_bimodal": ([64 * K, 64 * K, 4 * K, 5632, 7 * K, 8704, 10 * K, 12 * K], 24),
     "b64_4k": ([4 * K] * 64, 2),
+    "b256_2k": ([2 * K] * 256, 1),
+    # One long prompt among many short ones: the host planner's padded table grows with the longest row.
+    "skewed_b64": ([128 * K] + [100] * 63, 24),
 }
+
+
+def _host_us(fn, reps: int) -> float:
+    """Median host time to return from ``fn`` (its launches queued, not finished), device idle before."""
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
 
 
 def _wall_us(fn, reps: int) -> float:
@@ -66,7 +87,8 @@ def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
     reference = host.run(q, k, v, plan)
     rows["host_planned"] = {"device_us": time_device_us(lambda: host.run(q, k, v, plan), flusher=flusher,
                                                           reps=reps).median_us,
-                            "wall_us": _wall_us(lambda: host.run(q, k, v, host.plan(step)), reps)}
+                            "wall_us": _wall_us(lambda: host.run(q, k, v, host.plan(step)), reps),
+                            "host_us": _host_us(lambda: host.run(q, k, v, host.plan(step)), reps)}
 
     workspace = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits)
     out = torch.empty_like(q)
@@ -78,14 +100,31 @@ def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
     device_planned()
     torch.cuda.synchronize()
     rows["device_planned"] = {"device_us": time_device_us(device_planned, flusher=flusher, reps=reps).median_us,
-                              "wall_us": _wall_us(device_planned, reps),
+                              "wall_us": _wall_us(device_planned, reps), "host_us": _host_us(device_planned, reps),
                               "max_abs_diff_vs_host": float((out.float() - reference.float()).abs().max())}
 
     graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
     graphed.run(q, table, lens)
     graph = graphed._graphs[len(lengths)][0]
     rows["device_planned_graph"] = {"device_us": time_device_us(graph.replay, flusher=flusher, reps=reps).median_us,
-                                    "wall_us": _wall_us(lambda: graphed.run(q, table, lens), reps)}
+                                    "wall_us": _wall_us(lambda: graphed.run(q, table, lens), reps),
+                                    "host_us": _host_us(lambda: graphed.run(q, table, lens), reps)}
+
+    # The serving form: the caller has written the step into the bucket's buffers; the host asks
+    # the route and replays. The pinned policy keeps the route on this split count.
+    routed = RoutedGraphStep(PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, splits)), shape, k, v,
+                             max_pages=table.shape[1])
+    buffers = routed.buffers(len(lengths))
+    buffers.q.copy_(q)
+    buffers.block_table.copy_(table)
+    buffers.seq_lens.copy_(lens)
+    routed_out = routed.run(host_lens).clone()
+    torch.cuda.synchronize()
+    rows["routed_graph"] = {
+        "device_us": time_device_us(lambda: routed.run(host_lens), flusher=flusher, reps=reps).median_us,
+        "wall_us": _wall_us(lambda: routed.run(host_lens), reps),
+        "host_us": _host_us(lambda: routed.run(host_lens), reps),
+        "max_abs_diff_vs_host": float((routed_out.float() - reference.float()).abs().max())}
 
     best = None
     for label, path in (("flashinfer_tc", "tc"), ("flashinfer_cc", "cc"), ("flashinfer_holistic", "holistic")):
@@ -94,10 +133,11 @@ def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
         fi_plan = engine.plan(step)
         device_us = time_device_us(lambda: engine.run(q, k, v, fi_plan), flusher=flusher, reps=reps).median_us
         if best is None or device_us < best[1]:
-            best = (label, device_us, _wall_us(lambda: engine.run(q, k, v, engine.plan(step)), reps))
-    rows["flashinfer"] = {"path": best[0], "device_us": best[1], "wall_us": best[2]}
-    log(f"{name:<11} S={splits:<3}" + "".join(f"{label:>22} {r['device_us']:7.1f} / {r['wall_us']:7.1f}"
-                                               for label, r in rows.items()))
+            best = (label, device_us, _wall_us(lambda: engine.run(q, k, v, engine.plan(step)), reps),
+                    _host_us(lambda: engine.run(q, k, v, engine.plan(step)), reps))
+    rows["flashinfer"] = {"path": best[0], "device_us": best[1], "wall_us": best[2], "host_us": best[3]}
+    log(f"{name:<11} S={splits:<3}" + "".join(
+        f"{label:>22} {r['device_us']:7.1f} / {r['wall_us']:7.1f} / {r['host_us']:6.1f}" for label, r in rows.items()))
     return {"seq_lens": list(map(int, lengths)), "num_splits": splits, "engines": rows}
 
 
@@ -105,17 +145,18 @@ def main(argv=None) -> int:
     args = bench_parser(__doc__, CASES, reps=30, seed=20260622).parse_args(argv)
     config = {"cases": args.cases, "reps": args.reps}
     if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/1", config, args.seed)
+        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/2", config, args.seed)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    log("case        split" + "".join(f"{label:>22} {'device':>7} / {'wall':>7}" for label in
-                                     ("host_planned", "device_planned", "device_planned_graph", "flashinfer")))
+    log("case        split" + "".join(f"{label:>22} {'device':>7} / {'wall':>7} / {'host':>6}" for label in
+                                     ("host_planned", "device_planned", "device_planned_graph", "routed_graph",
+                                      "flashinfer")))
     flusher = L2Flusher("cuda")
     cases = {name: run_case(name, *CASES[name], ModelShape(), flusher, args.reps, args.seed, log)
              for name in args.cases}
-    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/1", "cases": cases,
+    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/2", "cases": cases,
                                  "provenance": collect_provenance(config=config, seed=args.seed)})
     return 0
 
