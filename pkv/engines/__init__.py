@@ -19,13 +19,13 @@ from pkv.engines.flashinfer import ROLE_PATHS, FlashInferEngine
 from pkv.engines.persistentkv import PersistentKVEngine
 from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
-from pkv.engines.vllm import VllmEngine
+from pkv.engines.vllm import VllmEngine, VllmTritonEngine
 from pkv.engines.xqa import XqaEngine
 from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, pinned_route
 from pkv.policy.overrides import kernel_variants
 from pkv.policy.route import MERGE_LAUNCH
 
-ENGINE_NAMES = ("persistentkv", "adaptive", *ROLE_PATHS, "reference", "sdpa", "vllm", "xqa")
+ENGINE_NAMES = ("persistentkv", "adaptive", *ROLE_PATHS, "reference", "sdpa", "vllm", "vllm_triton", "xqa")
 # Options of how an engine executes (not what it runs, which is the policy's).
 OPTION_NAMES = ("cuda_graph", "planner", "use_tensor_cores", "page_size")
 _PERSISTENT_OPTIONS = ("cuda_graph", "planner")
@@ -100,6 +100,8 @@ def build_engine(name: str, *, shape, device, policy=None, options: dict | None 
         return SdpaEngine(shape, device=device)
     if name == "vllm":
         return VllmEngine(shape, device=device)
+    if name == "vllm_triton":
+        return VllmTritonEngine(shape, device=device)
     if name == "xqa":
         return XqaEngine(shape, device=device, page_size=int(options.get("page_size", 16)))
     if not isinstance(policy, RoutePolicy):
