@@ -156,9 +156,22 @@ def test_fit_rejects_bad_samples(make_step):
 
 
 def test_split_count_fit_sums_and_flags_the_edge():
-    assert fit_split_count({16: 10.0, 24: 9.0, 32: 9.5}) == SplitFit(24, False)
-    assert fit_split_count({16: 10.0, 24: 9.0, 32: 8.0}) == SplitFit(32, True)
-    assert fit_split_count({24: 1.0}) == SplitFit(24, False)
+    assert fit_split_count({16: 10.0, 24: 9.0, 32: 9.5}) == SplitFit(24, False, 24, (24,))
+    assert fit_split_count({16: 10.0, 24: 9.0, 32: 8.0}) == SplitFit(32, True, 32, (32,))
+    assert fit_split_count({24: 1.0}) == SplitFit(24, False, 24, (24,))
+
+
+def test_split_counts_within_noise_resolve_to_the_fewest_splits_whatever_their_order():
+    # Two calibrations of one GPU that rank 24 and 28 in either order, 0.6% apart: the same pick.
+    first = fit_split_count({20: 103.0, 24: 100.6, 28: 100.0, 32: 101.8})
+    second = fit_split_count({20: 103.1, 24: 100.0, 28: 100.5, 32: 101.5})
+    assert first.num_splits == second.num_splits == 24
+    assert (first.fastest, first.tied) == (28, (24, 28)) and second.tied == (24, 28)
+    # A real gap (2%) is not a tie; a zero tolerance takes the fastest as before.
+    assert fit_split_count({24: 102.0, 28: 100.0, 32: 103.0}).num_splits == 28
+    assert fit_split_count({24: 100.6, 28: 100.0, 32: 103.0}, tie_fraction=0.0).num_splits == 28
+    with pytest.raises(ValueError, match="tie_fraction"):
+        fit_split_count({24: 1.0}, tie_fraction=float("nan"))
     with pytest.raises(ValueError, match="no split candidate"):
         fit_split_count({})
 

@@ -185,6 +185,7 @@ class _SplitSweep:
                 self.records[t["name"]] = {
                     "route": t["route"], "fits": field, "steps": t["steps"],
                     "selected_splits": split_fit.num_splits, "selected_at_edge": split_fit.at_edge,
+                    "fastest_splits": split_fit.fastest, "tied_splits": list(split_fit.tied),
                     "fitted_with": [u["name"] for u in traces],
                     "device_us_total_by_splits": {str(s): timed.total_us for s, timed in t["timed_by_splits"].items()},
                     "flashinfer_device_us_total": t["timed_fi"].total_us,

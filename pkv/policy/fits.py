@@ -166,20 +166,36 @@ def fit_context_gate(contexts: Sequence[int], persistentkv_us: Sequence[float], 
 # Fitting the operating points and the routed group sizes
 
 
+# Split candidates whose summed device time lies within this fraction of the fastest are tied:
+# repeated calibrations on one H200 and one commit ranked neighbouring counts (24 and 28 on B8)
+# in either order, with the fastest ahead by about 1%. A tie goes to the fewest splits, which
+# writes and merges the fewest partial states, so a repeated calibration resolves it the same way.
+SPLIT_TIE_FRACTION = 0.01
+
+
 @dataclass(frozen=True)
 class SplitFit:
     num_splits: int
-    at_edge: bool  # the fastest count is the first or last candidate: a neighbour outside may be faster
+    at_edge: bool  # the fastest or the chosen count is the first or last candidate: one outside may do better
+    fastest: int = 0  # the candidate with the least time, which a tie may have passed over
+    tied: tuple = ()  # the candidates within tie_fraction of the fastest
 
 
-def fit_split_count(device_us_by_splits: Mapping[int, float]) -> SplitFit:
-    """A regime's split count: the candidate with the least device time summed over the traces
-    that fit it (one trace alone can rank two neighbouring counts by noise)."""
+def fit_split_count(device_us_by_splits: Mapping[int, float], tie_fraction: float = SPLIT_TIE_FRACTION) -> SplitFit:
+    """A regime's split count: the fewest splits among the candidates whose device time, summed
+    over the traces that fit it (one trace alone can rank two neighbouring counts by noise), is
+    within ``tie_fraction`` of the least."""
     if not device_us_by_splits:
         raise ValueError("fit_split_count: no split candidate was timed")
-    best = min(device_us_by_splits, key=device_us_by_splits.get)
-    at_edge = len(device_us_by_splits) > 1 and best in (min(device_us_by_splits), max(device_us_by_splits))
-    return SplitFit(int(best), at_edge)
+    if not (math.isfinite(tie_fraction) and tie_fraction >= 0):
+        raise ValueError(f"fit_split_count: tie_fraction must be finite and >= 0, got {tie_fraction!r}")
+    fastest = min(device_us_by_splits, key=device_us_by_splits.get)
+    limit = device_us_by_splits[fastest] * (1.0 + tie_fraction)
+    tied = tuple(sorted(int(s) for s, us in device_us_by_splits.items() if us <= limit))
+    best = tied[0]
+    edges = (min(device_us_by_splits), max(device_us_by_splits))
+    at_edge = len(device_us_by_splits) > 1 and (fastest in edges or best in edges)
+    return SplitFit(best, at_edge, int(fastest), tied)
 
 
 def fit_regime_route(persistentkv_us: float, flashinfer_us: float, candidate: str) -> tuple[str, float]:

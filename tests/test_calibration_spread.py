@@ -1,0 +1,43 @@
+"""The spread report of repeated calibrations: which decisions agree, how far the constants moved."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+from pkv.policy.calibration import load_calibration, save_calibration
+from pkv.report.calibration_spread import render_markdown, spread
+
+REFERENCE = "artifacts/reference/h200/calibration.json"
+
+
+def _variant(tmp_path, name, many_rows_splits=None, lambda_us=None):
+    calib = load_calibration(REFERENCE)
+    if many_rows_splits is not None:
+        calib = calib.with_regime("many_rows", num_splits=many_rows_splits)
+    if lambda_us is not None:
+        calib = dataclasses.replace(calib, lambda_us=lambda_us)
+    path = tmp_path / name
+    save_calibration(path, calib, {})
+    return path
+
+
+def test_a_decision_that_moved_is_named_and_the_others_agree(tmp_path):
+    first = _variant(tmp_path, "a.json")
+    second = _variant(tmp_path, "b.json", many_rows_splits=28, lambda_us=7.0)
+    report = spread([first, second])
+    by_name = {d["name"]: d for d in report["decisions"]}
+    assert not by_name["regimes.many_rows.num_splits"]["agree"]
+    assert by_name["regimes.many_rows.num_splits"]["values"][1] == 28
+    assert all(d["agree"] for name, d in by_name.items() if name != "regimes.many_rows.num_splits")
+    lam = next(c for c in report["constants"] if c["name"] == "lambda_us")
+    assert lam["rel_spread"] > 0
+    text = render_markdown(report)
+    assert "Decisions that differ: regimes.many_rows.num_splits" in text and "| **no** |" in text
+
+
+def test_a_missing_file_is_one_refusal_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pkv.report.calibration_spread", REFERENCE, str(tmp_path / "x.json")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("pkv: ") and "x.json" in proc.stderr
