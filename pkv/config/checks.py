@@ -98,7 +98,7 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
 
     if exp.driver not in DRIVERS:
         raise bad("driver", f"must be one of {list(DRIVERS)}")
-    if exp.driver in ("evaluate", "ablate", "profile"):
+    if exp.driver in ("evaluate", "ablate", "profile", "model_step"):
         if not exp.engines:
             raise bad("engines", "needs at least one engine")
         if len(set(exp.engines)) != len(exp.engines):
@@ -152,7 +152,7 @@ def _check_paths(cfg: PkvConfig) -> None:
             raise _fail(where, "calibration", cfg.calibration, "is not a file (a folder?)")
     out = Path(cfg.out)
     # Drivers of trace runs write one file per engine into the out folder; the others one file.
-    wants_folder = cfg.experiment.driver in ("evaluate", "ablate")
+    wants_folder = cfg.experiment.driver in ("evaluate", "ablate", "model_step")
     if wants_folder and out.exists() and not out.is_dir():
         raise _fail(where, "out", cfg.out, "is a file; this experiment writes one file per engine into a folder")
     if not wants_folder and out.is_dir():

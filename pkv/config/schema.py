@@ -20,7 +20,7 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 DEVICES = ("cpu", "cuda")
 PLANNERS = ("native", "numpy")
 # Which module of pkv.experiments runs an experiment; several experiments share a driver.
-DRIVERS = ("evaluate", "isolated", "calibrate", "ablate", "profile")
+DRIVERS = ("evaluate", "isolated", "calibrate", "ablate", "profile", "model_step")
 
 
 class ConfigError(ValueError):
@@ -105,6 +105,10 @@ PROBE_MIB = Bound(1, 65_536, "MiB the bandwidth probe allocates")
 # to 256 (PersistentKV's kernels are built for 128).
 HEADS = Bound(1, 128, "attention heads of the largest models")
 HEAD_DIM = Bound(1, 256, "FlashInfer's largest decode head dim")
+# The model_step experiment's decoder stacks: Llama-3-405B has a 16384-wide residual, a 53248-wide
+# MLP and 126 layers.
+WIDTH = Bound(1, 131_072, "hidden or MLP width of the largest models")
+LAYERS = Bound(1, 256, "decoder layers of the largest models")
 
 
 @dataclass
@@ -182,6 +186,18 @@ class GateProbeConfig:
 
 
 @dataclass
+class ModelPresetConfig:
+    """A decoder stack the model_step experiment times (experiment.models in conf/experiment/model_step.yaml)."""
+
+    hidden: int = bounded(4096, bound=WIDTH)
+    intermediate: int = bounded(14336, bound=WIDTH)
+    num_qo_heads: int = bounded(32, bound=HEADS)
+    num_kv_heads: int = bounded(8, bound=HEADS)
+    head_dim: int = bounded(128, bound=HEAD_DIM)
+    num_layers: int = bounded(32, bound=LAYERS)
+
+
+@dataclass
 class ExperimentConfig:
     """What one invocation measures; `driver` picks the pkv.experiments module that runs it."""
 
@@ -210,6 +226,17 @@ class ExperimentConfig:
     # A gate's context class (or a probed group size) holds when PersistentKV's device time is
     # within this fraction of FlashInfer's or better; at 0.5 a route half again as slow would pass.
     gate_tolerance: float = bounded(0.02, bound=Bound(0.0, 0.5, "fraction of FlashInfer's device time"))
+    # model_step: the model timed (a key of `models`), its layers (null: the model's; fewer run where
+    # memory is short), the modes (eager, graph), the step's dtype (null: the run's) and the CPU
+    # profile's widths and layers (the attention shape stays the model's)
+    model: Optional[str] = None
+    models: Dict[str, ModelPresetConfig] = field(default_factory=dict)
+    num_layers: Optional[int] = bounded(None, bound=LAYERS)
+    modes: List[str] = field(default_factory=lambda: ["eager", "graph"])
+    dtype: Optional[str] = None
+    cpu_hidden: int = bounded(256, bound=WIDTH)
+    cpu_intermediate: int = bounded(512, bound=WIDTH)
+    cpu_layers: int = bounded(2, bound=LAYERS)
 
 
 @dataclass

@@ -1,0 +1,288 @@
+"""How each engine runs inside a model step, eager and replayed from a CUDA graph (Table 9).
+
+A path serves one (engine, mode). ``prepare(step)`` does the untimed one-off work (FlashInfer's
+path probe, graph capture for a new batch size); ``plan(step, x)`` is the step's host work (the
+engine's plan, uploads, copies into a graph's static buffers), timed as part of the wall step;
+``issue()`` queues the step's kernels and returns its output, and may be called again to time the
+same planned step on the device.
+
+Eager paths plan once per step and run the engine per layer: planning depends only on the lengths,
+which every layer shares. Graph paths capture the whole step once per batch size:
+
+* FlashInfer: ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)`` on the kernel family its
+  best-path probe picked (the holistic path has no graph wrapper: tensor cores stand in, recorded),
+  planned on the host outside the graph every step, as serving engines run it;
+* XQA: no plan; the graph reads a static block table and lengths buffer;
+* adaptive: the policy's route per step; PersistentKV routes through ``DeviceDecodeStep`` (the
+  workqueue planned by a kernel once per step inside the graph, then decoded per layer), steps the
+  policy sends to FlashInfer through FlashInfer's graph path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pkv.engines.base import EngineUnavailable
+from pkv.measure.model_step import ModelStep, skip_attend
+from pkv.policy.route import ROUTE_FLASHINFER
+
+MODES = ("eager", "graph")
+
+
+def _upload(array, device, dtype=np.int32) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(device, non_blocking=True)
+
+
+class EagerPath:
+    """An engine's plan once per step, its run per layer; ``engine=None`` leaves attention out."""
+
+    mode = "eager"
+
+    def __init__(self, label: str, engine, model: ModelStep) -> None:
+        self.label, self.engine, self.model = label, engine, model
+        self.implementation = engine.implementation if engine is not None else "no attention"
+        self._inputs = None
+
+    def route_of(self, plan) -> str | None:
+        return getattr(plan, "route", None)
+
+    def prepare(self, step, x) -> None:
+        if self.engine is not None:
+            q = torch.zeros(step.batch_size, self.model.shape.num_qo_heads, self.model.shape.head_dim,
+                            dtype=self.model.dtype, device=self.model.device)
+            self.engine.prepare(step, q, self.model.k_pages[0], self.model.v_pages[0])
+
+    def plan(self, step, x) -> None:
+        device = self.model.device
+        plan = self.engine.plan(step) if self.engine is not None else None
+        self._inputs = (x, _upload(step.block_table, device), _upload(step.seq_lens, device), plan)
+        self.route = self.route_of(plan)
+
+    def issue(self) -> torch.Tensor:
+        x, table, lens, plan = self._inputs
+        if self.engine is None:
+            return self.model.forward(x, table, lens, skip_attend)
+        k, v, run = self.model.k_pages, self.model.v_pages, self.engine.run
+        return self.model.forward(x, table, lens, lambda layer, q: run(q, k[layer], v[layer], plan))
+
+
+class _Static:
+    """One batch size's static inputs and captured graph."""
+
+    def __init__(self, model: ModelStep, batch: int, max_pages: int) -> None:
+        self.x = torch.zeros(batch, model.shape.hidden, dtype=model.dtype, device=model.device)
+        self.table = torch.zeros(batch, max_pages, dtype=torch.int32, device=model.device)
+        self.lens = torch.ones(batch, dtype=torch.int32, device=model.device)
+        self.graph = None
+        self.out = None
+
+    def load(self, step, x) -> None:
+        self.x.copy_(x)
+        # Columns past a row's pages keep stale ids: no engine reads past ceil(seq_len / P).
+        self.table[:, :step.block_table.shape[1]].copy_(_upload(step.block_table, self.table.device))
+        self.lens.copy_(_upload(step.seq_lens, self.lens.device))
+
+
+class GraphPath:
+    """The whole step captured once per (batch size, what the attention runs) and replayed."""
+
+    mode = "graph"
+
+    def __init__(self, label: str, model: ModelStep, max_pages: int) -> None:
+        if model.device.type != "cuda":
+            raise EngineUnavailable(f"CUDA graphs need a CUDA device, got {model.device}")
+        self.label, self.model, self.max_pages = label, model, int(max_pages)
+        self._static: dict = {}
+        self._current = None
+        self.route = None
+
+    # Subclasses: the key of the graph a step replays, its host plan, and the attention it captures.
+    def key(self, step):
+        return step.batch_size
+
+    def host_plan(self, step, static) -> None:
+        pass
+
+    def attend_for(self, key, static):
+        return skip_attend
+
+    def prologue(self, key, static) -> None:
+        """Work captured once per step before the layers (the device plan)."""
+
+    def _capture(self, key, step, x) -> None:
+        static = _Static(self.model, step.batch_size, self.max_pages)
+        static.load(step, x)
+        self.host_plan(step, static)
+        attend = self.attend_for(key, static)
+
+        def body():
+            self.prologue(key, static)
+            return self.model.forward(static.x, static.table, static.lens, attend)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # first launches outside capture: JIT loads, shared-memory opt-ins
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        static.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(static.graph):
+            static.out = body()
+        self._static[key] = static
+
+    def prepare(self, step, x) -> None:
+        key = self.key(step)
+        if key not in self._static:
+            self._capture(key, step, x)
+
+    def plan(self, step, x) -> None:
+        key = self.key(step)
+        static = self._static[key]
+        static.load(step, x)
+        self.host_plan(step, static)
+        self._current = static
+
+    def issue(self) -> torch.Tensor:
+        self._current.graph.replay()
+        return self._current.out
+
+
+class SkipGraphPath(GraphPath):
+    """The step without attention, replayed: the rest of the step in graph mode."""
+
+    implementation = "no attention"
+
+
+class FlashInferGraphPath(GraphPath):
+    """FlashInfer's CUDA-graph decode wrapper, one per batch size, planned outside the graph."""
+
+    def __init__(self, label: str, model: ModelStep, max_pages: int, engine) -> None:
+        super().__init__(label, model, max_pages)
+        try:
+            import flashinfer
+        except ImportError as exc:
+            raise EngineUnavailable(f"flashinfer not installed: {exc}") from exc
+        self.flashinfer = flashinfer
+        self.engine = engine  # the FlashInfer engine whose probe picks the kernel family
+        self.implementation = f"flashinfer-{flashinfer.__version__}-cuda_graph"
+        self.route = ROUTE_FLASHINFER
+        self.paths: dict[int, str] = {}
+
+    def _tensor_cores(self, step) -> bool:
+        picked = self.engine._path_for(step) if hasattr(self.engine, "_path_for") else None
+        self.paths[step.batch_size] = {"cc": "cc", "tc": "tc"}.get(picked, f"tc (picked {picked}, no graph wrapper)")
+        return picked != "cc"
+
+    def prepare(self, step, x) -> None:
+        q = torch.zeros(step.batch_size, self.model.shape.num_qo_heads, self.model.shape.head_dim,
+                        dtype=self.model.dtype, device=self.model.device)
+        self.engine.prepare(step, q, self.model.k_pages[0], self.model.v_pages[0])
+        super().prepare(step, x)
+
+    def attend_for(self, key, static):
+        batch, device = static.x.shape[0], self.model.device
+        static.wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(128 << 20, dtype=torch.uint8, device=device), "HND", use_cuda_graph=True,
+            use_tensor_cores=static.tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=torch.zeros(batch * self.max_pages, dtype=torch.int32, device=device),
+            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device))
+        self._plan_wrapper(static)
+        k, v = self.model.k_pages, self.model.v_pages
+        return lambda layer, q: static.wrapper.run(q, (k[layer], v[layer]))
+
+    def host_plan(self, step, static) -> None:
+        if not hasattr(static, "tensor_cores"):
+            static.tensor_cores = self._tensor_cores(step)
+        static.step = step
+        if hasattr(static, "wrapper"):
+            self._plan_wrapper(static)
+
+    def _plan_wrapper(self, static) -> None:
+        step, s = static.step, self.model.shape.attention
+        # Host tensors, as FlashInfer's plan() expects (pkv.engines.flashinfer: device ones cost it syncs).
+        static.wrapper.plan(
+            torch.from_numpy(np.ascontiguousarray(step.kv_indptr, dtype=np.int32)),
+            torch.from_numpy(np.ascontiguousarray(step.kv_indices, dtype=np.int32)),
+            torch.from_numpy(np.ascontiguousarray(step.kv_last_page_len, dtype=np.int32)),
+            s.num_qo_heads, s.num_kv_heads, s.head_dim, self.model.page_size, pos_encoding_mode="NONE",
+            q_data_type=self.model.dtype, kv_data_type=self.model.dtype, sm_scale=s.sm_scale)
+
+
+class XqaGraphPath(GraphPath):
+    """XQA replayed: no plan, the graph reads the static block table and lengths."""
+
+    def __init__(self, label: str, model: ModelStep, max_pages: int, engine) -> None:
+        super().__init__(label, model, max_pages)
+        self.engine = engine
+        self.implementation = engine.implementation + "+cuda_graph"
+        self.route = "xqa"
+
+    def attend_for(self, key, static):
+        k, v, e = self.model.k_pages, self.model.v_pages, self.engine
+        lens = static.lens.view(torch.uint32)  # XQA reads uint32 lengths; the values fit int32
+        # The longest length the table addresses, fixed at capture as a serving engine fixes max_model_len.
+        max_len = self.max_pages * self.model.page_size
+        scale = self.model.shape.attention.sm_scale
+        return lambda layer, q: e._decode(q, (k[layer], v[layer]), e._workspace, static.table, lens, max_len,
+                                          bmm1_scale=scale, bmm2_scale=1.0, kv_layout="HND")
+
+
+class AdaptiveGraphPath(GraphPath):
+    """The policy's route per step: PersistentKV through DeviceDecodeStep, FlashInfer through its graph path."""
+
+    def __init__(self, label: str, model: ModelStep, max_pages: int, engine, flashinfer_path,
+                 max_batch: int) -> None:
+        super().__init__(label, model, max_pages)
+        self.max_batch = int(max_batch)
+        from pkv.engines.device_step import DeviceDecodeStep
+
+        self.policy = engine.policy
+        self.flashinfer_path = flashinfer_path
+        self._device_step = DeviceDecodeStep
+        self._workspaces: dict[int, object] = {}
+        self.implementation = "device-planned workqueue+cuda_graph | " + flashinfer_path.implementation
+
+    def _route(self, step):
+        return self.policy.choose(step).route
+
+    def key(self, step):
+        route = self._route(step)
+        return (step.batch_size, route.name, 0 if route.name == ROUTE_FLASHINFER else int(route.num_splits))
+
+    def prepare(self, step, x) -> None:
+        if self._route(step).name == ROUTE_FLASHINFER:
+            self.flashinfer_path.prepare(step, x)
+        else:
+            super().prepare(step, x)
+
+    def attend_for(self, key, static):
+        batch, _, splits = key
+        ws = self._workspaces.get(splits)
+        if ws is None:  # one workspace per split count, shared by the graphs of every batch size
+            ws = self._workspaces[splits] = self._device_step(self.model.shape.attention, max_batch=self.max_batch,
+                                                              num_splits=splits, device=self.model.device)
+        static.device_step = ws
+        static.outs = [torch.empty(batch, self.model.shape.num_qo_heads, self.model.shape.head_dim,
+                                   dtype=self.model.dtype, device=self.model.device)
+                       for _ in range(self.model.layers)]
+        k, v = self.model.k_pages, self.model.v_pages
+        return lambda layer, q: ws.decode(q, k[layer], v[layer], static.table, static.lens, static.outs[layer])
+
+    def prologue(self, key, static) -> None:
+        # One plan per step, inside the graph: the lengths are the same in every layer.
+        static.device_step.plan(static.table, static.lens, self.model.page_size)
+
+    def plan(self, step, x) -> None:
+        route = self._route(step)
+        self.route = route.name
+        if route.name == ROUTE_FLASHINFER:
+            self.flashinfer_path.plan(step, x)
+            self._current = None
+        else:
+            super().plan(step, x)
+
+    def issue(self) -> torch.Tensor:
+        if self._current is None:
+            return self.flashinfer_path.issue()
+        return super().issue()
