@@ -1,0 +1,123 @@
+"""Table 9: the gain inside a model-shaped decode step, eager and replayed from CUDA graphs.
+
+Per trace and (engine, mode): decode-token throughput and step time (device), attention's share of
+the step, host time per step, the ratio to FlashInfer in the same mode (device time and synchronized
+wall time, taken per seed between files of one run), the ceiling of that ratio (FlashInfer's step
+over the step with attention at the read floor: KV bytes over the calibration's bandwidth) and the
+fraction of the ceiling the device ratio captures. Mean and sample std over the held-out seeds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pkv.report.table_data.cells import Notes, mean_std
+from pkv.report.table_data.comparisons import metric
+from pkv.report.table_data.inputs import Inputs
+from pkv.report.table_data.labels import ENGINE_LABELS, paper_then_found, seeds_text, trace_label
+from pkv.report.table_data.loading import held_out, load_trace_tree
+
+# The traces of config/config.yaml's model_step_traces (Table 2's, and the Azure traces where configured).
+MODEL_STEP_TRACES = ("bucketed_b1", "bimodal_b8", "uniform_b8", "zipf_b8", "homogeneous_b8", "bimodal_b4")
+ENGINE_ORDER = ("adaptive", "xqa", "flashinfer")
+MODE_ORDER = ("eager", "graph")
+MODE_LABELS = {"eager": "eager", "graph": "CUDA graph"}
+COLUMNS = ("tok_s", "step_ms", "attention_share", "host_ms", "cuda", "wall", "ceiling", "captured")
+
+
+def _label_parts(label: str) -> tuple[str, str]:
+    role, _, mode = label.rpartition("_")
+    return (role, mode) if mode in MODE_ORDER else (label, "")
+
+
+def _order(label: str) -> tuple:
+    role, mode = _label_parts(label)
+    rank = ENGINE_ORDER.index(role) if role in ENGINE_ORDER else len(ENGINE_ORDER)
+    return rank, role, MODE_ORDER.index(mode) if mode in MODE_ORDER else 9
+
+
+def _row_values(seeds: dict, label: str, where: str, problems: list) -> dict[str, list]:
+    """Per held-out seed: the row's own metrics and its ratios to the same-mode baseline of the same run."""
+    values: dict[str, list] = {k: [] for k in (*COLUMNS, "layers")}
+    for seed in sorted(seeds):
+        records = {path.stem: rec for path, rec in seeds[seed]}
+        rec = records.get(label)
+        if rec is None:
+            problems.append(f"{where} seed {seed}: {label} not run")
+            continue
+        if "skipped" in rec:
+            problems.append(f"{where}: {label}: {rec['skipped']}")
+            continue
+        m = rec["metrics"]
+        values["tok_s"].append(metric(rec, "cuda_tok_s"))
+        values["step_ms"].append(metric(rec, "cuda_ms_per_step"))
+        values["attention_share"].append(metric(rec, "attention_share"))
+        values["host_ms"].append(metric(rec, "host_ms_per_step"))
+        values["layers"].append((m.get("layers_run"), m.get("layers_model")))
+        base = records.get(rec.get("baseline_engine") or "")
+        if base is None or "skipped" in base or base.get("run_id") != rec.get("run_id"):
+            why = "not run" if base is None else base.get("skipped") or "from another run; no ratio taken"
+            problems.append(f"{where} seed {seed}: baseline {rec.get('baseline_engine')}: {why}")
+            continue
+        cuda, wall = metric(base, "cuda_ms_per_step"), metric(base, "wall_ms_per_step")
+        mine_cuda, mine_wall = metric(rec, "cuda_ms_per_step"), metric(rec, "wall_ms_per_step")
+        floor = metric(base, "floor_step_ms_per_step")
+        if not all(v and v > 0 for v in (cuda, wall, mine_cuda, mine_wall, floor)):
+            problems.append(f"{where} seed {seed}: step times missing or zero")
+            continue
+        ratio, ceiling = cuda / mine_cuda, cuda / floor
+        values["cuda"].append(ratio)
+        values["wall"].append(wall / mine_wall)
+        values["ceiling"].append(ceiling)
+        if label != rec.get("baseline_engine") and ceiling > 1:
+            values["captured"].append((ratio - 1) / (ceiling - 1))
+    return values
+
+
+def _cells(values: dict, notes: Notes, label: str, problems: list) -> dict[str, Any]:
+    decimals = {"tok_s": 1, "step_ms": 3, "attention_share": 3, "host_ms": 3, "cuda": 3, "wall": 3,
+                "ceiling": 3, "captured": 2}
+    cells: dict[str, Any] = {}
+    for key in COLUMNS:
+        vals = [v for v in values[key] if v is not None]
+        if vals:
+            cells[key] = mean_std(vals, decimals[key], "×" if key in ("cuda", "wall", "ceiling") else "")
+        elif key == "captured" and values["cuda"]:
+            cells[key] = None  # the baseline's own row, or a ceiling at parity: nothing to capture
+        else:
+            cells[key] = notes.missing("; ".join(problems) or f"{label}: {key} not recorded")
+    return cells
+
+
+def table9(root: Path) -> dict[str, Any]:
+    notes, inputs = Notes(), Inputs()
+    tree = load_trace_tree(root / "model_step")
+    blocks, all_seeds, models = [], set(), set()
+    for trace in paper_then_found(MODEL_STEP_TRACES, tree):
+        seeds = {s: tree[trace][s] for s in held_out(tree.get(trace, {}))}
+        if not seeds:
+            inputs.missing_input(f"model_step/{trace}" + (": held-out seeds" if trace in tree else ""))
+            continue
+        labels = sorted({p.stem for recs in seeds.values() for p, _ in recs}, key=_order)
+        rows = []
+        for seed, recs in seeds.items():
+            for _, rec in recs:
+                inputs.add(rec)
+                model = (rec.get("metrics") or {}).get("model")
+                if model:
+                    models.add(f"{model['name']} ({model['layers_run']} of {model['layers_model']} layers, "
+                               f"{model['dtype']})")
+        for label in labels:
+            problems: list[str] = []
+            values = _row_values(seeds, label, f"model_step/{trace}", problems)
+            role, mode = _label_parts(label)
+            layers = sorted({lr for lr in values["layers"] if lr[0] is not None})
+            rows.append({"label": label, "engine": ENGINE_LABELS.get(role, role), "mode": MODE_LABELS.get(mode, mode),
+                         "layers": ", ".join(f"{a}/{b}" for a, b in layers) or "–",
+                         "seeds": len(values["step_ms"]), **_cells(values, notes, label, problems),
+                         "marks": [notes.number(p) for p in problems] if values["step_ms"] and problems else []})
+            all_seeds.update(s for s in seeds)
+        blocks.append({"trace": trace, "label": trace_label(trace), "rows": rows})
+    return {**inputs.header(), "blocks": blocks, "seeds": seeds_text(all_seeds),
+            "models": "; ".join(sorted(models)) or "none", "notes": notes.items}
