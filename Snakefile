@@ -23,6 +23,7 @@ include: "workflow/rules/ablate.smk"
 include: "workflow/rules/profile.smk"
 include: "workflow/rules/benchmark.smk"
 include: "workflow/rules/tables.smk"
+include: "workflow/rules/model_step.smk"
 
 
 # The results are targets too, not only inputs of the tables: Snakemake treats a missing

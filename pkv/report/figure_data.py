@@ -30,6 +30,7 @@ from pkv.report.table_data import (
     trace_label,
 )
 from pkv.report.table_data.labels import ISOLATED_METHOD_ORDER, ordered
+from pkv.report.table_data.model_step import MODEL_STEP_TRACES, row_values
 
 
 @dataclass
@@ -254,10 +255,42 @@ def host_device(root: Path) -> FigureData:
     return fig
 
 
+# --------------------------------------------------------------------------- Table 9
+
+
+def model_step_ratio(root: Path) -> FigureData:
+    fig = FigureData("model_step_ratio", "Model step: adaptive over FlashInfer per trace",
+                     "Table 9's ratios per trace: the adaptive engine's whole model-shaped decode step over "
+                     "FlashInfer's in the same mode (eager, CUDA graph), in device time and in synchronized wall "
+                     "time; the bar is the mean over held-out seeds, the line the sample standard deviation, "
+                     "the points the seeds; 1 is parity.")
+    tree = load_trace_tree(root / "model_step")
+    rows = []
+    for trace in ordered(tree, MODEL_STEP_TRACES):
+        seeds = {s: tree[trace][s] for s in held_out(tree[trace])}
+        for records in seeds.values():
+            for path, rec in records:
+                fig.sources.append(path.relative_to(root).as_posix())
+                fig.inputs.add(rec)
+        series = {}
+        for mode in ("eager", "graph"):
+            values = row_values(seeds, f"adaptive_{mode}", f"model_step/{trace}", [])
+            for key, label in (("cuda", "device"), ("wall", "wall")):
+                if values[key]:
+                    series[f"{label}, {mode}"] = values[key]
+        if series:
+            rows.append({"trace": trace, "label": trace_label(trace), "series": series})
+    if not rows:
+        fig.empty = "no held-out model_step results with a ratio"
+    fig.series = {"rows": rows}
+    return fig
+
+
 FIGURE_DATA = {
     "isolated_time": isolated_time,
     "kernel_floor": kernel_floor,
     "serving_ratio": serving_ratio,
     "route_mix": route_mix,
     "host_device": host_device,
+    "model_step_ratio": model_step_ratio,
 }

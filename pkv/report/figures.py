@@ -131,12 +131,35 @@ def _draw_host_device(fig, s) -> None:
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=7)
 
 
+def _draw_model_step(fig, s) -> None:
+    ax = fig.add_subplot()
+    rows = s["rows"]
+    keys = sorted({k for r in rows for k in r["series"]})
+    width = 0.8 / max(1, len(keys))
+    for k, key in enumerate(keys):
+        for i, r in enumerate(rows):
+            vals = r["series"].get(key)
+            if not vals:
+                continue
+            x = i - 0.4 + width * (k + 0.5)
+            mean = sum(vals) / len(vals)
+            spread = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+            ax.bar(x, mean, width=width, yerr=spread, capsize=3, alpha=0.6, color=f"C{k}",
+                   label=key if i == next(j for j, rr in enumerate(rows) if rr["series"].get(key)) else None)
+            ax.plot([x] * len(vals), vals, "k.", markersize=4)
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(rows)), [r["label"] for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("adaptive / FlashInfer, whole step")
+    ax.legend(fontsize=8)
+
+
 _DRAW = {
     "isolated_time": _draw_isolated,
     "kernel_floor": _draw_kernel_floor,
     "serving_ratio": _draw_serving,
     "route_mix": _draw_route_mix,
     "host_device": _draw_host_device,
+    "model_step_ratio": _draw_model_step,
 }
 
 

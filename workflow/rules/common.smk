@@ -236,15 +236,31 @@ def isolated_targets():
     return [f"{ROOT}/isolated/ctx{ctx}.json" for ctx in config["isolated_contexts"]]
 
 
+def model_step_files(folder):
+    """Table 9's files of one run: <engine>_<mode>.json for each engine and mode of conf/experiment/model_step.yaml."""
+    modes = yaml.safe_load((REPO / "conf" / "experiment" / "model_step.yaml").read_text())["experiment"]["modes"]
+    return [f"{folder}/{engine}_{mode}.json" for engine in experiment_engines("model_step") for mode in modes]
+
+
+def model_step_targets():
+    return [
+        f
+        for trace in config.get("model_step_traces") or []
+        for seed in HELD_OUT
+        for f in model_step_files(f"{ROOT}/model_step/{trace}/seed{seed}")
+    ]
+
+
 check_axes()
 
-TABLE_IDS = list(range(1, 9))
+TABLE_IDS = list(range(1, 10))
 TABLES = [f"{ROOT}/tables/table{k}.{ext}" for k in TABLE_IDS for ext in ("md", "tex")]
 RESULTS = (
     evaluate_targets()
     + mlp_targets()
     + ablation_targets()
     + isolated_targets()
+    + model_step_targets()
     + [f"{ROOT}/profile/ncu_counters.json", KERNEL_BENCH, HOST_BENCH, CALIBRATION, BUILD_RECORD]
 )
 

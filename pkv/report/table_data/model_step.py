@@ -37,7 +37,7 @@ def _order(label: str) -> tuple:
     return rank, role, MODE_ORDER.index(mode) if mode in MODE_ORDER else 9
 
 
-def _row_values(seeds: dict, label: str, where: str, problems: list) -> dict[str, list]:
+def row_values(seeds: dict, label: str, where: str, problems: list) -> dict[str, list]:
     """Per held-out seed: the row's own metrics and its ratios to the same-mode baseline of the same run."""
     values: dict[str, list] = {k: [] for k in (*COLUMNS, "layers")}
     for seed in sorted(seeds):
@@ -110,7 +110,7 @@ def table9(root: Path) -> dict[str, Any]:
                                f"{model['dtype']})")
         for label in labels:
             problems: list[str] = []
-            values = _row_values(seeds, label, f"model_step/{trace}", problems)
+            values = row_values(seeds, label, f"model_step/{trace}", problems)
             role, mode = _label_parts(label)
             layers = sorted({lr for lr in values["layers"] if lr[0] is not None})
             rows.append({"label": label, "engine": ENGINE_LABELS.get(role, role), "mode": MODE_LABELS.get(mode, mode),
