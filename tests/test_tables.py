@@ -221,7 +221,7 @@ def test_cpu_profile_ratio_values_in_both_formats(cpu_root):
 
 def test_render_all_fixture_contains_computed_numbers(tmp_path):
     written = tables.render_all(FIXTURE, tmp_path)
-    assert len(written) == 3 * 9  # tables 1-8 and the claims check, as md, tex and html
+    assert len(written) == 3 * 10  # tables 1-9 and the claims check, as md, tex and html
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     ctx = table_data.table2(FIXTURE)
     row = _row(ctx["rows"], "trace", "bimodal_b8")
@@ -309,7 +309,7 @@ def test_empty_root_renders_every_table_as_not_run(tmp_path):
     root = tmp_path / "artifacts" / "nothing"
     root.mkdir(parents=True)
     written = tables.render_all(root, tmp_path / "out")
-    assert len(written) == 3 * 9
+    assert len(written) == 3 * 10
     assert "none of its inputs ran" in (tmp_path / "out" / "table2.md").read_text()
     assert "Not run" in (tmp_path / "out" / "table6.md").read_text()
 

@@ -280,7 +280,10 @@ def model_step_ratio(root: Path) -> FigureData:
                     series[f"{label}, {mode}"] = values[key]
         if series:
             rows.append({"trace": trace, "label": trace_label(trace), "series": series})
-    if not rows:
+    if not tree:
+        fig.empty = "model_step: not run"
+        fig.inputs.missing_input("model_step")
+    elif not rows:
         fig.empty = "no held-out model_step results with a ratio"
     fig.series = {"rows": rows}
     return fig

@@ -1,0 +1,245 @@
+"""The model-shaped decode step (Table 9): its output against float64, each layer on its own pages,
+the KV append's page slot, the table from a small fixture, the config's refusals, and (GPU) graph
+replay against eager for lengths other than the captured ones."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from pkv.config import ConfigError, compose
+from pkv.engines import build_engine
+from pkv.measure.model_step import ModelStep, StepShape, append_kv, append_slots, dense_attend, rms_norm
+from pkv.pipeline.step import build_step
+from pkv.report import tables
+from pkv.report.results import result_envelope, write_json_atomic
+from pkv.report.table_data.model_step import table9
+
+SHAPE = StepShape(hidden=64, intermediate=96, num_qo_heads=8, num_kv_heads=2, head_dim=16, num_layers=2)
+PAGE = 4
+
+
+def _step(lengths, num_pages=64, seed=0):
+    rng = np.random.default_rng(seed)
+    pages = [-(-n // PAGE) for n in lengths]
+    chosen = rng.permutation(num_pages)[:sum(pages)].astype(np.int32)
+    rows = np.split(chosen, np.cumsum(pages)[:-1])
+    return build_step(0, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), rows, PAGE)
+
+
+def _model(dtype=torch.float32, device="cpu", layers=2):
+    return ModelStep(SHAPE, layers=layers, num_pages=64, page_size=PAGE, dtype=dtype, device=device, seed=7)
+
+
+def _tensors(step, device="cpu"):
+    return (torch.from_numpy(step.block_table.astype(np.int32)).to(device),
+            torch.from_numpy(step.seq_lens.astype(np.int32)).to(device))
+
+
+def _reference_engine_attend(model, step):
+    engine = build_engine("reference", shape=SHAPE.attention, device="cpu")
+    plan = engine.plan(step)
+    return lambda layer, q: engine.run(q, model.k_pages[layer], model.v_pages[layer], plan)
+
+
+def test_step_with_the_reference_engine_matches_float64():
+    step = _step([5, 17, 8])  # 17 starts a fifth page; 8 ends a page exactly
+    model = _model()
+    truth = model.float64_copy()
+    x = model.hidden_input(step.batch_size, 3)
+    table, lens = _tensors(step)
+    out = model.forward(x, table, lens, _reference_engine_attend(model, step))
+    ref = truth.forward(x.double(), table, lens, dense_attend(truth, table, lens))
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-5, rel
+    # The attention really matters to the output: leaving it out changes the step.
+    assert not torch.allclose(out, _model().forward(x, table, lens, lambda layer, q: q), atol=1e-3)
+
+
+def test_each_layer_reads_only_its_own_pages():
+    step = _step([9, 14])
+    table, lens = _tensors(step)
+    model = _model()
+    x = model.hidden_input(step.batch_size, 1)
+    seen = []
+
+    def attend(layer, q):
+        out = dense_attend(model, table, lens)(layer, q)
+        seen.append((layer, out.clone()))
+        return out
+
+    clean = model.forward(x, table, lens, attend)
+    # Poison layer 1's pool: layer 0's attention does not change, the step's output does (layer 1 reads it).
+    poisoned = _model()
+    poisoned.k_pages[1].fill_(float("nan"))
+    poisoned.v_pages[1].fill_(float("nan"))
+    seen_poisoned = []
+
+    def attend_poisoned(layer, q):
+        out = dense_attend(poisoned, table, lens)(layer, q)
+        seen_poisoned.append((layer, out.clone()))
+        return out
+
+    out = poisoned.forward(x, table, lens, attend_poisoned)
+    assert torch.equal(seen[0][1], seen_poisoned[0][1])
+    assert torch.isfinite(clean).all() and torch.isnan(out).all()
+    # And layer 1's own pool, not layer 0's: poisoning layer 0 leaves nothing finite either.
+    other = _model()
+    other.k_pages[0].fill_(float("nan"))
+    assert torch.isnan(other.forward(x, table, lens, dense_attend(other, table, lens))).all()
+
+
+@pytest.mark.parametrize("length", [1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 1])
+def test_kv_append_writes_the_new_tokens_page_slot(length):
+    step = _step([length, 2 * PAGE])
+    table, lens = _tensors(step)
+    model = _model(layers=1)
+    before_k = model.k_pages[0].clone()
+    x = model.hidden_input(step.batch_size, 5)
+    model.forward(x, table, lens, lambda layer, q: q)
+    w = model.weights[0]
+    qd, kvd = SHAPE.num_qo_heads * SHAPE.head_dim, SHAPE.num_kv_heads * SHAPE.head_dim
+    k_new = torch.nn.functional.linear(rms_norm(x, w.norm1), w.qkv)[:, qd:qd + kvd].reshape(2, SHAPE.num_kv_heads, -1)
+    page, slot = append_slots(table, lens, PAGE)
+    for row, n in enumerate(step.seq_lens):
+        want_page, want_slot = int(step.block_table[row, (n - 1) // PAGE]), (int(n) - 1) % PAGE
+        assert (int(page[row]), int(slot[row])) == (want_page, want_slot)
+        assert torch.equal(model.k_pages[0][want_page, :, want_slot], k_new[row])
+    if length == PAGE + 1:
+        assert int(slot[0]) == 0 and int(page[0]) == int(step.block_table[0, 1])  # a new page starts
+    changed = (model.k_pages[0] != before_k).any(dim=(1, 3))  # [pages, slots]
+    assert int(changed.sum()) == 2  # nothing else in the pool was written
+
+
+def test_append_kv_keeps_the_pool_dtype():
+    pool = torch.zeros(3, 2, PAGE, 4, dtype=torch.float16)
+    append_kv(pool, pool.clone(), torch.ones(1, 2, 4), torch.ones(1, 2, 4), torch.tensor([2]), torch.tensor([1]))
+    assert pool.dtype == torch.float16 and pool[2, :, 1].eq(1).all() and pool.sum() == 8
+
+
+# ----------------------------------------------------------------------- config
+
+
+def test_mismatched_attention_shape_names_the_field(tmp_path):
+    from pkv.experiments.model_step import model_step_shape
+
+    with pytest.raises(ConfigError) as err:
+        model_step_shape(compose(["experiment=model_step", f"out={tmp_path}/o", "model.num_kv_heads=4"]))
+    assert "field 'model.num_kv_heads' = 4" in str(err.value) and "llama3_8b" in str(err.value)
+    cfg = compose(["experiment=model_step", f"out={tmp_path}/o", "experiment.model=llama3_70b_tp4"])
+    shape, layers, _ = model_step_shape(cfg)
+    assert (shape.num_qo_heads, shape.num_kv_heads, layers) == (16, 2, 80) and cfg.model.num_kv_heads == 2
+
+
+@pytest.mark.parametrize("override, field", [
+    ("experiment.num_layers=0", "experiment.num_layers"),
+    ("experiment.models.llama3_8b.num_layers=0", "experiment.models.llama3_8b.num_layers"),
+    ("experiment.num_layers=33", "experiment.num_layers"),
+    ("experiment.modes=[eager,replay]", "experiment.modes"),
+    ("experiment.dtype=int8", "experiment.dtype"),
+])
+def test_bad_model_step_config_names_the_field(tmp_path, override, field):
+    from pkv.experiments.model_step import model_step_shape
+
+    with pytest.raises(ConfigError) as err:
+        model_step_shape(compose(["experiment=model_step", f"out={tmp_path}/o", override]))
+    assert f"field '{field}' = " in str(err.value)
+
+
+def test_cpu_profile_keeps_the_attention_and_shrinks_the_rest(tmp_path):
+    from pkv.experiments.model_step import model_step_shape
+
+    shape, layers, dtype = model_step_shape(compose(["experiment=model_step", "profile=cpu", f"out={tmp_path}/o"]))
+    assert (shape.hidden, shape.intermediate, shape.num_layers, layers, dtype) == (256, 512, 2, 32, "float32")
+    assert shape.attention.group_size == 4
+
+
+# ----------------------------------------------------------------------- Table 9
+
+
+def _write_run(root, trace, seed, ratio_adaptive, skipped_reason="not available: CUDA graphs need a CUDA device"):
+    run_id = uuid.uuid4().hex
+    prov = {"git_commit": "a" * 40, "gpu_name": "FAKE-GPU"}
+    model = {"name": "llama3_8b", "layers_run": 32, "layers_model": 32, "dtype": "float16"}
+    for label, step_ms in (("flashinfer_eager", 10.0), ("adaptive_eager", 10.0 / ratio_adaptive)):
+        metrics = {"cuda_ms_per_step": step_ms, "wall_ms_per_step": step_ms + 0.5, "cuda_tok_s": 8e3 / step_ms,
+                   "host_ms_per_step": 0.4, "attention_share": 0.3, "floor_step_ms_per_step": 9.0,
+                   "layers_run": 32, "layers_model": 32, "model": model}
+        rec = result_envelope("model_step", {"name": trace}, label, baseline_engine="flashinfer_eager", run_id=run_id,
+                              performance_result=True, metrics=metrics, provenance=prov)
+        write_json_atomic(root / "model_step" / trace / f"seed{seed}" / f"{label}.json", rec)
+    rec = result_envelope("model_step", {"name": trace}, "adaptive_graph", baseline_engine="flashinfer_graph",
+                          run_id=run_id, performance_result=True, skipped=skipped_reason, provenance=prov)
+    write_json_atomic(root / "model_step" / trace / f"seed{seed}" / "adaptive_graph.json", rec)
+
+
+def test_table9_renders_ratios_ceiling_and_captured_fraction(tmp_path):
+    root = tmp_path / "artifacts"
+    _write_run(root, "bimodal_b8", 20260623, 1.05)
+    _write_run(root, "bimodal_b8", 20260624, 1.07)
+    _write_run(root, "bimodal_b8", 20260622, 3.0)  # the calibration seed: never evidence
+    ctx = table9(root)
+    (block,) = ctx["blocks"]
+    rows = {r["label"]: r for r in block["rows"]}
+    adaptive = rows["adaptive_eager"]
+    assert adaptive["cuda"].mean == pytest.approx(1.06) and adaptive["cuda"].n == 2
+    assert adaptive["ceiling"].mean == pytest.approx(10.0 / 9.0)
+    assert adaptive["captured"].mean == pytest.approx((0.06) / (1 / 9), rel=1e-2)
+    assert rows["flashinfer_eager"]["captured"] is None and adaptive["layers"] == "32/32"
+    assert "CUDA graphs need a CUDA device" in rows["adaptive_graph"]["cuda"].reason
+    md = tables.render_table(9, root, "md")
+    assert "| Bimodal B8 | Adaptive route | eager | 32/32 | 2 |" in md and "1.060 ± 0.014×" in md
+    assert "model_step/bucketed_b1" in md  # Table 2's traces not run are named
+    tex = tables.render_table(9, root, "tex")
+    assert r"\begin{table}" in tex and r"$1.060{\pm}0.014\times$" in tex
+    json.dumps(table9(root)["blocks"], default=str)
+
+
+# ----------------------------------------------------------------------- GPU: graphs against eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("role", ["flashinfer", "xqa", "adaptive"])
+def test_graph_replay_matches_eager_for_other_lengths(role):
+    from pkv.engines import EngineUnavailable, role_policy
+    from pkv.experiments.common import run_calibration
+    from pkv.experiments.model_step import _graph_path
+    from pkv.measure.model_step_paths import EagerPath
+
+    shape = StepShape(hidden=1024, intermediate=2048, num_qo_heads=32, num_kv_heads=8, head_dim=128, num_layers=2)
+    cfg = compose(["experiment=model_step", "out=/tmp/pkv-model-step-test"])
+    calib = run_calibration(cfg)
+    try:
+        engine = build_engine(role, shape=shape.attention, device="cuda",
+                              policy=role_policy(role, {}, shape.attention, calib))
+    except EngineUnavailable as exc:
+        pytest.skip(exc.reason)
+    page, max_pages, pool = 16, 256, 4096
+    model = ModelStep(shape, layers=2, num_pages=pool, page_size=page, dtype="float16", device="cuda", seed=3)
+    rng = np.random.default_rng(0)
+
+    def step_of(lengths):
+        pages = [-(-n // page) for n in lengths]
+        rows = np.split(rng.permutation(pool)[:sum(pages)].astype(np.int32), np.cumsum(pages)[:-1])
+        return build_step(0, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), rows, page)
+
+    graph = _graph_path(f"{role}_graph", engine, model, max_pages, 8, role)
+    eager = EagerPath(f"{role}_eager", engine, model)
+    captured = step_of([4000, 33, 17, 1000])
+    x = model.hidden_input(4, 1)
+    graph.prepare(captured, x)
+    for lengths in ([4000, 33, 17, 1000], [16, 4096, 65, 2000], [1, 1, 3000, 4095]):
+        step = step_of(lengths)
+        x = model.hidden_input(4, sum(lengths))
+        eager.prepare(step, x)
+        graph.prepare(step, x)
+        eager.plan(step, x)
+        want = eager.issue().float().clone()
+        graph.plan(step, x)
+        got = graph.issue().float()
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 2e-2, (role, lengths, rel)
