@@ -11,12 +11,14 @@
 #
 # Everything (munge key and socket, slurm.conf, state, spool, logs, the job completion log) lives in
 # one folder: $PKV_SLURM_DIR, or else a fresh mktemp folder remembered in $PKV_SLURM_POINTER
-# (default ${TMPDIR:-/tmp}/pkv-slurm.dir) so that a later `stop` or `status` finds it. Nothing
-# under /etc is written; the system's munged and slurm services, if any, are left alone (the ports
-# are $PKV_SLURM_PORT and the one after it, default 6917/6918, not SLURM's 6817/6818).
+# (default ${TMPDIR:-/tmp}/pkv-slurm.dir) so that a later `stop` or `status` finds it. Outside it
+# only the link /etc/slurm/slurm.conf is made (below); the system's munged and slurm services, if
+# any, are left alone (the ports are $PKV_SLURM_PORT and the one after it, default 6917/6918, not
+# SLURM's 6817/6818).
 #
 # Containers: no cgroups (ProctrackType=proctrack/linuxproc, TaskPlugin=task/none, and on SLURM 24.05+
-# CgroupPlugin=disabled), daemons and jobs run as root (SlurmUser=SlurmdUser=root).
+# CgroupPlugin=disabled), the daemons run as root (SlurmUser=SlurmdUser=root; start and stop
+# re-run themselves through sudo for another user, whose jobs then run under their own uid).
 # The node is NodeName=localhost with the CPU count and memory `slurmd -C` reports, in the one
 # partition "debug" (Default=YES). Every finished job leaves a line in <dir>/jobcomp.log
 # (JobCompType=jobcomp/filetxt): JobId, JobName, JobState=COMPLETED|FAILED|..., so a test can check
@@ -26,7 +28,8 @@
 # `sacct` by default, which needs slurmdbd and a MariaDB/MySQL database. It also has
 # `--slurm-status-command squeue` (status_command: squeue in a profile), which reads states from
 # slurmctld; the plugin itself keeps using squeue as long as MinJobAge (how long slurmctld keeps a
-# finished job) is at least 3 x --slurm-init-seconds-before-status-checks. So there is no slurmdbd
+# finished job) is at least 3 x --slurm-init-seconds-before-status-checks (and falls back to sacct
+# otherwise, which here would see no job). So there is no slurmdbd
 # and no database here (AccountingStorageType=accounting_storage/none): MinJobAge=300 below is
 # well above 3 x 2 s, the polling interval of workflow/profiles/slurm-local. That is much less
 # to install and start than slurmdbd + MariaDB and is the path the plugin documents for clusters
@@ -64,11 +67,6 @@ cluster_dir() {
     fi
 }
 
-as_root() {
-    if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo > /dev/null; then sudo "$@"; else
-        die "needs root to run: $* (no sudo)"; fi
-}
-
 install_if_missing() {
     local missing=0 tool
     for tool in munged slurmctld slurmd sbatch sinfo squeue scontrol srun; do
@@ -77,8 +75,8 @@ install_if_missing() {
     [ "$missing" -eq 0 ] && return 0
     command -v apt-get > /dev/null || die "slurm-wlm and munge are missing and there is no apt-get to install them"
     log "installing slurm-wlm and munge (apt-get)"
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
+    env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         slurm-wlm munge >&2
 }
 
@@ -149,7 +147,7 @@ start_munge() {
     local dir="$1"
     pid_alive "$dir/munge/munged.pid" && return 0
     mkdir -p "$dir/munge"
-    chmod 700 "$dir/munge"
+    chmod 755 "$dir/munge"  # the socket's folder: clients of any user reach munged through it
     if [ ! -s "$dir/munge/munge.key" ]; then
         dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
         chmod 400 "$dir/munge/munge.key"
@@ -177,8 +175,8 @@ link_default_conf() {
     if [ -e "$DEFAULT_CONF" ] || [ -L "$DEFAULT_CONF" ]; then
         die "$DEFAULT_CONF exists and is not this cluster's ($dir/slurm.conf); srun inside the jobs would read it (set PKV_SLURM_DEFAULT_CONF if slurm was built with another default path)"
     fi
-    as_root mkdir -p "$(dirname "$DEFAULT_CONF")"
-    as_root ln -s "$dir/slurm.conf" "$DEFAULT_CONF"
+    mkdir -p "$(dirname "$DEFAULT_CONF")"
+    ln -s "$dir/slurm.conf" "$DEFAULT_CONF"
 }
 
 cmd_start() {
@@ -240,7 +238,7 @@ cmd_stop() {
     done
     rm -f "$dir/munge/munge.socket" "$dir/munge/munge.socket.lock"
     if [ -L "$DEFAULT_CONF" ] && [ "$(readlink "$DEFAULT_CONF")" = "$dir/slurm.conf" ]; then
-        as_root rm -f "$DEFAULT_CONF"
+        rm -f "$DEFAULT_CONF"
     fi
     log "stopped (folder $dir kept: logs and jobcomp.log)"
 }
@@ -257,6 +255,13 @@ cmd_status() {
     log "node localhost $state (folder $dir)"
     echo "export SLURM_CONF=$dir/slurm.conf"
 }
+
+# The daemons run as root (and apt-get needs it): start and stop go through sudo for other users,
+# whose jobs then run under their own uid.
+if [ "$(id -u)" -ne 0 ] && { [ "${1:-}" = start ] || [ "${1:-}" = stop ]; }; then
+    command -v sudo > /dev/null || die "$1 needs root, or sudo"
+    exec sudo -E "$0" "$@"
+fi
 
 case "${1:-}" in
     start) cmd_start ;;

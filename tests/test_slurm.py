@@ -149,7 +149,9 @@ def test_both_runs_write_the_same_result_files(runs):
 def test_the_tables_are_the_local_runs_but_for_timings(runs):
     local, on_slurm, _ = runs
     tables = sorted((local / "artifacts/cpu/tables").glob("*.md"))
-    assert [p.name for p in tables] == ["claims.md"] + [f"table{k}.md" for k in range(1, 9)]
+    names = {p.name for p in tables}
+    assert names >= {"claims.md"} | {f"table{k}.md" for k in range(1, 9)}, names
+    assert names == {p.name for p in (on_slurm / "artifacts/cpu/tables").glob("*.md")}
     for path in tables:
         here, there = path.read_text(), (on_slurm / "artifacts/cpu/tables" / path.name).read_text()
         strip = _claims_without_measurements if path.name == "claims.md" else _mask
@@ -158,8 +160,11 @@ def test_the_tables_are_the_local_runs_but_for_timings(runs):
 
 # --- the profile for real clusters, without a cluster ------------------------------------------
 
+# Rules that time on the device (gpu=GPU_SLOTS in workflow/rules/); rules added later are held to
+# at most one GPU.
 GPU_RULES = {"build", "calibrate", "evaluate", "mlp", "isolated", "profile", "kernel_bench", "host_bench",
              "ablate_splits", "ablate_raggedness", "ablate_gqa", "ablate_graph", "ablate_fused_merge", "ablate_b4"}
+NO_GPU_RULES = {"tables", "figure"}
 
 
 def test_the_cluster_profile_plans_the_gpu_dag_with_one_gpu_per_timed_job(tmp_path):
@@ -178,11 +183,16 @@ def test_the_cluster_profile_plans_the_gpu_dag_with_one_gpu_per_timed_job(tmp_pa
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     jobs = re.findall(r"^rule (\w+):\n(?:    .*\n)*?    resources: (.*)$", proc.stdout, flags=re.M)
-    assert {rule for rule, _ in jobs} >= GPU_RULES | {"tables", "figure"}
+    assert {rule for rule, _ in jobs} >= GPU_RULES | NO_GPU_RULES
     for rule, resources in jobs:
         res = dict(item.split("=", 1) for item in resources.split(", "))
         assert res["slurm_partition"] and res["slurm_account"], (rule, res)
-        assert res.get("gpu", "0") == ("1" if rule in GPU_RULES else "0"), (rule, res)
+        gpus = res.get("gpu", "0")
+        assert gpus in ("0", "1"), (rule, res)
+        if rule in GPU_RULES:
+            assert gpus == "1", (rule, res)
+        if rule in NO_GPU_RULES:
+            assert gpus == "0", (rule, res)
     profile = yaml.safe_load((repo / "workflow/profiles/slurm/config.yaml").read_text())
     for rule, resources in {"default": profile["default-resources"], **profile["set-resources"]}.items():
         extra = str(resources.get("slurm_extra", ""))
