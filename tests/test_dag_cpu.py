@@ -28,6 +28,7 @@ gpu: cpu
 held_out_seeds: [20260623]
 evaluate_traces: [bimodal_b8]
 mlp_traces: [bimodal_b8]
+model_step_traces: [bimodal_b8]
 isolated_contexts: [8192]
 ablations:
   splits: {seeds: [20260623], variants: {bimodal_b8: [splits=20], bucketed_b1: []}}
@@ -72,9 +73,9 @@ def finished_dag(tmp_path_factory):
     return work
 
 
-def test_all_eight_tables_are_rendered(finished_dag):
+def test_all_nine_tables_are_rendered(finished_dag):
     tables = finished_dag / "artifacts" / "cpu" / "tables"
-    for k in range(1, 9):
+    for k in range(1, 10):
         for ext in ("md", "tex"):
             path = tables / f"table{k}.{ext}"
             assert path.is_file() and path.stat().st_size > 0, path
@@ -143,7 +144,7 @@ def test_every_result_keeps_its_steps(finished_dag):
     assert {s["route"] for s in metrics["per_step"]} == set(metrics["routes"])
 
 
-FIGURES = ("isolated_time", "kernel_floor", "serving_ratio", "route_mix", "host_device")
+FIGURES = ("isolated_time", "kernel_floor", "serving_ratio", "route_mix", "host_device", "model_step_ratio")
 
 
 def test_report_holds_every_table_figure_and_the_claims_check(finished_dag):
@@ -151,7 +152,7 @@ def test_report_holds_every_table_figure_and_the_claims_check(finished_dag):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     page = (finished_dag / "report.html").read_text()
     entries = dict(re.findall(r'"(artifacts/cpu/[^"]+)": (\{"name".*?"data_uri": "[^"]*")', page))
-    wanted = [f"artifacts/cpu/tables/table{k}.html" for k in range(1, 9)] + ["artifacts/cpu/tables/claims.html"]
+    wanted = [f"artifacts/cpu/tables/table{k}.html" for k in range(1, 10)] + ["artifacts/cpu/tables/claims.html"]
     wanted += [f"artifacts/cpu/figures/{name}.png" for name in FIGURES]
     assert sorted(entries) == sorted(wanted), sorted(entries)
     for path in wanted:
@@ -165,9 +166,23 @@ def test_report_holds_every_table_figure_and_the_claims_check(finished_dag):
     text = base64.b64decode(claims.rsplit("base64,", 1)[1]).decode()
     performance_rows = [row for row in re.findall(r"<tr>.*?</tr>", text) if "<td>performance</td>" in row]
     assert performance_rows and all("no verdict on performance is possible" in row for row in performance_rows)
-    for k in (2, 3, 7, 8):
+    for k in (2, 3, 7, 8, 9):
         table = base64.b64decode(entries[f"artifacts/cpu/tables/table{k}.html"].rsplit("base64,", 1)[1]).decode()
         assert "CPU profile: not a performance result" in table and "CUDA tok/s" not in table, k
+
+
+def test_table9_has_the_cpu_rows_and_says_why_graph_and_xqa_did_not_run(finished_dag):
+    import json
+
+    md = (finished_dag / "artifacts/cpu/tables/table9.md").read_text()
+    assert "| Bimodal B8 | Adaptive route | eager | 2/32 | 1 |" in md and "| Bimodal B8 | FlashInfer | eager |" in md
+    assert "not available: CUDA graphs need a CUDA device" in md and "not available: XQA needs a CUDA device" in md
+    record = json.loads((finished_dag / "artifacts/cpu/model_step/bimodal_b8/seed20260623/adaptive_eager.json")
+                        .read_text())
+    assert record["performance_result"] is False and record["provenance"]["git_commit"]
+    metrics = record["metrics"]
+    assert (metrics["layers_run"], metrics["layers_model"]) == (2, 32) and metrics["ref_max_rel_err"] < 1e-4
+    assert 0 < metrics["attention_share"] < 1 and len(metrics["per_step"]) == metrics["steps"]
 
 
 def test_second_run_has_nothing_to_do(finished_dag):
