@@ -37,6 +37,9 @@ def test_dry_run_plans_every_rule_for_the_cpu(tmp_path):
                  "ablate_raggedness", "ablate_gqa", "ablate_graph", "ablate_fused_merge", "ablate_b4"):
         assert counts.get(rule, 0) >= 1, (rule, counts)
     assert counts["calibrate"] == 1 and counts["tables"] == 1
+    # config.yaml calibrates once more on the same seed and compares the two (calibration/spread.md).
+    assert counts["calibrate_repeat"] == 1 and counts["calibration_spread"] == 1
+    assert f"{tmp_path}/cpu/calibration/repeat1/calibration.json" in proc.stdout
     # 6 synthetic traces, the fixture and two Azure traces, each on the 5 held-out seeds
     assert counts["evaluate"] == 45
     assert counts["isolated"] == 3
@@ -53,6 +56,15 @@ def test_gpu_smoke_axes_cover_every_family(tmp_path):
         assert re.search(rf"evaluate/{family}_b\d+/seed20260623/adaptive\.json", proc.stdout), family
     assert "seed20260624" not in proc.stdout
     assert "gpu=h200" in proc.stdout or "h200/" in proc.stdout
+
+
+def test_calibration_repeats_are_an_axis(tmp_path):
+    proc = _snakemake("-n", "--config", "gpu=cpu", f"artifacts_root={tmp_path}", "calibration_repeats=3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert job_counts(proc.stdout)["calibrate_repeat"] == 3
+    proc = _snakemake("-n", "--config", "gpu=cpu", f"artifacts_root={tmp_path}", "calibration_repeats=0")
+    assert "calibration_spread" not in job_counts(proc.stdout)
+    assert _snakemake("-n", "--config", "gpu=cpu", "calibration_repeats=-1").returncode != 0
 
 
 def test_schema_rejects_a_bad_axis():

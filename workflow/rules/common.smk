@@ -70,6 +70,9 @@ ROOT = f"{config['artifacts_root']}/{GPU}" + ("-cpu" if GPU != "cpu" and not ON_
 LOGS = f"{ROOT}/logs"
 
 CALIBRATION = f"{ROOT}/calibration/calibration.json"
+CALIBRATION_REPEATS = [f"{ROOT}/calibration/repeat{k}/calibration.json"
+                       for k in range(1, int(config.get("calibration_repeats", 0)) + 1)]
+CALIBRATION_SPREAD = f"{ROOT}/calibration/spread.md"
 BUILD_RECORD = f"{ROOT}/build/extension.json"
 KERNEL_BENCH = f"{ROOT}/kernel_bench/decode.json"
 HOST_BENCH = f"{ROOT}/host_bench/host.json"
@@ -262,6 +265,7 @@ RESULTS = (
     + isolated_targets()
     + model_step_targets()
     + [f"{ROOT}/profile/ncu_counters.json", KERNEL_BENCH, HOST_BENCH, CALIBRATION, BUILD_RECORD]
+    + ([CALIBRATION_SPREAD] if CALIBRATION_REPEATS else [])
 )
 
 
@@ -270,3 +274,4 @@ wildcard_constraints:
     seed=r"[0-9]+",
     variant=r"[A-Za-z0-9_.]+=[A-Za-z0-9_.]+",
     ctx=r"[0-9]+",
+    k=r"[0-9]+",
