@@ -246,7 +246,8 @@ def lock_path_for(out: str | os.PathLike) -> Path:
     return out.parent / f".{out.name}.lock"
 
 
-def _read_holder(fd: int) -> dict | None:
+def read_lock_holder(fd: int) -> dict | None:
+    """The JSON holder record written into a lock file, or None where there is none or it is unreadable."""
     try:
         record = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
     except (OSError, ValueError):
@@ -285,12 +286,12 @@ class OutputLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                holder = read_lock_holder(fd)
                 os.close(fd)
                 raise OutputLocked(self.out, self.path, holder) from None
             except OSError:
                 # No flock here (some network filesystems): fall back on the recorded pid.
-                holder = _read_holder(fd)
+                holder = read_lock_holder(fd)
                 if holder and (holder.get("host") != socket.gethostname() or _pid_alive(holder.get("pid"))):
                     os.close(fd)
                     raise OutputLocked(self.out, self.path, holder) from None
@@ -314,7 +315,7 @@ class OutputLock:
         fd = self._open_locked()
         try:
             # A record in a file we could lock is a holder that died without releasing it.
-            self.stale = _read_holder(fd)
+            self.stale = read_lock_holder(fd)
             record = {"pid": os.getpid(), "host": socket.gethostname(),
                       "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "out": str(self.out)}
             data = json.dumps(record).encode("utf-8")

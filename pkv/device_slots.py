@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pkv.atomic_io import read_lock_holder
 from pkv.config import ConfigError
 from pkv.provenance import DEVICE_SLOT_ENV
 from pkv.refusal import exit_on_refusal
@@ -135,14 +136,6 @@ def lock_path(slot_dir: str | os.PathLike, entry: str) -> Path:
     return Path(slot_dir) / _lock_name(entry)
 
 
-def _read_holder(fd: int) -> dict | None:
-    try:
-        record = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def _describe(holder: dict | None) -> str:
     if not holder:
         return "holder not recorded"
@@ -221,7 +214,7 @@ def busy_holders(slot_dir: Path, entries: Sequence[str]) -> list[str]:
         except OSError:
             continue
         try:
-            lines.append(f"device {entry}: {_describe(_read_holder(fd))}")
+            lines.append(f"device {entry}: {_describe(read_lock_holder(fd))}")
         finally:
             os.close(fd)
     return lines
