@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from pkv.engines import vllm_build as vb
 from pkv.engines import vllm_sources as vs
 from pkv.engines.base import EngineUnavailable
 from pkv.refusal import exit_on_refusal
@@ -64,7 +65,7 @@ def test_engines_on_a_cpu_device_are_unavailable_with_a_reason(name):
     assert "needs a CUDA device, got cpu" in info.value.reason
 
 
-@pytest.mark.parametrize("loader", [vs.load_vllm_paged_attention, vs.load_vllm_triton_unified_attention])
+@pytest.mark.parametrize("loader", [vb.load_vllm_paged_attention, vb.load_vllm_triton_unified_attention])
 def test_loaders_without_a_gpu_say_so(loader, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(EngineUnavailable, match="needs a CUDA GPU"):
@@ -74,7 +75,7 @@ def test_loaders_without_a_gpu_say_so(loader, monkeypatch, tmp_path):
 def test_loader_without_sources_names_the_fetch_command(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(EngineUnavailable) as info:
-        vs.load_vllm_paged_attention(tmp_path / "none")
+        vb.load_vllm_paged_attention(tmp_path / "none")
     reason = info.value.reason
     assert f"vLLM {vs.PAGED_ATTENTION.version} sources not fetched" in reason
     assert f"python -m pkv.engines.vllm_sources fetch --dest {tmp_path / 'none'}" in reason
@@ -155,7 +156,7 @@ def test_fetch_refuses_a_pinned_file_the_sdist_lacks(tmp_path):
 def test_record_without_network_records_the_reason(monkeypatch, tmp_path):
     missing = vs.Sdist("paged_attention", "9.9.9", (tmp_path / "vllm-9.9.9.tar.gz").as_uri(), "0" * 64, ("LICENSE",))
     monkeypatch.setattr(vs, "SDISTS", (missing,))
-    record = vs.write_record(tmp_path / "build" / "vllm.json", tmp_path / "dest")
+    record = vb.write_record(tmp_path / "build" / "vllm.json", tmp_path / "dest")
     assert record["fetched"] is None and record["reason"].startswith("not fetched: ")
     assert stat.S_IMODE((tmp_path / "build" / "vllm.json").stat().st_mode) == 0o644 & ~_umask()
 

@@ -79,7 +79,7 @@ class VllmEngine(Engine):
     """vLLM's paged decode, v1 or v2 chosen with vLLM's own rule for the step.
 
     The kernels are vLLM 0.22.1's csrc/attention/paged_attention_v{1,2}.cu, built here with the
-    project's binding (pkv.engines.vllm_sources). The adapter converts the shared HND pages into
+    project's binding (pkv.engines.vllm_build). The adapter converts the shared HND pages into
     vLLM's layout once per KV tensor (in ``prepare``, untimed), keeping the same physical page
     ids, so vLLM reads the same pages through the same block tables as every other engine.
     """
@@ -88,8 +88,9 @@ class VllmEngine(Engine):
         self.shape = shape
         self.device = _cuda_device(device, "vllm paged attention")
         # Imported here, not at the top: pkv.engines imports this module, and
-        # `python -m pkv.engines.vllm_sources` must not find its own module imported before it runs.
-        from pkv.engines.vllm_sources import PAGED_ATTENTION, load_vllm_paged_attention
+        # `python -m pkv.engines.vllm_build` must not find its own module imported before it runs.
+        from pkv.engines.vllm_build import load_vllm_paged_attention
+        from pkv.engines.vllm_sources import PAGED_ATTENTION
 
         if shape.head_dim not in PAGED_HEAD_SIZES:
             raise EngineUnavailable(f"vllm paged attention has no kernel for head_dim {shape.head_dim} "
@@ -147,7 +148,8 @@ class VllmTritonEngine(Engine):
     def __init__(self, shape, device="cuda") -> None:
         self.shape = shape
         self.device = _cuda_device(device, "vllm triton unified attention")
-        from pkv.engines.vllm_sources import TRITON_ATTENTION, load_vllm_triton_unified_attention
+        from pkv.engines.vllm_build import load_vllm_triton_unified_attention
+        from pkv.engines.vllm_sources import TRITON_ATTENTION
 
         self._attention = load_vllm_triton_unified_attention()
         self.name = "vllm_triton"

@@ -14,8 +14,8 @@ Two vLLM releases are pinned, each by version, sdist URL and sha256:
   files provides those (KVQuantMode's class is copied verbatim from the release's own file).
 
     python -m pkv.engines.vllm_sources fetch [--dest third_party/vllm] [--sdist FILE ...]
-    python -m pkv.engines.vllm_sources check-compile [--dest third_party/vllm]   # nvcc, no GPU
-    python -m pkv.engines.vllm_sources record --record artifacts/<gpu>/build/vllm.json
+
+Building and loading the kernels from the fetched files is pkv.engines.vllm_build's.
 
 The sources land in a git-ignored folder with manifest.json (versions, hashes, file list); they
 are read from there at build time, never committed. A failed download, a changed upload (a hash
@@ -27,21 +27,14 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
-import importlib
-import json
 import os
-import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from pkv.atomic_io import read_json, write_json_atomic, write_text_atomic
 from pkv.engines.base import EngineUnavailable
@@ -348,215 +341,17 @@ def fetched_root(sdist: Sdist, dest: str | os.PathLike = DEFAULT_DEST) -> Path:
     return dest / sdist.root
 
 
-# ---------------------------------------------------------------------------------------------
-# the PagedAttention build
-
-
-def _include_paths() -> list[str]:
-    """torch's header folders. The CUDA ones are left to nvcc, which knows its own toolkit:
-    torch's CUDA variant of this list needs CUDA_HOME, which a CPU-only torch cannot find."""
-    from torch.utils.cpp_extension import include_paths
-
-    return include_paths()
-
-
-def _paged_sources(root: Path) -> list[Path]:
-    return [BINDING_SOURCE, *(root / rel for rel in PAGED_KERNEL_SOURCES)]
-
-
-def _paged_includes(root: Path) -> list[str]:
-    # The shim first, so it stands in for torch's ATen/cuda/CUDAContext.h; csrc/ because vLLM's
-    # attention/dtype_fp8.cuh includes "torch_utils.h" from there.
-    return [str(SHIM_INCLUDE), str(root / "csrc")]
-
-
-def paged_build_key(root: Path, capability: tuple[int, int]) -> str:
-    from pkv.build import LINK_FLAGS_VERSION
-
-    digest = hashlib.sha256()
-    ours = [(str(p.relative_to(REPO_ROOT)), p) for p in (BINDING_SOURCE, *sorted(SHIM_INCLUDE.rglob("*.h")))]
-    for name, path in ours + [(rel, root / rel) for rel in PAGED_ATTENTION.files]:
-        digest.update(name.encode())
-        digest.update(path.read_bytes())
-    parts = [digest.hexdigest(), f"sm{capability[0]}{capability[1]}", torch.__version__, str(torch.version.cuda),
-             " ".join(LINK_FLAGS_VERSION)]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-_PAGED_LOCK = threading.Lock()
-_PAGED_LOADED: dict[str, object] = {}
-
-
-def load_vllm_paged_attention(dest: str | os.PathLike = DEFAULT_DEST, verbose: bool = False):
-    """torch.ops.pkv_vllm (paged_attention_v1 / v2), built from the fetched vLLM sources for this
-    GPU on first use and cached under PKV_CACHE_DIR by a hash of every source; EngineUnavailable
-    with the reason where it cannot be (no CUDA device, sources not fetched, compile failed)."""
-    if not torch.cuda.is_available():
-        raise EngineUnavailable("vLLM paged attention needs a CUDA GPU; none is visible to torch")
-    root = fetched_root(PAGED_ATTENTION, dest)
-    from pkv.build import NVCC_FLAGS, _compile_library, _load_cached, cache_root, gencode_for
-
-    capability = torch.cuda.get_device_capability()
-    key = paged_build_key(root, capability)
-    with _PAGED_LOCK:
-        if key not in _PAGED_LOADED:
-            # _compile_library joins each source to csrc/, which keeps an absolute path as it is.
-            sources = [str(p) for p in _paged_sources(root)]
-            try:
-                _load_cached(cache_root() / f"vllm-{key}", LIBRARY_NAME,
-                             lambda target: _compile_library(
-                                 target, LIBRARY_NAME, sources, verbose,
-                                 extra_include_paths=_paged_includes(root),
-                                 extra_cuda_cflags=[*NVCC_FLAGS, gencode_for(capability)]))
-            except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-                lines = [line for line in str(exc).splitlines() if line.strip()]
-                errors = [line for line in lines if "error" in line.lower()] or lines
-                raise EngineUnavailable(f"vLLM {PAGED_ATTENTION.version} paged attention failed to compile: "
-                                        + " | ".join(errors[:3])) from exc
-            _PAGED_LOADED[key] = torch.ops.pkv_vllm
-    return _PAGED_LOADED[key]
-
-
-def check_compile(dest: str | os.PathLike = DEFAULT_DEST, arch: str = "90a") -> list[str]:
-    """nvcc-compile vLLM's paged_attention_v1/v2.cu and the binding against the fetched sources
-    and torch's headers, as load_vllm_paged_attention builds them (no GPU, nothing linked)."""
-    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
-
-    from pkv.build import NVCC_FLAGS, _nvcc
-
-    dest = Path(dest)
-    try:
-        root = fetched_root(PAGED_ATTENTION, dest)
-    except EngineUnavailable as exc:
-        raise VllmSourcesError(f"{dest / MANIFEST}: field 'sources.paged_attention' = missing: {exc}") from None
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    includes = [f"-I{p}" for p in _paged_includes(root)] + [a for p in _include_paths() for a in ("-isystem", p)]
-    defines = [abi]
-    if not any((Path(p) / "c10/cuda/impl/cuda_cmake_macros.h").is_file() for p in _include_paths()):
-        # A CPU-only torch ships c10/cuda's headers without the header its CUDA build generates;
-        # that header only marks c10_cuda a shared library, which matters for Windows exports.
-        defines.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
-    done = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for source in _paged_sources(root):
-            if source.suffix == ".cu":
-                cmd = [_nvcc(), *NVCC_FLAGS, *COMMON_NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}",
-                       "-Xcompiler", "-fPIC", *defines, *includes]
-                label = f"{source.name}:sm_{arch}"
-            else:
-                cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-fPIC", *defines, *includes]
-                label = source.name
-            cmd += ["-c", str(source), "-o", str(Path(tmp) / f"{source.name}.o")]
-            start = time.perf_counter()
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                first = [line for line in result.stderr.splitlines() if "error" in line.lower()][:3]
-                raise VllmSourcesError(f"{source}: field 'compile' = {label}: failed: "
-                                       + (" | ".join(first) or result.stderr.strip()[-500:]))
-            done.append(f"{label} ({time.perf_counter() - start:.0f} s)")
-    return done
-
-
-# ---------------------------------------------------------------------------------------------
-# the Triton unified attention
-
-
-_TRITON_LOCK = threading.Lock()
-_TRITON_LOADED: dict[str, object] = {}
-
-
-def _import_isolated(root: Path, module: str):
-    """Import ``module`` from the fetched tree (real kernel files, shim package) without leaving
-    any vllm.* module behind: an installed vLLM, if any, is set aside for the import and put back,
-    and the kernel keeps its own references to the shim through its globals."""
-    own = {name: sys.modules.pop(name) for name in list(sys.modules) if name == "vllm" or name.startswith("vllm.")}
-    sys.path.insert(0, str(root))
-    importlib.invalidate_caches()
-    try:
-        return importlib.import_module(module)
-    finally:
-        sys.path.remove(str(root))
-        for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-            del sys.modules[name]
-        sys.modules.update(own)
-
-
-def load_vllm_triton_unified_attention(dest: str | os.PathLike = DEFAULT_DEST):
-    """vLLM's unified_attention (Triton) from the fetched release; EngineUnavailable with the
-    reason where it cannot run (no CUDA device, no triton, sources not fetched, import failed)."""
-    if not torch.cuda.is_available():
-        raise EngineUnavailable("vLLM triton unified attention needs a CUDA GPU; none is visible to torch")
-    try:
-        importlib.import_module("triton")  # an optional dependency: its absence is a reason
-    except ImportError as exc:
-        raise EngineUnavailable(f"vLLM triton unified attention needs triton: {exc}") from None
-    root = fetched_root(TRITON_ATTENTION, dest)
-    with _TRITON_LOCK:
-        if str(root) not in _TRITON_LOADED:
-            try:
-                module = _import_isolated(root, TRITON_MODULE)
-            except Exception as exc:  # an import error of a fetched file is a reason, not a crash
-                raise EngineUnavailable(f"vLLM {TRITON_ATTENTION.version} {TRITON_MODULE} failed to import: "
-                                        f"{type(exc).__name__}: {exc}") from exc
-            _TRITON_LOADED[str(root)] = module.unified_attention
-    return _TRITON_LOADED[str(root)]
-
-
-# ---------------------------------------------------------------------------------------------
-# the record a DAG rule writes
-
-
-def write_record(path: Path, dest: Path, local: dict[str, Path] | None = None) -> dict:
-    """Fetch (or find fetched) and, where a GPU is visible, build and load both kernels; write
-    what happened to ``path``. A reason (no network, no GPU) is recorded, not raised, so the rule
-    succeeds where the rows cannot run and the tables print ``not available: <reason>``."""
-    from pkv.provenance import collect_provenance
-
-    record: dict = {"schema": "pkv.vllm_build/1", "dest": str(dest)}
-    try:
-        manifest = fetch(dest, local=local)
-        record["fetched"] = {role: {"version": e["version"], "sha256": e["sha256"], "files": sorted(e["files"])}
-                             for role, e in manifest["sources"].items()}
-    except VllmSourcesError as exc:
-        record["fetched"] = None
-        record["reason"] = f"not fetched: {exc}"
-    if record["fetched"] is not None:
-        for role, loader in (("paged_attention", load_vllm_paged_attention),
-                             ("triton_unified_attention", load_vllm_triton_unified_attention)):
-            start = time.perf_counter()
-            try:
-                loader(dest)
-                record[role] = {"built": True, "seconds": round(time.perf_counter() - start, 2)}
-            except EngineUnavailable as exc:
-                record[role] = {"built": False, "reason": f"not available: {exc.reason}"}
-    record["provenance"] = collect_provenance()
-    write_json_atomic(path, record)
-    return record
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("fetch", "check-compile", "record"))
+    parser.add_argument("command", choices=("fetch",))
     parser.add_argument("--dest", type=Path, default=DEFAULT_DEST, help="the git-ignored sources folder")
     parser.add_argument("--sdist", type=Path, action="append", default=[],
                         help="a pinned sdist already on disk (verified like a download); repeatable")
-    parser.add_argument("--record", type=Path, help="record: the JSON to write")
-    parser.add_argument("--arch", default="90a", help="check-compile: the sm_ target")
     args = parser.parse_args(argv)
-    local = {p.name: p for p in args.sdist}
-    if args.command == "fetch":
-        manifest = fetch(args.dest, local=local)
-        for role, entry in manifest["sources"].items():
-            print(f"{role}: vllm {entry['version']} ({entry['sha256'][:12]}), {len(entry['files'])} files "
-                  f"in {args.dest / entry['root']}")
-    elif args.command == "check-compile":
-        for item in check_compile(args.dest, args.arch):
-            print(f"compiled {item}")
-    else:
-        if args.record is None:
-            parser.error("record needs --record PATH")
-        record = write_record(args.record, args.dest, local)
-        print(json.dumps({k: v for k, v in record.items() if k != "provenance"}, indent=1))
+    manifest = fetch(args.dest, local={p.name: p for p in args.sdist})
+    for role, entry in manifest["sources"].items():
+        print(f"{role}: vllm {entry['version']} ({entry['sha256'][:12]}), {len(entry['files'])} files "
+              f"in {args.dest / entry['root']}")
     return 0
 
 

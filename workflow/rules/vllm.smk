@@ -1,5 +1,5 @@
 # The vLLM baseline rows: vLLM's sources, fetched from the pinned sdists into the git-ignored
-# third_party/vllm (pkv.engines.vllm_sources), and, where torch sees a CUDA GPU, the PagedAttention
+# third_party/vllm (pkv.engines.vllm_sources), and (pkv.engines.vllm_build), where torch sees a CUDA GPU, the PagedAttention
 # build and the Triton kernel's import. Not an input of `all`: it needs PyPI the first time, and
 # without network or GPU it records the reason instead (tables print "not available: <reason>").
 #
@@ -9,6 +9,7 @@
 rule vllm_sources:
     input:
         fetcher="pkv/engines/vllm_sources.py",
+        builder="pkv/engines/vllm_build.py",
         binding=sorted(str(p.relative_to(REPO)) for p in (REPO / "csrc" / "vllm_binding").rglob("*") if p.is_file()),
     output:
         f"{ROOT}/build/vllm.json",
@@ -21,4 +22,4 @@ rule vllm_sources:
         gpu=GPU_SLOTS,
     # Like the build: no device slot, it times nothing.
     shell:
-        f"{PYTHON} -m pkv.engines.vllm_sources record --record {{output}} > {{log}} 2>&1"
+        f"{PYTHON} -m pkv.engines.vllm_build record --record {{output}} > {{log}} 2>&1"
