@@ -82,7 +82,7 @@ install_if_missing() {
 
 pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2> /dev/null; }
 
-node_state() { SLURM_CONF="$1/slurm.conf" timeout 10 sinfo -h -N -n localhost -o %T 2> /dev/null | head -1; }
+node_state() { { SLURM_CONF="$1/slurm.conf" timeout 10 sinfo -h -N -n localhost -o %T 2> /dev/null || true; } | head -1; }
 
 slurm_major_minor() {  # "slurm-wlm 22.05.8" -> 2205
     slurmd -V | sed -E 's/^[^0-9]*([0-9]+)\.([0-9]+).*/\1\2/'
