@@ -200,8 +200,8 @@ cmd_start() {
     start_munge "$dir"
     pid_alive "$dir/slurmctld.pid" || slurmctld -f "$SLURM_CONF"
     pid_alive "$dir/slurmd.pid" || slurmd -f "$SLURM_CONF" -N localhost
-    local i state=""
-    for i in $(seq "$WAIT_S"); do
+    local state="" deadline=$((SECONDS + WAIT_S))
+    while [ "$SECONDS" -lt "$deadline" ]; do
         state="$(node_state "$dir")"
         [ "$state" = idle ] && break
         # A node left down by an earlier run comes back.
