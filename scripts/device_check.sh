@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU-machine run: build, kernel tests, compute-sanitizer, kernel benchmark, host-time split.
+# One GPU-machine run: build, GPU tests, compute-sanitizer, kernel benchmark, device-planned step
+# benchmark, host-time split.
 # Logs under $OUT.
 #   (from the repository root, with .whl/ filled as scripts/device_site.sh says; results
 #   name the commit of .device/source_stamp.json, if carried, when the sources match it)
@@ -10,7 +11,9 @@ export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
 [ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -m pkv.build --record "$OUT/build.json" 2>&1 | tail -5 || exit 1
-python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/tests.log" 2>&1
+# Every GPU test (kernels, device-planned step and routed graphs, the baselines, vLLM's rows where
+# third_party/vllm was carried, the model step); GPU_TESTS narrows it, e.g. tests/test_kernels_gpu.py.
+python3 -X faulthandler -m pytest -v -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/} > "$OUT/tests.log" 2>&1
 grep -E "FAILED|ERROR|passed|failed|Fatal|^E  " "$OUT/tests.log" | tail -30
 for tool in memcheck racecheck; do
   compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/sanitize_cases.py > "$OUT/$tool.log" 2>&1
@@ -21,6 +24,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then  # SKIP_BENCH=1: checks and host times only
   tail -3 "$OUT/bench.err"
 fi
 [ -n "${BENCH_WRITE_FLUSH:-}" ] && python3 -m pkv.measure.kernel_bench --flush write --out "$OUT/kernel_bench_writeflush.json" --cases b1_8k b1_32k b8_bimodal 2>/dev/null | tail -4
+if [ -z "${SKIP_STEP:-}" ]; then  # SKIP_STEP=1: no device-planned step benchmark
+  python3 -m pkv.measure.device_step_bench --out "$OUT/device_step_bench.json" 2>&1 | tail -8
+fi
 if [ -z "${SKIP_HOST:-}" ]; then  # SKIP_HOST=1: no host-time split
   python3 -m pkv.measure.host_bench --calibration conf/gpu/h200.yaml --out "$OUT/host_bench.json" 2>&1 | tail -25
 fi
