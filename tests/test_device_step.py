@@ -40,3 +40,63 @@ def test_routed_graph_buckets_and_buffers_on_any_device():
     assert routed.buffers(5).q.data_ptr() == buffers.q.data_ptr()  # one bucket, one set of tensors
     with pytest.raises(ValueError, match="batch_buckets"):
         RoutedGraphStep(None, shape, k, k, max_pages=8, batch_buckets=())
+
+
+EDGE = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 4097]
+
+
+def test_the_device_plan_is_the_host_plans_tasks_in_the_kernels_order():
+    from types import SimpleNamespace
+
+    from pkv.pipeline.schedule import SplitPolicy, plan_workqueue, plan_workqueue_device_order
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        batch, splits = int(rng.integers(1, 40)), int(rng.integers(1, 70))
+        lens = rng.choice(np.r_[EDGE, rng.integers(1, 70000, size=5)], size=batch).astype(np.int32)
+        device = plan_workqueue_device_order(lens, 8, 4, splits)
+        host = plan_workqueue(SimpleNamespace(seq_lens=lens), 8, 4, SplitPolicy(num_splits=splits))
+        assert np.array_equal(device.split_offsets, host.split_offsets), trial
+        assert sorted(map(tuple, device.tasks.tolist())) == sorted(map(tuple, host.tasks.tolist())), trial
+        tiles = -(-lens[device.tasks[:, 0]] // 32)
+        assert np.all(np.diff(tiles) <= 0), "rows longest first"
+
+
+def test_the_device_plan_clamps_to_the_table_and_gives_empty_rows_no_task():
+    from pkv.pipeline.schedule import plan_workqueue_device_order
+
+    plan = plan_workqueue_device_order(np.array([0, 5000, 70, 0]), 2, 4, 8, max_tokens=4096)
+    assert set(plan.tasks[:, 0].tolist()) == {1, 2}
+    assert plan.tasks[plan.tasks[:, 0] == 1, 4].max() == 4096 // 32  # clamped to the table's tokens
+    assert plan.split_offsets.tolist() == [0, 0, 0, 8, 16, 19, 22, 22, 22]
+
+
+@pytest.mark.parametrize("splits", [1, 5, 24])
+def test_the_reference_engine_runs_the_device_plan_to_float64(splits):
+    import torch
+
+    from pkv.engines.dense import dense_decode
+    from pkv.engines.reference import ReferenceEngine
+    from pkv.measure.kv_data import make_kv_pages, make_queries
+    from pkv.pipeline.pages import assign_pages
+    from pkv.pipeline.step import build_step
+    from pkv.policy.choose import PinnedRoutePolicy
+    from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    rng = np.random.default_rng(splits)
+    lens = [int(x) for x in rng.choice(EDGE + [3000, 9000], size=6)]
+    assignment = assign_pages(lens, 16, 0.5, splits)
+    step = build_step(0, np.arange(len(lens)), np.asarray(lens, dtype=np.int32), assignment.pages, 16)
+    k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, "float64", "cpu", splits)
+    q = make_queries(len(lens), shape, "float64", "cpu", splits + 1)
+    engine = ReferenceEngine(shape, policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, splits)), planner="device")
+    plan = engine.plan(step)
+    assert plan.schedule.tasks[0, 0] == int(np.argmax(lens))  # the kernel's order: the longest row first
+    out = engine.run(q, k, v, plan)
+    ref = dense_decode(q, k, v, step.seq_lens, step.block_table)
+    assert torch.allclose(out, ref, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="fixed split rule only"):
+        ReferenceEngine(shape, policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, 4, "balanced")),
+                        planner="device").plan(step)

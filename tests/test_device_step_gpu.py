@@ -9,7 +9,7 @@ import torch
 
 from pkv.engines.dense import dense_decode
 from pkv.measure.kv_data import make_kv_pages, make_queries
-from pkv.pipeline.schedule import SplitPolicy, plan_workqueue
+from pkv.pipeline.schedule import SplitPolicy, plan_workqueue, plan_workqueue_device_order
 from pkv.pipeline.step import build_step
 from pkv.shape import ModelShape
 
@@ -66,6 +66,9 @@ def test_device_plan_is_the_host_plan_longest_first(num_splits):
         assert np.array_equal(offsets.cpu().numpy(), host.split_offsets)
         tasks = workspace.tasks[:live].cpu().numpy()
         assert sorted(map(tuple, tasks.tolist())) == sorted(map(tuple, host.tasks.tolist()))
+        # The kernel writes exactly the plan its CPU mirror describes, order included.
+        mirror = plan_workqueue_device_order(np.asarray(lengths), shape.num_kv_heads, shape.group_size, num_splits)
+        assert np.array_equal(tasks, mirror.tasks) and np.array_equal(offsets.cpu().numpy(), mirror.split_offsets)
         row_tiles = -(-np.asarray(lengths)[tasks[:, 0]] // 32)
         assert np.all(np.diff(row_tiles) <= 0), "tasks must come longest row (most tiles) first"
 

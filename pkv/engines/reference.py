@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pkv.engines.base import Engine, EnginePlan, check_decode_inputs
-from pkv.pipeline.schedule import TILE_TOKENS, plan_buckets, plan_workqueue
+from pkv.pipeline.schedule import TILE_TOKENS, plan_buckets, plan_workqueue, plan_workqueue_device_order
 from pkv.policy.choose import PinnedRoutePolicy, describe_policy, pinned_route
 from pkv.policy.route import MERGE_FUSED, ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
 
@@ -144,10 +144,15 @@ def _compute_dtype(q: torch.Tensor, k_pages: torch.Tensor) -> torch.dtype:
 class ReferenceEngine(Engine):
     """PersistentKV's routes executed with torch ops (same constructor as the CUDA engine)."""
 
-    def __init__(self, shape, *, policy=None, device="cpu") -> None:
+    def __init__(self, shape, *, policy=None, device="cpu", planner: str = "host") -> None:
+        if planner not in ("host", "device"):
+            raise ValueError(f"ReferenceEngine: planner must be 'host' or 'device', got {planner!r}")
         self.shape = shape
         self.policy = policy if policy is not None else PinnedRoutePolicy(pinned_route("workqueue", None))
         self.device = torch.device(device)
+        # planner="device": workqueue steps run the plan the GPU planner writes
+        # (plan_workqueue_device_order, fixed split rule only), so its logic is checked on the CPU.
+        self.planner = planner
         self.name = "reference"
         # The merge is the same exact reduction whatever its kind; the route is recorded so
         # results say which variant's plan was executed.
@@ -169,7 +174,14 @@ class ReferenceEngine(Engine):
 
     def _plan_workqueue(self, step, route: StepRoute) -> EnginePlan:
         policy = route.split_policy
-        schedule = plan_workqueue(step, self.shape.num_kv_heads, self.shape.group_size, policy)
+        if self.planner == "device":
+            if policy.kind != "fixed":
+                raise ValueError(f"ReferenceEngine(planner='device'): the device planner has the fixed split rule "
+                                 f"only, got {policy.kind!r}")
+            schedule = plan_workqueue_device_order(step.seq_lens, self.shape.num_kv_heads, self.shape.group_size,
+                                                   policy.num_splits)
+        else:
+            schedule = plan_workqueue(step, self.shape.num_kv_heads, self.shape.group_size, policy)
         splits = int(policy.num_splits) if policy.kind == "fixed" else int(schedule.max_splits)
         plan = EnginePlan(route=ROUTE_WORKQUEUE, step=step, schedule=schedule, num_splits=splits, merge=route.merge)
         if route.merge == MERGE_FUSED:

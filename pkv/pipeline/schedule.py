@@ -306,3 +306,34 @@ def plan_workqueue(step, num_kv_heads: int, group_size: int, policy: SplitPolicy
     split_offsets = np.zeros(batch * hkv + 1, dtype=np.int32)
     np.cumsum(np.repeat(k.astype(np.int32), hkv), dtype=np.int32, out=split_offsets[1:])
     return WorkqueuePlan(tasks, split_offsets, hkv, int(group_size), int(k.max()))
+
+
+def plan_workqueue_device_order(seq_lens, num_kv_heads: int, group_size: int, num_splits: int,
+                                max_tokens: int = 2**31 - 1) -> WorkqueuePlan:
+    """The plan csrc/device_plan.cu writes on the GPU, as data: the fixed split rule of
+    ``plan_workqueue`` (the same split_offsets and the same task set), lengths clamped to
+    ``max_tokens``, rows of length 0 without tasks, and the tasks in the kernel's order: rows
+    ranked by tiles, longest first (ties by row), each row's tasks KV head by KV head, split by
+    split. The reference engine runs it (``ReferenceEngine(planner="device")``), so the CPU checks
+    the device plan's logic against float64, and the GPU tests hold the kernel to it exactly."""
+    _check_heads(num_kv_heads, group_size)
+    hkv = int(num_kv_heads)
+    lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, int(max_tokens))
+    n = _ceil_div(lens, TILE_TOKENS)
+    k = np.where(n > 0, _ceil_div(n, np.maximum(_ceil_div(n, np.maximum(np.minimum(num_splits, n), 1)), 1)), 0)
+    per_split = np.where(k > 0, _ceil_div(n, np.maximum(k, 1)), 0)
+    order = np.lexsort((np.arange(n.size), -n))  # tiles descending, then row
+    order = order[k[order] > 0]
+    counts = hkv * k[order]
+    rows = np.repeat(order, counts)
+    local = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    splits_of_row = k[rows]
+    tasks = np.empty((rows.size, 5), dtype=np.int32)
+    tasks[:, 0] = rows
+    tasks[:, 1] = local // splits_of_row
+    tasks[:, 2] = local % splits_of_row
+    tasks[:, 3] = tasks[:, 2] * per_split[rows]
+    tasks[:, 4] = np.minimum(tasks[:, 3] + per_split[rows], n[rows])
+    split_offsets = np.zeros(n.size * hkv + 1, dtype=np.int32)
+    np.cumsum(np.repeat(k.astype(np.int32), hkv), dtype=np.int32, out=split_offsets[1:])
+    return WorkqueuePlan(tasks, split_offsets, hkv, int(group_size), max(int(k.max()), 1))
