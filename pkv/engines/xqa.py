@@ -64,6 +64,10 @@ class XqaEngine(Engine):
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
         check_decode_inputs(q, k_pages, v_pages, self.shape, self.page_size)
         t = plan.tensors
-        return self._decode(q, (k_pages, v_pages), self._workspace, t["block_table"], t["seq_lens"],
-                            plan.extra["max_seq_len"], bmm1_scale=self.shape.sm_scale, bmm2_scale=1.0,
-                            kv_layout="HND")
+        return self.decode(q, k_pages, v_pages, t["block_table"], t["seq_lens"], plan.extra["max_seq_len"])
+
+    def decode(self, q, k_pages, v_pages, block_table, seq_lens_u32, max_seq_len: int):
+        """One XQA launch over tables already on the device (``seq_lens_u32``: uint32 lengths);
+        a CUDA graph captures it with static tables and the longest length it will ever see."""
+        return self._decode(q, (k_pages, v_pages), self._workspace, block_table, seq_lens_u32, int(max_seq_len),
+                            bmm1_scale=self.shape.sm_scale, bmm2_scale=1.0, kv_layout="HND")

@@ -219,13 +219,11 @@ class XqaGraphPath(GraphPath):
         self.route = "xqa"
 
     def attend_for(self, key, static):
-        k, v, e = self.model.k_pages, self.model.v_pages, self.engine
+        k, v, decode = self.model.k_pages, self.model.v_pages, self.engine.decode
         lens = static.lens.view(torch.uint32)  # XQA reads uint32 lengths; the values fit int32
         # The longest length the table addresses, fixed at capture as a serving engine fixes max_model_len.
         max_len = self.max_pages * self.model.page_size
-        scale = self.model.shape.attention.sm_scale
-        return lambda layer, q: e._decode(q, (k[layer], v[layer]), e._workspace, static.table, lens, max_len,
-                                          bmm1_scale=scale, bmm2_scale=1.0, kv_layout="HND")
+        return lambda layer, q: decode(q, k[layer], v[layer], static.table, lens, max_len)
 
 
 class AdaptiveGraphPath(GraphPath):
