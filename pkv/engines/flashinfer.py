@@ -194,7 +194,8 @@ class FlashInferEngine(Engine):
         """What a path pick depends on: device, shape and path set, dtypes, batch class."""
         return self._fixed_key, self._dtypes, probe_key(step)
 
-    def _path_for(self, step) -> str | None:
+    def path_for(self, step) -> str | None:
+        """The path this engine runs for the step's batch class (None until a probe has picked one)."""
         if len(self._paths) == 1:
             return next(iter(self._paths))
         if self._dtypes is None:  # not prepared yet: run() probes
@@ -210,7 +211,7 @@ class FlashInferEngine(Engine):
             "last_page_len": torch.from_numpy(np.ascontiguousarray(step.kv_last_page_len, dtype=np.int32)),
         }
         plan = FlashInferPlan(route="flashinfer", step=step, tensors=tensors,
-                              extra={"path": self._path_for(step), "planned": None})
+                              extra={"path": self.path_for(step), "planned": None})
         path = plan.extra["path"]
         if path is not None and self._dtypes is not None:
             self._plan_path(path, plan, *self._dtypes)
@@ -223,7 +224,7 @@ class FlashInferEngine(Engine):
 
     def prepare(self, step, q, k_pages, v_pages) -> None:
         self._dtypes = (q.dtype, k_pages.dtype)
-        if self._path_for(step) is not None:
+        if self.path_for(step) is not None:
             return
         measured = {}
         for path, runner in self._paths.items():
@@ -250,7 +251,7 @@ class FlashInferEngine(Engine):
         if path is None:
             # prepare() was not called for this shape class: probe now (inside the timing).
             self.prepare(plan.step, q, k_pages, v_pages)
-            path = plan.extra["path"] = self._path_for(plan.step)
+            path = plan.extra["path"] = self.path_for(plan.step)
         if (self._planned_for.get(path) is not plan
                 or plan.extra["planned"] != (path, q.dtype, k_pages.dtype)):
             self._dtypes = (q.dtype, k_pages.dtype)

@@ -169,7 +169,7 @@ class FlashInferGraphPath(GraphPath):
         self.paths: dict[int, str] = {}
 
     def _tensor_cores(self, step) -> bool:
-        picked = self.engine._path_for(step) if hasattr(self.engine, "_path_for") else None
+        picked = self.engine.path_for(step) if hasattr(self.engine, "path_for") else None
         self.paths[step.batch_size] = {"cc": "cc", "tc": "tc"}.get(picked, f"tc (picked {picked}, no graph wrapper)")
         return picked != "cc"
 
