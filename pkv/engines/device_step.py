@@ -106,10 +106,12 @@ class DeviceDecodeStep:
 
         Eager calls check every length against the block table before launching: from
         ``host_lens`` where the caller has them (a serving scheduler does), else from a copy of
-        ``seq_lens`` (one synchronization). Under CUDA-graph capture there is no host check;
+        ``seq_lens`` (one synchronization). Under CUDA-graph capture and torch.compile there is no host check;
         ``GraphedDecodeStep(debug_checks=True)`` checks on the device instead."""
         self._check(q, block_table, seq_lens, out)
-        if not torch.cuda.is_current_stream_capturing():
+        # No host check while a graph is captured or torch.compile traces: both need the step
+        # free of host synchronization (the debug check of GraphedDecodeStep runs on the device).
+        if not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
             check_lengths(seq_lens.cpu().numpy() if host_lens is None else host_lens, block_table.shape[1],
                           k_pages.shape[2])
         self.plan(block_table, seq_lens, k_pages.shape[2])
