@@ -92,8 +92,11 @@ class RoutePolicy:
             raise ValueError("RoutePolicy.choose: StepBatch.seq_lens is empty; a decode step needs a row")
         if batch < VECTOR_MIN_ROWS:
             lens = lens.tolist()  # short batches count fastest as Python ints
+            longest = max(lens)
+        else:
+            longest = int(lens.max())  # builtins.max would walk the array element by element
         gate, candidate, margin = self._regimes[regime_of(batch)]
-        if max(lens) < gate:
+        if longest < gate:
             return GATE_CONTEXT
         if candidate is None:
             return GATE_REGIME
