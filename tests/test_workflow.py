@@ -58,6 +58,16 @@ def test_gpu_smoke_axes_cover_every_family(tmp_path):
     assert "gpu=h200" in proc.stdout or "h200/" in proc.stdout
 
 
+def test_vllm_rows_build_in_their_own_job_before_the_timing_rules_on_a_gpu(tmp_path):
+    gpu = _snakemake("-n", "--config", "gpu=h200", "profile=gpu", f"artifacts_root={tmp_path}")
+    assert gpu.returncode == 0, gpu.stdout + gpu.stderr
+    assert job_counts(gpu.stdout)["vllm_sources"] == 1
+    for rule in ("kernel_bench", "isolated"):
+        assert re.search(rf"rule {rule}:\n\s+input: [^\n]*{tmp_path}/h200/build/vllm\.json", gpu.stdout), rule
+    cpu = _snakemake("-n", "--config", "gpu=cpu", f"artifacts_root={tmp_path}")
+    assert "vllm_sources" not in job_counts(cpu.stdout)  # the CPU profile needs no PyPI
+
+
 def test_calibration_repeats_are_an_axis(tmp_path):
     proc = _snakemake("-n", "--config", "gpu=cpu", f"artifacts_root={tmp_path}", "calibration_repeats=3")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,5 +1,5 @@
-# The decode-kernel benchmark: PersistentKV's split points against FlashInfer's tensor-core and
-# CUDA-core decode on the same page tables, L2 flushed, as ratios and fractions of the read floor;
+# The decode-kernel benchmark: PersistentKV's split points against every baseline (FlashInfer's
+# decode paths, XQA, vLLM's kernels) on the same page tables, L2 flushed, as ratios and fractions of the read floor;
 # and the host-time split of one serving step per engine (docs/performance.md). On a machine
 # without a GPU each records why it did not run.
 
@@ -7,6 +7,7 @@
 rule kernel_bench:
     input:
         build=BUILD_RECORD,
+        baselines=BASELINE_BUILDS,
     output:
         KERNEL_BENCH,
     log:

@@ -75,6 +75,11 @@ CALIBRATION_REPEATS = [f"{ROOT}/calibration/repeat{k}/calibration.json"
 CALIBRATION_SPREAD = f"{ROOT}/calibration/spread.md"
 BUILD_RECORD = f"{ROOT}/build/extension.json"
 KERNEL_BENCH = f"{ROOT}/kernel_bench/decode.json"
+# vLLM's rows (workflow/rules/vllm.smk): on the GPU profile the timing rules that run them wait for
+# this record, so vLLM's kernels compile in a job of their own, never inside a timed one. The CPU
+# profile leaves it out: it would need PyPI, and the rows cannot run there anyway.
+VLLM_RECORD = f"{ROOT}/build/vllm.json"
+BASELINE_BUILDS = [VLLM_RECORD] if ON_GPU else []
 HOST_BENCH = f"{ROOT}/host_bench/host.json"
 HELD_OUT = [int(s) for s in config["held_out_seeds"]]
 TRACE_NAME = re.compile(r"([a-z]+)_b([0-9]+)")

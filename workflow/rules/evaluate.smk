@@ -51,6 +51,7 @@ rule mlp:
 rule isolated:
     input:
         calibration=CALIBRATION,
+        baselines=BASELINE_BUILDS,
     output:
         f"{ROOT}/isolated/ctx{{ctx}}.json",
     log:

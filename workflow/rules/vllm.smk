@@ -1,7 +1,8 @@
 # The vLLM baseline rows: vLLM's sources, fetched from the pinned sdists into the git-ignored
 # third_party/vllm (pkv.engines.vllm_sources), and (pkv.engines.vllm_build), where torch sees a CUDA GPU, the PagedAttention
-# build and the Triton kernel's import. Not an input of `all`: it needs PyPI the first time, and
-# without network or GPU it records the reason instead (tables print "not available: <reason>").
+# build and the Triton kernel's import. On the GPU profile the isolated and kernel benchmarks wait
+# for it (BASELINE_BUILDS); without network or GPU it records the reason instead (tables print
+# "not available: <reason>"). The CPU profile leaves it out: it would need PyPI the first time.
 #
 #   snakemake --cores 1 vllm_sources
 
@@ -12,7 +13,7 @@ rule vllm_sources:
         builder="pkv/engines/vllm_build.py",
         binding=sorted(str(p.relative_to(REPO)) for p in (REPO / "csrc" / "vllm_binding").rglob("*") if p.is_file()),
     output:
-        f"{ROOT}/build/vllm.json",
+        VLLM_RECORD,
     log:
         f"{LOGS}/vllm_sources.log",
     threads: 1
