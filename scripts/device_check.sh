@@ -4,6 +4,8 @@
 # Logs under $OUT.
 #   (from the repository root, with .whl/ filled as scripts/device_site.sh says; results
 #   name the commit of .device/source_stamp.json, if carried, when the sources match it)
+# vLLM's rows need its sources carried: run scripts/vllm_carry.sh here and name third_party/vllm
+# in the run's carry (without them the rows record why they did not run).
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 source scripts/device_site.sh || exit 1

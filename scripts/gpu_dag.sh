@@ -18,6 +18,8 @@
 #   SKIP_TESTS=1 skips the kernel tests. DAG_TARGETS="tables ...": build only these targets.
 #   PKV_SOURCE_STAMP=<file from `python -m pkv.provenance --stamp`, carried>: results name that
 #     commit when the copied sources match it (default .device/source_stamp.json if present).
+# vLLM's rows need its sources carried: run scripts/vllm_carry.sh here and name third_party/vllm
+# in the run's carry (without them the rows record why they did not run).
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 GPU_NAME=${GPU_NAME:-h200}
