@@ -70,7 +70,7 @@ def build_key(capability: tuple[int, int]) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def _nvcc() -> str:
+def nvcc_path() -> str:
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
         return str(Path(cuda_home) / "bin" / "nvcc")
@@ -88,11 +88,11 @@ def ensure_built(verbose: bool = False) -> Path:
     if not torch.cuda.is_available():
         raise RuntimeError("the PersistentKV CUDA extension needs a CUDA GPU; none is visible to torch")
     capability = torch.cuda.get_device_capability()
-    return _load_cached(cache_root() / build_key(capability), LIBRARY_NAME,
+    return load_cached(cache_root() / build_key(capability), LIBRARY_NAME,
                         lambda target: _compile(target, capability, verbose))
 
 
-def _load_cached(target: Path, name: str, compile_into) -> Path:
+def load_cached(target: Path, name: str, compile_into) -> Path:
     """Load target/<name>.so into torch.ops, compiling it first (under a file lock, so two
     processes never build the same key at once) when it is not cached."""
     library = target / f"{name}.so"
@@ -106,7 +106,7 @@ def _load_cached(target: Path, name: str, compile_into) -> Path:
 
 
 def _compile(target: Path, capability: tuple[int, int], verbose: bool) -> None:
-    _compile_library(target, LIBRARY_NAME, [BINDING_SOURCE, *HOST_SOURCES, *KERNEL_SOURCES], verbose,
+    compile_library(target, LIBRARY_NAME, [BINDING_SOURCE, *HOST_SOURCES, *KERNEL_SOURCES], verbose,
                      extra_cuda_cflags=[*NVCC_FLAGS, gencode_for(capability)])
 
 
@@ -134,7 +134,7 @@ def _loaded_libstdcxx() -> str | None:
     return None
 
 
-def _compile_library(target: Path, name: str, sources: list[str], verbose: bool, **options) -> None:
+def compile_library(target: Path, name: str, sources: list[str], verbose: bool, **options) -> None:
     libstdcxx = _loaded_libstdcxx()
 
     work = Path(tempfile.mkdtemp(prefix="build-", dir=target))
@@ -159,14 +159,14 @@ def ensure_host_built(verbose: bool = False) -> Path:
     files = [CSRC / f for f in (*HOST_SOURCES, *HOST_HEADERS)]
     parts = [source_hash(files), "cpu", torch.__version__, *LINK_FLAGS_VERSION]
     key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-    return _load_cached(cache_root() / f"host-{key}", HOST_LIBRARY_NAME,
-                        lambda target: _compile_library(target, HOST_LIBRARY_NAME, list(HOST_SOURCES), verbose,
+    return load_cached(cache_root() / f"host-{key}", HOST_LIBRARY_NAME,
+                        lambda target: compile_library(target, HOST_LIBRARY_NAME, list(HOST_SOURCES), verbose,
                                                         with_cuda=False))
 
 
 def check_compile(arches: tuple[str, ...] = ("90a", "80")) -> list[str]:
     """Compile every kernel source with nvcc (no GPU, no torch) so a broken kernel fails CI."""
-    nvcc = _nvcc()
+    nvcc = nvcc_path()
     done = []
     with tempfile.TemporaryDirectory() as tmp:
         for source in sorted(CSRC.glob("*.cu")):

@@ -298,11 +298,12 @@ def test_the_dags_gpu_rules_run_through_the_wrapper(tmp_path):
     commands, gpu_rules = _shell_commands(proc.stdout), _gpu_rules(proc.stdout)
     assert {"calibrate", "evaluate", "ablate_splits", "profile", "kernel_bench"} <= gpu_rules
     wrapper = f"-m pkv.device_slots run --slot-dir {tmp_path}/.slots -- "
-    for rule in gpu_rules - {"build"}:
+    for rule in gpu_rules - {"build", "vllm_sources"}:
         for command in commands[rule]:
             assert wrapper in command, (rule, command)
             # The package's path and thread count reach the command through the wrapper's environment.
             assert command.index("PYTHONPATH=") < command.index(wrapper)
-    # The build times nothing and runs before every timed job: it takes no slot.
+    # The builds (the extension, vLLM's kernels) time nothing and run before the timed jobs: no slot.
     assert not any("pkv.device_slots" in c for c in commands["build"])
+    assert not any("pkv.device_slots" in c for c in commands["vllm_sources"])
     assert not any("pkv.device_slots" in c for c in commands["tables"])

@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 
 from pkv.atomic_io import write_json_atomic
+from pkv.build import LINK_FLAGS_VERSION, NVCC_FLAGS, cache_root, compile_library, gencode_for, load_cached, nvcc_path
 from pkv.engines.base import EngineUnavailable
 from pkv.engines.vllm_sources import (
     BINDING_SOURCE,
@@ -39,6 +41,7 @@ from pkv.engines.vllm_sources import (
     fetch,
     fetched_root,
 )
+from pkv.provenance import collect_provenance
 from pkv.refusal import exit_on_refusal
 
 # ---------------------------------------------------------------------------------------------
@@ -48,8 +51,6 @@ from pkv.refusal import exit_on_refusal
 def _include_paths() -> list[str]:
     """torch's header folders. The CUDA ones are left to nvcc, which knows its own toolkit:
     torch's CUDA variant of this list needs CUDA_HOME, which a CPU-only torch cannot find."""
-    from torch.utils.cpp_extension import include_paths
-
     return include_paths()
 
 
@@ -64,8 +65,6 @@ def _paged_includes(root: Path) -> list[str]:
 
 
 def paged_build_key(root: Path, capability: tuple[int, int]) -> str:
-    from pkv.build import LINK_FLAGS_VERSION
-
     digest = hashlib.sha256()
     ours = [(str(p.relative_to(REPO_ROOT)), p) for p in (BINDING_SOURCE, *sorted(SHIM_INCLUDE.rglob("*.h")))]
     for name, path in ours + [(rel, root / rel) for rel in PAGED_ATTENTION.files]:
@@ -87,17 +86,15 @@ def load_vllm_paged_attention(dest: str | os.PathLike = DEFAULT_DEST, verbose: b
     if not torch.cuda.is_available():
         raise EngineUnavailable("vLLM paged attention needs a CUDA GPU; none is visible to torch")
     root = fetched_root(PAGED_ATTENTION, dest)
-    from pkv.build import NVCC_FLAGS, _compile_library, _load_cached, cache_root, gencode_for
-
     capability = torch.cuda.get_device_capability()
     key = paged_build_key(root, capability)
     with _PAGED_LOCK:
         if key not in _PAGED_LOADED:
-            # _compile_library joins each source to csrc/, which keeps an absolute path as it is.
+            # compile_library joins each source to csrc/, which keeps an absolute path as it is.
             sources = [str(p) for p in _paged_sources(root)]
             try:
-                _load_cached(cache_root() / f"vllm-{key}", LIBRARY_NAME,
-                             lambda target: _compile_library(
+                load_cached(cache_root() / f"vllm-{key}", LIBRARY_NAME,
+                             lambda target: compile_library(
                                  target, LIBRARY_NAME, sources, verbose,
                                  extra_include_paths=_paged_includes(root),
                                  extra_cuda_cflags=[*NVCC_FLAGS, gencode_for(capability)]))
@@ -113,10 +110,6 @@ def load_vllm_paged_attention(dest: str | os.PathLike = DEFAULT_DEST, verbose: b
 def check_compile(dest: str | os.PathLike = DEFAULT_DEST, arch: str = "90a") -> list[str]:
     """nvcc-compile vLLM's paged_attention_v1/v2.cu and the binding against the fetched sources
     and torch's headers, as load_vllm_paged_attention builds them (no GPU, nothing linked)."""
-    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
-
-    from pkv.build import NVCC_FLAGS, _nvcc
-
     dest = Path(dest)
     try:
         root = fetched_root(PAGED_ATTENTION, dest)
@@ -133,7 +126,7 @@ def check_compile(dest: str | os.PathLike = DEFAULT_DEST, arch: str = "90a") -> 
     with tempfile.TemporaryDirectory() as tmp:
         for source in _paged_sources(root):
             if source.suffix == ".cu":
-                cmd = [_nvcc(), *NVCC_FLAGS, *COMMON_NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}",
+                cmd = [nvcc_path(), *NVCC_FLAGS, *COMMON_NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}",
                        "-Xcompiler", "-fPIC", *defines, *includes]
                 label = f"{source.name}:sm_{arch}"
             else:
@@ -203,8 +196,6 @@ def write_record(path: Path, dest: Path, local: dict[str, Path] | None = None) -
     """Fetch (or find fetched) and, where a GPU is visible, build and load both kernels; write
     what happened to ``path``. A reason (no network, no GPU) is recorded, not raised, so the rule
     succeeds where the rows cannot run and the tables print ``not available: <reason>``."""
-    from pkv.provenance import collect_provenance
-
     record: dict = {"schema": "pkv.vllm_build/1", "dest": str(dest)}
     try:
         manifest = fetch(dest, local=local)

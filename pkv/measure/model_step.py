@@ -20,9 +20,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pkv.engines.dense import dense_decode
 from pkv.measure.kv_data import make_kv_pages, resolve_dtype
 from pkv.shape import ModelShape
 
@@ -68,8 +70,6 @@ class StepShape:
 
 def _uniform_seed(seed: int, *parts: int) -> int:
     # One reproducible stream per (run seed, layer, tensor), independent of the device.
-    import numpy as np
-
     return int(np.random.SeedSequence([int(seed), *map(int, parts)]).generate_state(1)[0])
 
 
@@ -191,8 +191,6 @@ class ModelStep:
 
 def dense_attend(model: ModelStep, block_table, seq_lens):
     """attend(layer, q) by the float64 dense reference over the layer's own pool."""
-    from pkv.engines.dense import dense_decode
-
     def attend(layer, q):
         out = dense_decode(q, model.k_pages[layer], model.v_pages[layer], seq_lens, block_table,
                            sm_scale=model.shape.attention.sm_scale)

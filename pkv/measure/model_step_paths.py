@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pkv.engines.base import EngineUnavailable
+from pkv.engines.device_step import DeviceDecodeStep
 from pkv.measure.model_step import ModelStep, skip_attend
 from pkv.policy.route import ROUTE_FLASHINFER
 
@@ -233,8 +234,6 @@ class AdaptiveGraphPath(GraphPath):
                  max_batch: int) -> None:
         super().__init__(label, model, max_pages)
         self.max_batch = int(max_batch)
-        from pkv.engines.device_step import DeviceDecodeStep
-
         self.policy = engine.policy
         self.flashinfer_path = flashinfer_path
         self._device_step = DeviceDecodeStep
