@@ -109,3 +109,13 @@ def test_cpu_profile_report_says_why_its_routes_are_configured(tmp_path):
     gpu = tmp_path / "gpu.json"
     save_calibration(gpu, CALIB, {"measurements": MEASURED})
     assert calibration_report.report(gpu).splitlines()[1] == "B1 bucket S=32 from 512 tokens"
+
+
+def test_a_tie_of_split_counts_is_shown_with_the_fastest_alone():
+    from pkv.report.calibration_report import split_sweeps
+
+    sweep = {**MEASURED["split_sweeps"]["bimodal_b8"], "selected_splits": 24, "fastest_splits": 28,
+             "tied_splits": [24, 28]}
+    lines = split_sweeps({"bimodal_b8": sweep})
+    assert "  tied within noise: 24, 28; the fewest splits taken (fastest alone: 28)" in lines
+    assert not any("tied" in line for line in split_sweeps(MEASURED["split_sweeps"]))

@@ -61,6 +61,10 @@ def split_sweeps(sweeps: dict) -> list[str]:
         together = sweep.get("fitted_with", [name])
         with_others = f" (with {', '.join(t for t in together if t != name)})" if len(together) > 1 else ""
         lines.append(f"{name} -> {fits}{with_others}: " + ", ".join(cells))
+        tied = sweep.get("tied_splits") or []
+        if len(tied) > 1:  # files written before the tie rule hold no tied set
+            lines.append(f"  tied within noise: {', '.join(map(str, tied))}; the fewest splits taken "
+                         f"(fastest alone: {sweep['fastest_splits']})")
         route = sweep.get("regime_route", sweep.get("boundary_route"))  # the latter in files before the regimes
         if route:
             lines.append(f"  B2-7 route {route['fitted']} ({float(route['speedup']):.3f}x, "
