@@ -35,6 +35,17 @@ def test_a_decision_that_moved_is_named_and_the_others_agree(tmp_path):
     assert lam["rel_spread"] > 0
     text = render_markdown(report)
     assert "Decisions that differ: regimes.many_rows.num_splits" in text and "| **no** |" in text
+    # What that does to Table 2: every B8 step the workqueue takes changes split count, B1 none.
+    steps = {row["trace"]: row for row in report["steps"]}
+    assert steps["bucketed_b1"]["differ"] == [0] and steps["bucketed_b1"]["steps"] == 5 * 64
+    assert steps["bimodal_b8"]["differ"][0] > 0
+    assert "| bucketed_b1 | 320 | 0 (0%) |" in text
+
+
+def test_identical_calibrations_route_every_step_alike(tmp_path):
+    report = spread([_variant(tmp_path, "a.json"), _variant(tmp_path, "b.json")])
+    assert all(d["agree"] for d in report["decisions"])
+    assert all(row["differ"] == [0] for row in report["steps"])
 
 
 def test_a_missing_file_is_one_refusal_line(tmp_path):
