@@ -26,7 +26,6 @@ import fcntl
 import json
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -37,7 +36,7 @@ from pathlib import Path
 
 from pkv.atomic_io import read_lock_holder
 from pkv.config import ConfigError
-from pkv.provenance import DEVICE_SLOT_ENV
+from pkv.provenance import DEVICE_SLOT_ENV, nvidia_smi_devices
 from pkv.refusal import exit_on_refusal
 
 SLOT_DIR_ENV = "PKV_SLOT_DIR"
@@ -50,8 +49,6 @@ DEFAULT_SLOT_DIR = "artifacts/.slots"
 # A waiting job looks again this often: short next to a job (seconds to minutes), long enough that
 # a few waiters cost nothing.
 POLL_S = 0.2
-# nvidia-smi is asked once per job, with a timeout, so a wedged driver cannot hang the DAG.
-_SMI_TIMEOUT_S = 10.0
 
 
 def _visible_entries(value: str) -> list[str]:
@@ -67,17 +64,9 @@ def _visible_entries(value: str) -> list[str]:
 
 
 def _nvidia_smi_indices() -> list[str] | None:
-    """Device indices nvidia-smi lists, or None without a working nvidia-smi."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=_SMI_TIMEOUT_S, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if proc.returncode != 0:
-        return None
-    return [line.split(",")[0].strip() for line in proc.stdout.splitlines() if line.strip()]
+    """Device indices nvidia-smi lists (the provenance's one call), or None without a working nvidia-smi."""
+    name, _, uuids = nvidia_smi_devices()
+    return None if name is None else list(uuids)
 
 
 def _torch_device_count() -> int:

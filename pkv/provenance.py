@@ -133,7 +133,7 @@ def _stamped_commit() -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _nvidia_smi() -> tuple[str | None, str | None, dict[str, str]]:
+def nvidia_smi_devices() -> tuple[str | None, str | None, dict[str, str]]:
     """(name of GPU 0, driver version, {index: UUID} of every GPU) from one nvidia-smi call;
     (None, None, {}) without one."""
     if shutil.which("nvidia-smi") is None:
@@ -262,7 +262,7 @@ def collect_provenance(config: Any = None, seed: int | None = None) -> dict:
 
     commit, dirty = _git_state()
     torch_version, cuda_version, torch_device = _torch_info()
-    smi_name, driver, smi_uuids = _nvidia_smi()
+    smi_name, driver, smi_uuids = nvidia_smi_devices()
     gpu_name = torch_device or smi_name
     device_index, device_uuid = _device_identity(gpu_name is not None, smi_uuids)
     return {

@@ -232,7 +232,7 @@ def test_a_bad_slot_dir_is_one_refusal_line(tmp_path):
 
 
 def test_provenance_names_the_slots_device(monkeypatch):
-    provenance._nvidia_smi.cache_clear()
+    provenance.nvidia_smi_devices.cache_clear()
     real_run, real_which = subprocess.run, provenance.shutil.which
 
     def fake_smi(cmd, **kwargs):
@@ -258,12 +258,12 @@ def test_provenance_names_the_slots_device(monkeypatch):
         monkeypatch.setattr(provenance, "_torch_device_uuid", lambda: "GPU-from-torch")
         assert provenance.collect_provenance()["device_uuid"] == "GPU-from-torch"
         monkeypatch.setattr(provenance, "_torch_info", lambda: ("2.5.0", None, None))
-        provenance._nvidia_smi.cache_clear()
+        provenance.nvidia_smi_devices.cache_clear()
         monkeypatch.setattr(provenance.shutil, "which", lambda n: None if n == "nvidia-smi" else real_which(n))
         prov = provenance.collect_provenance()
         assert prov["device_index"] is None and prov["device_uuid"] is None
     finally:
-        provenance._nvidia_smi.cache_clear()
+        provenance.nvidia_smi_devices.cache_clear()
 
 
 def _shell_commands(dry_run: str) -> dict[str, set[str]]:

@@ -13,7 +13,7 @@ KEYS = {"git_commit", "git_dirty", "source_digest", "host", "gpu_name", "driver_
 
 @pytest.fixture(autouse=True)
 def _fresh_caches():
-    caches = (provenance._git_state, provenance._nvidia_smi, provenance.source_digest)
+    caches = (provenance._git_state, provenance.nvidia_smi_devices, provenance.source_digest)
     for cache in caches:
         cache.cache_clear()
     yield

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
+
 
 class EngineUnavailable(RuntimeError):
     """An engine cannot run here (library not installed, no GPU); ``reason`` says why.
@@ -93,3 +96,12 @@ def check_decode_inputs(q, k_pages, v_pages, shape, page_size: int | None = None
         raise ValueError(f"k_pages {tuple(k_pages.shape)} and v_pages {tuple(v_pages.shape)} differ")
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages dtype {k_pages.dtype} differs from v_pages dtype {v_pages.dtype}")
+
+
+def upload_block_table(step, device) -> tuple[dict, int]:
+    """({"block_table": int32 [B, max_pages], "seq_lens": int32 [B]} on ``device``, the longest
+    length): the plan of the baselines that read a padded block table (vLLM, XQA)."""
+    seq_lens = np.ascontiguousarray(step.seq_lens, dtype=np.int32)
+    tensors = {"block_table": torch.from_numpy(np.ascontiguousarray(step.block_table, dtype=np.int32)).to(device),
+               "seq_lens": torch.from_numpy(seq_lens).to(device)}
+    return tensors, int(seq_lens.max())

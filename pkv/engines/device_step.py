@@ -84,22 +84,12 @@ class DeviceDecodeStep:
         if not 1 <= batch <= self.max_batch or seq_lens.dtype != torch.int32 or seq_lens.device != self.device:
             raise ValueError(f"DeviceDecodeStep.plan: seq_lens must be int32 [1..{self.max_batch}] on {self.device}, "
                              f"got {seq_lens.dtype} {tuple(seq_lens.shape)} on {seq_lens.device}")
-        hkv, splits = self.shape.num_kv_heads, self.num_splits
-        capacity = batch * hkv * splits
-        max_tokens = min(block_table.shape[1] * int(page_size), 2**31 - 1)
-        self.ops.plan_workqueue_on_device(seq_lens, hkv, splits, max_tokens, self.tasks[:capacity],
-                                          self.split_offsets[:batch * hkv + 1], self.counts)
+        self._launch_plan(batch, block_table, seq_lens, page_size)
 
     def decode(self, q, k_pages, v_pages, block_table, seq_lens, out) -> torch.Tensor:
         """Decode into ``out`` with the last ``plan`` (of this batch size); returns ``out``."""
-        batch = self._check(q, block_table, seq_lens, out)
-        hkv, splits = self.shape.num_kv_heads, self.num_splits
-        capacity = batch * hkv * splits
-        self.ops.run_workqueue_planned_on_device(q, k_pages, v_pages, block_table, seq_lens, self.tasks[:capacity],
-                                                 self.split_offsets[:batch * hkv + 1], self.counts,
-                                                 self.shape.sm_scale, self.stages, out, self.part_m[:capacity],
-                                                 self.part_l[:capacity], self.part_acc[:capacity])
-        return out
+        return self._launch_decode(self._check(q, block_table, seq_lens, out), q, k_pages, v_pages, block_table,
+                                   seq_lens, out)
 
     def run(self, q, k_pages, v_pages, block_table, seq_lens, out, host_lens=None) -> torch.Tensor:
         """Plan on the GPU and decode into ``out``; returns ``out``.
@@ -108,14 +98,30 @@ class DeviceDecodeStep:
         ``host_lens`` where the caller has them (a serving scheduler does), else from a copy of
         ``seq_lens`` (one synchronization). Under CUDA-graph capture and torch.compile there is no host check;
         ``GraphedDecodeStep(debug_checks=True)`` checks on the device instead."""
-        self._check(q, block_table, seq_lens, out)
+        batch = self._check(q, block_table, seq_lens, out)
         # No host check while a graph is captured or torch.compile traces: both need the step
         # free of host synchronization (the debug check of GraphedDecodeStep runs on the device).
         if not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
             check_lengths(seq_lens.cpu().numpy() if host_lens is None else host_lens, block_table.shape[1],
                           k_pages.shape[2])
-        self.plan(block_table, seq_lens, k_pages.shape[2])
-        return self.decode(q, k_pages, v_pages, block_table, seq_lens, out)
+        self._launch_plan(batch, block_table, seq_lens, k_pages.shape[2])
+        return self._launch_decode(batch, q, k_pages, v_pages, block_table, seq_lens, out)
+
+    # The launches, after the checks of the public calls (each input checked once per call).
+    def _launch_plan(self, batch: int, block_table, seq_lens, page_size: int) -> None:
+        hkv, splits = self.shape.num_kv_heads, self.num_splits
+        max_tokens = min(block_table.shape[1] * int(page_size), 2**31 - 1)
+        self.ops.plan_workqueue_on_device(seq_lens, hkv, splits, max_tokens, self.tasks[:batch * hkv * splits],
+                                          self.split_offsets[:batch * hkv + 1], self.counts)
+
+    def _launch_decode(self, batch: int, q, k_pages, v_pages, block_table, seq_lens, out) -> torch.Tensor:
+        hkv = self.shape.num_kv_heads
+        capacity = batch * hkv * self.num_splits
+        self.ops.run_workqueue_planned_on_device(q, k_pages, v_pages, block_table, seq_lens, self.tasks[:capacity],
+                                                 self.split_offsets[:batch * hkv + 1], self.counts,
+                                                 self.shape.sm_scale, self.stages, out, self.part_m[:capacity],
+                                                 self.part_l[:capacity], self.part_acc[:capacity])
+        return out
 
 
 class GraphedDecodeStep:

@@ -33,14 +33,10 @@ PATH_LABELS = {
     "holistic": "holistic BatchAttention",
     "fa3": "fa3 decode wrapper",
 }
-# Role name -> the paths that role runs; "flashinfer" is the best of PATHS.
-ROLE_PATHS = {
-    "flashinfer": PATHS,
-    "flashinfer_cc": ("cc",),
-    "flashinfer_tc": ("tc",),
-    "flashinfer_holistic": ("holistic",),
-    "flashinfer_fa3": ("fa3",),
-}
+# Role name -> the paths that role runs: "flashinfer" is the best of PATHS, flashinfer_<path> one.
+ROLE_PATHS = {"flashinfer": PATHS, **{f"flashinfer_{p}": (p,) for p in PATHS + MEASURED_ONLY_PATHS}}
+# The pinned roles of the best-of set, for benchmarks that time each path on its own.
+BEST_OF_ROLES = tuple(f"flashinfer_{p}" for p in PATHS)
 
 # Per probed class: the path every best-of engine of the process runs, and what each path measured.
 # Shared by the baseline and the adaptive engine's fallback, keyed by FlashInferEngine._pick_key:
@@ -82,6 +78,13 @@ def pick_path(measured: dict[str, dict[str, float]]) -> str:
     return min(tied, key=lambda p: (measured[p]["plan_us"], measured[p]["device_us"]))
 
 
+def _plan_decode_wrapper(wrapper, indptr, indices, last_page_len, shape, page_size: int, q_dtype, kv_dtype) -> None:
+    # Host tensors, as FlashInfer's plan() expects: it plans from host copies and uploads them
+    # itself without blocking. Device tensors would cost it two device-to-host syncs.
+    wrapper.plan(indptr, indices, last_page_len, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, page_size,
+                 pos_encoding_mode="NONE", q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=shape.sm_scale)
+
+
 class _DecodeWrapperPath:
     """BatchDecodeWithPagedKVCacheWrapper: fa2 on CUDA or tensor cores, or the fa3 backend."""
 
@@ -91,15 +94,35 @@ class _DecodeWrapperPath:
             _allocate_workspace(device), kv_layout="HND", use_tensor_cores=tensor_cores, **kwargs)
 
     def plan(self, tensors: dict, shape, page_size: int, q_dtype, kv_dtype) -> None:
-        # Host tensors, as FlashInfer's plan() expects: it plans from host copies and uploads
-        # them itself without blocking. Device tensors would cost it two device-to-host syncs.
-        self.wrapper.plan(
-            tensors["indptr"], tensors["indices"], tensors["last_page_len"],
-            shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, page_size,
-            pos_encoding_mode="NONE", q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=shape.sm_scale)
+        _plan_decode_wrapper(self.wrapper, tensors["indptr"], tensors["indices"], tensors["last_page_len"], shape,
+                             page_size, q_dtype, kv_dtype)
 
     def run(self, q, k_pages, v_pages):
         return self.wrapper.run(q, (k_pages, v_pages))
+
+
+class FlashInferGraphDecode:
+    """FlashInfer's fa2 decode wrapper in CUDA-graph mode for a fixed batch size (FlashInfer fixes it
+    per wrapper): ``plan`` runs on the host every step, outside the graph, and refills the wrapper's
+    own index buffers; ``run`` is what a graph captures. Serving engines use FlashInfer this way."""
+
+    def __init__(self, shape, batch: int, max_pages: int, page_size: int, device, use_tensor_cores: bool) -> None:
+        flashinfer = _import_flashinfer()
+        int32 = dict(dtype=torch.int32, device=device)
+        self.shape, self.page_size = shape, int(page_size)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            _allocate_workspace(device), kv_layout="HND", use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(batch + 1, **int32),
+            paged_kv_indices_buffer=torch.zeros(batch * max_pages, **int32),
+            paged_kv_last_page_len_buffer=torch.zeros(batch, **int32))
+
+    def plan(self, indptr, indices, last_page_len, q_dtype, kv_dtype) -> None:
+        """Plan from host int32 arrays (numpy or tensors) of the page table in CSR form."""
+        tensors = [torch.as_tensor(np.ascontiguousarray(a, dtype=np.int32)) for a in (indptr, indices, last_page_len)]
+        _plan_decode_wrapper(self.wrapper, *tensors, self.shape, self.page_size, q_dtype, kv_dtype)
+
+    def run(self, q, k_pages, v_pages, out=None):
+        return self.wrapper.run(q, (k_pages, v_pages), out=out)
 
 
 class _HolisticPath:
@@ -113,13 +136,12 @@ class _HolisticPath:
         self.wrapper = flashinfer.BatchAttention(kv_layout="HND", device=str(device))
 
     def plan(self, tensors: dict, shape, page_size: int, q_dtype, kv_dtype) -> None:
-        batch = tensors["last_page_len"].numel()
-        kv_len = (tensors["indptr"][1:] - tensors["indptr"][:-1] - 1) * page_size + tensors["last_page_len"]
+        batch = tensors["seq_lens"].numel()
         # Its plan() reads the indptrs and lengths on the host and keeps kv_indices for run(),
         # so those go up here: the upload is part of this path's plan cost.
         self.wrapper.plan(
             torch.arange(batch + 1, dtype=torch.int32), tensors["indptr"],
-            _upload(tensors["indices"], self.device), kv_len.to(torch.int32),
+            _upload(tensors["indices"], self.device), tensors["seq_lens"],
             shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim, page_size,
             causal=False, sm_scale=shape.sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
 
@@ -209,6 +231,7 @@ class FlashInferEngine(Engine):
             "indptr": torch.from_numpy(np.ascontiguousarray(step.kv_indptr, dtype=np.int32)),
             "indices": torch.from_numpy(np.ascontiguousarray(step.kv_indices, dtype=np.int32)),
             "last_page_len": torch.from_numpy(np.ascontiguousarray(step.kv_last_page_len, dtype=np.int32)),
+            "seq_lens": torch.from_numpy(np.ascontiguousarray(step.seq_lens, dtype=np.int32)),  # holistic reads them
         }
         plan = FlashInferPlan(route="flashinfer", step=step, tensors=tensors,
                               extra={"path": self.path_for(step), "planned": None})

@@ -25,12 +25,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pkv.engines.base import EngineUnavailable
 from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep, check_lengths
+from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.policy.route import ROUTE_FLASHINFER
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 class StepBuffers(NamedTuple):
@@ -52,43 +51,28 @@ class _HostLengths:
 
 
 class _FlashInferGraphPath:
-    """FlashInfer's decode wrapper in CUDA-graph mode for one bucket: its plan() refills the
-    wrapper's own index buffers on the host's data, then the captured run reads them."""
+    """FlashInfer's CUDA-graph decode for one bucket: every step's rows padded to the bucket (its
+    batch size is fixed per wrapper) and planned on the host."""
 
     def __init__(self, shape, bucket: int, max_pages: int, page_size: int, device, use_tensor_cores: bool) -> None:
-        try:
-            import flashinfer  # optional: only FlashInfer steps need it
-        except ImportError as exc:
-            raise EngineUnavailable(f"flashinfer not installed: {exc}") from exc
-        int32 = dict(dtype=torch.int32, device=device)
-        self.shape, self.bucket, self.page_size = shape, bucket, page_size
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device), kv_layout="HND",
-            use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(bucket + 1, **int32),
-            paged_kv_indices_buffer=torch.zeros(bucket * max_pages, **int32),
-            paged_kv_last_page_len_buffer=torch.zeros(bucket, **int32))
+        self.bucket, self.page_size = bucket, page_size
+        self.decode = FlashInferGraphDecode(shape, bucket, max_pages, page_size, device, use_tensor_cores)
 
     def plan(self, host_lens, host_table, q_dtype, kv_dtype) -> None:
         lens = np.asarray(host_lens, dtype=np.int64)
         batch, page = len(lens), self.page_size
-        # The bucket's padding rows read one token of page 0: FlashInfer's batch size is fixed
-        # for a graph, and their output rows are never read.
+        # The bucket's padding rows read one token of page 0: their output rows are never read.
         pages = np.ones(self.bucket, dtype=np.int64)
         pages[:batch] = np.maximum(-(-lens // page), 1)
         last = np.ones(self.bucket, dtype=np.int32)
         last[:batch] = np.where(lens > 0, lens - (pages[:batch] - 1) * page, 1)
         table = np.asarray(host_table)
         indices = np.concatenate([table[row, :pages[row]] for row in range(batch)]
-                                 + [np.zeros(self.bucket - batch, dtype=np.int32)]).astype(np.int32)
-        indptr = np.concatenate(([0], np.cumsum(pages))).astype(np.int32)
-        shape = self.shape
-        self.wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
-                          shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, page, pos_encoding_mode="NONE",
-                          q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=shape.sm_scale)
+                                 + [np.zeros(self.bucket - batch, dtype=np.int32)])
+        self.decode.plan(np.concatenate(([0], np.cumsum(pages))), indices, last, q_dtype, kv_dtype)
 
     def run(self, buffers: StepBuffers, k_pages, v_pages) -> None:
-        self.wrapper.run(buffers.q, (k_pages, v_pages), out=buffers.out)
+        self.decode.run(buffers.q, k_pages, v_pages, out=buffers.out)
 
 
 class RoutedGraphStep:
@@ -146,7 +130,7 @@ class RoutedGraphStep:
         full = self._buffers.get(bucket)
         if full is None:
             raise ValueError(f"RoutedGraphStep.run: write the step into buffers({batch}) first")
-        if self.debug_checks:
+        if self.debug_checks:  # the host holds the lengths: no device check and no synchronization needed
             check_lengths(host_lens, self.max_pages, self.page_size, "RoutedGraphStep")
         if batch < self._last_batch[bucket]:
             full.seq_lens[batch:].zero_()  # padding rows: length 0, no task, output never read
@@ -164,8 +148,7 @@ class RoutedGraphStep:
         if num_splits not in self._persistent:
             workspace = DeviceDecodeStep(self.shape, max_batch=self.batch_buckets[-1], num_splits=num_splits,
                                          device=self.device, stages=self.stages)
-            self._persistent[num_splits] = GraphedDecodeStep(workspace, self.k_pages, self.v_pages, self.max_pages,
-                                                             debug_checks=self.debug_checks)
+            self._persistent[num_splits] = GraphedDecodeStep(workspace, self.k_pages, self.v_pages, self.max_pages)
         return self._persistent[num_splits]
 
     def _replay_flashinfer(self, bucket: int, full: StepBuffers, host_lens, host_table) -> None:

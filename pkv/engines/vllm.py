@@ -7,10 +7,9 @@ install): ``python -m pkv.engines.vllm_sources fetch``.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from pkv.engines.base import Engine, EnginePlan, EngineUnavailable, check_decode_inputs
+from pkv.engines.base import Engine, EnginePlan, EngineUnavailable, check_decode_inputs, upload_block_table
 
 # vLLM's v2 kernel partitions each sequence into chunks of this many tokens.
 PARTITION_SIZE = 512
@@ -66,15 +65,6 @@ def _nhd_layout(k_pages, v_pages):
     return k_pages.permute(0, 2, 1, 3).contiguous(), v_pages.permute(0, 2, 1, 3).contiguous()
 
 
-def _step_tensors(step, device) -> tuple[dict, int]:
-    seq_lens = np.asarray(step.seq_lens, dtype=np.int32)
-    tensors = {
-        "block_table": torch.as_tensor(np.asarray(step.block_table, dtype=np.int32)).to(device),
-        "seq_lens": torch.as_tensor(seq_lens).to(device),
-    }
-    return tensors, int(seq_lens.max())
-
-
 class VllmEngine(Engine):
     """vLLM's paged decode, v1 or v2 chosen with vLLM's own rule for the step.
 
@@ -106,7 +96,7 @@ class VllmEngine(Engine):
         if step.page_size not in PAGED_BLOCK_SIZES:
             raise EngineUnavailable(f"vllm paged attention has no kernel for page_size {step.page_size} "
                                     f"(vLLM {self._version} builds block sizes {PAGED_BLOCK_SIZES})")
-        tensors, max_seq_len = _step_tensors(step, self.device)
+        tensors, max_seq_len = upload_block_table(step, self.device)
         return EnginePlan(route="vllm", step=step, tensors=tensors, extra={"max_seq_len": max_seq_len})
 
     def prepare(self, step, q, k_pages, v_pages) -> None:
@@ -168,7 +158,7 @@ class VllmTritonEngine(Engine):
         self._one = torch.ones(1, dtype=torch.float32, device=self.device)
 
     def plan(self, step) -> EnginePlan:
-        tensors, max_seq_len = _step_tensors(step, self.device)
+        tensors, max_seq_len = upload_block_table(step, self.device)
         batch = len(step.seq_lens)
         tensors["cu_seqlens_q"] = torch.arange(batch + 1, dtype=torch.int32, device=self.device)
         # vLLM expands its per-layer scales to [num_seqs, Hkv] (unquantized KV reads them as 1).

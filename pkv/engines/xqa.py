@@ -8,10 +8,9 @@ vendors the kernel's sources and JIT-compiles them, so this row runs the same ke
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from pkv.engines.base import Engine, EnginePlan, EngineUnavailable, check_decode_inputs
+from pkv.engines.base import Engine, EnginePlan, EngineUnavailable, check_decode_inputs, upload_block_table
 
 # XQA keeps its semaphores and split scratch here; it must start zeroed and stay with the engine.
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -52,14 +51,10 @@ class XqaEngine(Engine):
     def plan(self, step) -> EnginePlan:
         if step.page_size != self.page_size:
             raise ValueError(f"step.page_size={step.page_size}, engine was built for {self.page_size}")
-        seq_lens = np.ascontiguousarray(step.seq_lens, dtype=np.int32)
-        tensors = {
-            "block_table": torch.from_numpy(np.ascontiguousarray(step.block_table, dtype=np.int32)).to(
-                self.device, non_blocking=True),
-            # XQA reads the lengths as uint32; the values fit int32, so the bits are the same.
-            "seq_lens": torch.from_numpy(seq_lens).to(self.device, non_blocking=True).view(torch.uint32),
-        }
-        return EnginePlan(route="xqa", step=step, tensors=tensors, extra={"max_seq_len": int(seq_lens.max())})
+        tensors, max_seq_len = upload_block_table(step, self.device)
+        # XQA reads the lengths as uint32; the values fit int32, so the bits are the same.
+        tensors["seq_lens"] = tensors["seq_lens"].view(torch.uint32)
+        return EnginePlan(route="xqa", step=step, tensors=tensors, extra={"max_seq_len": max_seq_len})
 
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
         check_decode_inputs(q, k_pages, v_pages, self.shape, self.page_size)

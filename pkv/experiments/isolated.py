@@ -12,6 +12,7 @@ from pathlib import Path
 from pkv.atomic_io import write_json_atomic
 from pkv.config import ConfigError, PkvConfig
 from pkv.engines import EngineUnavailable, build_engine
+from pkv.engines.flashinfer import BEST_OF_ROLES
 from pkv.experiments.common import (
     model_shape,
     new_run_id,
@@ -24,9 +25,8 @@ from pkv.measure.isolated import isolated_batch
 from pkv.policy.choose import PinnedRoutePolicy, pinned_route
 from pkv.report.results import RESULT_SCHEMA
 
-# Several engines can play one method; the fastest one that runs is the method's number.
-# FlashInfer's Hopper-capable decode paths; fa3 is timed by the kernel benchmark only (pkv.engines.flashinfer).
-_FLASHINFER_PATHS = ("flashinfer_cc", "flashinfer_tc", "flashinfer_holistic")
+# Several engines can play one method (FlashInfer: each of its paths, BEST_OF_ROLES; fa3 is timed
+# by the kernel benchmark only); the fastest one that runs is the method's number.
 
 
 def _candidates(method: str, cfg: PkvConfig, shape, device, calib) -> tuple[dict, dict]:
@@ -37,7 +37,7 @@ def _candidates(method: str, cfg: PkvConfig, shape, device, calib) -> tuple[dict
                       pinned_route(cfg.engine.route, calib.with_all_regimes(num_splits=s))))
                   for s in cfg.experiment.split_candidates}
     elif method == "flashinfer":
-        wanted = {label: (label, None) for label in _FLASHINFER_PATHS}
+        wanted = {label: (label, None) for label in BEST_OF_ROLES}
     else:
         wanted = {method: (method, None)}
     engines, skipped = {}, {}

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from pkv.atomic_io import write_json_atomic
+from pkv.engines import build_engine
 from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
-from pkv.engines.flashinfer import FlashInferEngine
+from pkv.engines.flashinfer import BEST_OF_ROLES
 from pkv.engines.persistentkv import PersistentKVEngine
 from pkv.engines.routed_graphs import RoutedGraphStep
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
@@ -127,8 +128,8 @@ def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
         "max_abs_diff_vs_host": float((routed_out.float() - reference.float()).abs().max())}
 
     best = None
-    for label, path in (("flashinfer_tc", "tc"), ("flashinfer_cc", "cc"), ("flashinfer_holistic", "holistic")):
-        engine = FlashInferEngine(shape, paths=(path,), device="cuda")
+    for label in BEST_OF_ROLES:
+        engine = build_engine(label, shape=shape, device="cuda")
         engine.prepare(step, q, k, v)
         fi_plan = engine.plan(step)
         device_us = time_device_us(lambda: engine.run(q, k, v, fi_plan), flusher=flusher, reps=reps).median_us

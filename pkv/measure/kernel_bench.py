@@ -23,6 +23,7 @@ import torch
 from pkv.atomic_io import write_json_atomic
 from pkv.engines import ENGINE_NAMES, EngineUnavailable, build_engine
 from pkv.engines.dense import dense_decode
+from pkv.engines.flashinfer import BEST_OF_ROLES
 from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.harness import REF_REL_LIMIT
@@ -56,10 +57,9 @@ B1_CLUSTER_SPLITS = (8, 12, 16)
 WORKQUEUE_SPLITS = (1, 2, 4, 8, 16, 24, 32)
 BALANCED_WAVES = (1, 2, 4, 8)  # target CTAs = waves x SMs
 CONFIRM_ROUNDS = 5  # interleaved rounds that re-time the fastest FlashInfer, XQA and PersistentKV
-# Baselines timed on every case. FlashInfer's best is the fastest of FLASHINFER_BEST_OF; its fa3
+# Baselines timed on every case. FlashInfer's best is the fastest of BEST_OF_ROLES; its fa3
 # backend is timed and reported beside them, never picked (pkv.engines.flashinfer).
-FLASHINFER_BEST_OF = ("flashinfer_cc", "flashinfer_tc", "flashinfer_holistic")
-BASELINE_ROLES = (*FLASHINFER_BEST_OF, "flashinfer_fa3", "xqa", "vllm", "vllm_triton")
+BASELINE_ROLES = (*BEST_OF_ROLES, "flashinfer_fa3", "xqa", "vllm", "vllm_triton")
 
 
 def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
@@ -196,11 +196,11 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
         route, stages = {label: (r, st) for label, r, st in persistentkv_configs(1, num_sms)}[unfused]
         engine = _engine(shape, route, stages)
         breakdown = dict(config=unfused, **b1_breakdown(engine, engine.plan(step), q, k, v, flusher, reps))
-    fi_label = min((label for label in FLASHINFER_BEST_OF if "median_us" in rows[label]),
+    fi_label = min((label for label in BEST_OF_ROLES if "median_us" in rows[label]),
                    key=lambda label: rows[label]["median_us"], default=None)
     if fi_label is None:
         raise RuntimeError(f"kernel_bench {name}: no FlashInfer path ran: "
-                           + "; ".join(f"{label}: {rows[label]['skipped']}" for label in FLASHINFER_BEST_OF))
+                           + "; ".join(f"{label}: {rows[label]['skipped']}" for label in BEST_OF_ROLES))
     fi_best = rows[fi_label]["median_us"]
     pkv_us = rows["persistentkv"]["median_us"]
     # The two winners (and XQA, where it runs) re-timed in turns: the sweep's minimum over many

@@ -20,19 +20,15 @@ which every layer shares. Graph paths capture the whole step once per batch size
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from pkv.engines.base import EngineUnavailable
+from pkv.engines.base import EngineUnavailable, upload_block_table
 from pkv.engines.device_step import DeviceDecodeStep
+from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.measure.model_step import ModelStep, skip_attend
 from pkv.policy.route import ROUTE_FLASHINFER
 
 MODES = ("eager", "graph")
-
-
-def _upload(array, device, dtype=np.int32) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(device, non_blocking=True)
 
 
 class EagerPath:
@@ -57,7 +53,8 @@ class EagerPath:
     def plan(self, step, x) -> None:
         device = self.model.device
         plan = self.engine.plan(step) if self.engine is not None else None
-        self._inputs = (x, _upload(step.block_table, device), _upload(step.seq_lens, device), plan)
+        tables, _ = upload_block_table(step, device)
+        self._inputs = (x, tables["block_table"], tables["seq_lens"], plan)
         self.route = self.route_of(plan)
 
     def issue(self) -> torch.Tensor:
@@ -81,8 +78,9 @@ class _Static:
     def load(self, step, x) -> None:
         self.x.copy_(x)
         # Columns past a row's pages keep stale ids: no engine reads past ceil(seq_len / P).
-        self.table[:, :step.block_table.shape[1]].copy_(_upload(step.block_table, self.table.device))
-        self.lens.copy_(_upload(step.seq_lens, self.lens.device))
+        tables, _ = upload_block_table(step, self.table.device)
+        self.table[:, :step.block_table.shape[1]].copy_(tables["block_table"])
+        self.lens.copy_(tables["seq_lens"])
 
 
 class GraphPath:
@@ -159,18 +157,16 @@ class FlashInferGraphPath(GraphPath):
 
     def __init__(self, label: str, model: ModelStep, max_pages: int, engine) -> None:
         super().__init__(label, model, max_pages)
-        try:
-            import flashinfer
-        except ImportError as exc:
-            raise EngineUnavailable(f"flashinfer not installed: {exc}") from exc
-        self.flashinfer = flashinfer
+        version = getattr(engine, "version", None)  # FlashInferEngine's; its stand-ins have none
+        if version is None:
+            raise EngineUnavailable(f"FlashInfer's CUDA-graph decode needs FlashInfer, got {engine.implementation}")
         self.engine = engine  # the FlashInfer engine whose probe picks the kernel family
-        self.implementation = f"flashinfer-{flashinfer.__version__}-cuda_graph"
+        self.implementation = f"flashinfer-{version}-cuda_graph"
         self.route = ROUTE_FLASHINFER
         self.paths: dict[int, str] = {}
 
     def _tensor_cores(self, step) -> bool:
-        picked = self.engine.path_for(step) if hasattr(self.engine, "path_for") else None
+        picked = self.engine.path_for(step)
         self.paths[step.batch_size] = {"cc": "cc", "tc": "tc"}.get(picked, f"tc (picked {picked}, no graph wrapper)")
         return picked != "cc"
 
@@ -181,33 +177,22 @@ class FlashInferGraphPath(GraphPath):
         super().prepare(step, x)
 
     def attend_for(self, key, static):
-        batch, device = static.x.shape[0], self.model.device
-        static.wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            torch.zeros(128 << 20, dtype=torch.uint8, device=device), "HND", use_cuda_graph=True,
-            use_tensor_cores=static.tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=device),
-            paged_kv_indices_buffer=torch.zeros(batch * self.max_pages, dtype=torch.int32, device=device),
-            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device))
-        self._plan_wrapper(static)
+        static.decode = FlashInferGraphDecode(self.model.shape.attention, static.x.shape[0], self.max_pages,
+                                              self.model.page_size, self.model.device, static.tensor_cores)
+        self._plan(static)
         k, v = self.model.k_pages, self.model.v_pages
-        return lambda layer, q: static.wrapper.run(q, (k[layer], v[layer]))
+        return lambda layer, q: static.decode.run(q, k[layer], v[layer])
 
     def host_plan(self, step, static) -> None:
         if not hasattr(static, "tensor_cores"):
             static.tensor_cores = self._tensor_cores(step)
         static.step = step
-        if hasattr(static, "wrapper"):
-            self._plan_wrapper(static)
+        if hasattr(static, "decode"):
+            self._plan(static)
 
-    def _plan_wrapper(self, static) -> None:
-        step, s = static.step, self.model.shape.attention
-        # Host tensors, as FlashInfer's plan() expects (pkv.engines.flashinfer: device ones cost it syncs).
-        static.wrapper.plan(
-            torch.from_numpy(np.ascontiguousarray(step.kv_indptr, dtype=np.int32)),
-            torch.from_numpy(np.ascontiguousarray(step.kv_indices, dtype=np.int32)),
-            torch.from_numpy(np.ascontiguousarray(step.kv_last_page_len, dtype=np.int32)),
-            s.num_qo_heads, s.num_kv_heads, s.head_dim, self.model.page_size, pos_encoding_mode="NONE",
-            q_data_type=self.model.dtype, kv_data_type=self.model.dtype, sm_scale=s.sm_scale)
+    def _plan(self, static) -> None:
+        step, dtype = static.step, self.model.dtype
+        static.decode.plan(step.kv_indptr, step.kv_indices, step.kv_last_page_len, dtype, dtype)
 
 
 class XqaGraphPath(GraphPath):

@@ -19,11 +19,12 @@ import sys
 import time
 from dataclasses import dataclass
 
+from pkv.engines.base import upload_block_table
 from pkv.engines.dense import dense_decode
 from pkv.measure.accuracy import compare
 from pkv.measure.harness import REF_REL_LIMIT, CorrectnessError, query_seed
 from pkv.measure.model_step import ModelStep
-from pkv.measure.model_step_paths import EagerPath, _upload
+from pkv.measure.model_step_paths import EagerPath
 from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer, hold_device
 
 # A path's final hidden state against the baseline's: the attention outputs differ by the dtype's
@@ -100,7 +101,8 @@ def _verify_eager(path: EagerPath, model: ModelStep, step, x) -> float:
     """Untimed: the engine's attention in every layer against float64 over the same q and pages."""
     worst = 0.0
     plan = path.engine.plan(step)
-    table, lens = _upload(step.block_table, model.device), _upload(step.seq_lens, model.device)
+    tables, _ = upload_block_table(step, model.device)
+    table, lens = tables["block_table"], tables["seq_lens"]
 
     def attend(layer, q):
         nonlocal worst

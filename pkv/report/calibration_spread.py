@@ -20,22 +20,21 @@ from pathlib import Path
 import yaml
 
 from pkv.atomic_io import write_text_atomic
-from pkv.pipeline.pages import assign_pages
-from pkv.pipeline.serving import ContinuousDecoder
+from pkv.measure.calibration_probe import trace_steps
 from pkv.pipeline.traces import synthetic_trace
 from pkv.policy.calibration import load_calibration, regime_field
 from pkv.policy.choose import RoutePolicy
 from pkv.policy.regime import REGIMES
-from pkv.shape import ModelShape
 from pkv.refusal import exit_on_refusal
+from pkv.shape import ModelShape
 
 DECISION_PARAMS = ("route", "num_splits", "min_context_tokens", "margin")
-# Table 2's synthetic traces (config/config.yaml's evaluate_traces), its held-out seeds and the
-# steps its evaluate runs measure after their warm-up (conf/experiment/evaluate.yaml).
-CONF = Path(__file__).resolve().parents[2] / "conf"
-TABLE2_TRACES = (("bucketed", 1), ("homogeneous", 8), ("bimodal", 8), ("uniform", 8), ("zipf", 8), ("bimodal", 4))
-HELD_OUT_SEEDS = (20260623, 20260624, 20260625, 20260626, 20260627)
-WARMUP_STEPS, MEASURED_STEPS = 4, 64
+# Where Table 2's runs are defined: its traces and held-out seeds (the DAG's axes), the steps an
+# evaluate run measures after its warm-up, and each trace family's requests.
+REPO = Path(__file__).resolve().parents[2]
+DAG_CONFIG = REPO / "config" / "config.yaml"
+EVALUATE = REPO / "conf" / "experiment" / "evaluate.yaml"
+TRACE_CONF = REPO / "conf" / "trace"
 
 CONSTANTS = ("beta_gbps", "lambda_us", "c_min", "flashinfer_plan_us", "persistentkv_plan_us",
              "flashinfer_ctas_per_row_head")
@@ -64,29 +63,38 @@ def spread(paths: list[Path]) -> dict:
             "steps": step_decisions(calibs)}
 
 
-def _trace_steps(family: str, max_active: int, seed: int) -> list:
-    """The measured steps of one Table 2 run, as the harness replays them (lengths only matter)."""
-    conf = yaml.safe_load((CONF / "trace" / f"{family}.yaml").read_text())
-    requests = synthetic_trace(family, int(conf["num_requests"]), seed, length_scale=float(conf["length_scale"]),
-                               decode_len_range=tuple(conf["decode_len_range"]), arrivals=conf["arrivals"],
-                               arrival_rate=float(conf["arrival_rate"]))
-    assignment = assign_pages([r.total_len for r in requests], int(conf["page_size"]), float(conf["hole_fraction"]),
-                              seed)
-    steps = list(ContinuousDecoder(requests, assignment, max_active,
-                                   max_steps=WARMUP_STEPS + MEASURED_STEPS).steps())
-    return steps[WARMUP_STEPS:]
+def _table2_runs() -> tuple[list[tuple[str, int]], list[int], int, int]:
+    """([(family, max_active)] of the DAG's synthetic evaluate traces, held-out seeds, warm-up and
+    measured steps of an evaluate run), read where the DAG and the experiment read them."""
+    axes = yaml.safe_load(DAG_CONFIG.read_text())
+    experiment = yaml.safe_load(EVALUATE.read_text())["experiment"]
+    traces = []
+    for name in axes["evaluate_traces"]:
+        family, _, batch = name.rpartition("_b")
+        traces.append((family, int(batch)))
+    return traces, [int(s) for s in axes["held_out_seeds"]], experiment["warmup_steps"], experiment["measured_steps"]
 
 
 def step_decisions(calibs, shape: ModelShape = ModelShape()) -> list[dict]:
-    """Per Table 2 trace: its measured steps over the held-out seeds, and for each calibration after
-    the first how many of them take another route or split count than under the first."""
+    """Per Table 2 trace: its measured steps over the held-out seeds (replayed as the harness
+    replays them; a route depends only on the lengths), and for each calibration after the first
+    how many of them take another route or split count than under the first."""
     policies = [RoutePolicy(c, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
                             head_dim=shape.head_dim) for c in calibs]
+    traces, seeds, warmup, measured = _table2_runs()
     rows = []
-    for family, batch in TABLE2_TRACES:
+    for family, batch in traces:
+        conf = yaml.safe_load((TRACE_CONF / f"{family}.yaml").read_text())
         steps, differ = 0, [0] * (len(policies) - 1)
-        for seed in HELD_OUT_SEEDS:
-            for step in _trace_steps(family, batch, seed):
+        for seed in seeds:
+            requests = synthetic_trace(family, int(conf["num_requests"]), seed,
+                                       length_scale=float(conf["length_scale"]),
+                                       decode_len_range=tuple(conf["decode_len_range"]), arrivals=conf["arrivals"],
+                                       arrival_rate=float(conf["arrival_rate"]))
+            _, replayed = trace_steps(requests, page_size=int(conf["page_size"]),
+                                      hole_fraction=float(conf["hole_fraction"]), max_active=batch,
+                                      num_steps=warmup + measured, seed=seed)
+            for step in replayed[warmup:]:
                 routes = [p.choose(step).route for p in policies]
                 picked = [(r.name, r.num_splits if r.name != "flashinfer" else None) for r in routes]
                 steps += 1
