@@ -62,7 +62,16 @@ class XqaEngine(Engine):
         return self.decode(q, k_pages, v_pages, t["block_table"], t["seq_lens"], plan.extra["max_seq_len"])
 
     def decode(self, q, k_pages, v_pages, block_table, seq_lens_u32, max_seq_len: int):
-        """One XQA launch over tables already on the device (``seq_lens_u32``: uint32 lengths);
-        a CUDA graph captures it with static tables and the longest length it will ever see."""
+        """One XQA launch over tables already on the device (``seq_lens_u32``: uint32 lengths).
+
+        FlashInfer takes ``max_seq_len`` but does not hand it to the kernel: XQA takes the longest
+        length from the table's width times the page size (it sets the split of each row across
+        CTAs and the row stride of the table). A CUDA graph that captures this call therefore
+        needs a static table as wide as the longest row it will ever replay."""
+        # The kernel reads q and the block table from their data pointers alone (K and V are the
+        # only tensors whose strides it takes), so a strided view would be read as packed rows.
+        for label, tensor in (("q", q), ("block_table", block_table)):
+            if not tensor.is_contiguous():
+                raise ValueError(f"XQA needs a contiguous {label}, got strides {tuple(tensor.stride())}")
         return self._decode(q, (k_pages, v_pages), self._workspace, block_table, seq_lens_u32, int(max_seq_len),
                             bmm1_scale=self.shape.sm_scale, bmm2_scale=1.0, kv_layout="HND")
