@@ -36,8 +36,8 @@ __device__ int block_exclusive_scan(int value, int* warp_totals, int* total) {
 }
 
 __global__ void __launch_bounds__(kPlanThreads)
-    plan_workqueue_kernel(const int32_t* seq_lens, int batch, int hkv, int num_splits, int max_tokens,
-                          int32_t* tasks, int32_t* split_offsets, int32_t* counts) {
+    plan_workqueue_kernel(const int32_t* seq_lens, const int32_t* page_indptr, int batch, int hkv, int num_splits,
+                          int max_tokens, int page_size, int32_t* tasks, int32_t* split_offsets, int32_t* counts) {
   __shared__ int tiles_of[kPlanThreads];
   __shared__ int splits_of[kPlanThreads];
   __shared__ int row_at[kPlanThreads];      // sorted position -> row, longest first
@@ -50,7 +50,12 @@ __global__ void __launch_bounds__(kPlanThreads)
   const int tid = threadIdx.x;
   int tiles = 0, splits = 0;
   if (tid < batch) {
-    const int len = min(max(seq_lens[tid], 0), max_tokens);
+    int len = min(max(seq_lens[tid], 0), max_tokens);
+    if (page_indptr != nullptr) {
+      const long long row_tokens =
+          static_cast<long long>(page_indptr[tid + 1] - page_indptr[tid]) * static_cast<long long>(page_size);
+      len = static_cast<int>(max(0LL, min(static_cast<long long>(len), row_tokens)));
+    }
     tiles = (len + kTileTokens - 1) / kTileTokens;
     splits = min(num_splits, tiles);
     if (splits > 0) {
@@ -116,13 +121,15 @@ __global__ void __launch_bounds__(kPlanThreads)
 
 }  // namespace
 
-cudaError_t launch_plan_workqueue_on_device(const int32_t* seq_lens, int batch, int num_kv_heads, int num_splits,
-                                            int max_tokens, int32_t* tasks, int32_t* split_offsets, int32_t* counts,
+cudaError_t launch_plan_workqueue_on_device(const int32_t* seq_lens, const int32_t* page_indptr, int batch,
+                                            int num_kv_heads, int num_splits, int max_tokens, int page_size,
+                                            int32_t* tasks, int32_t* split_offsets, int32_t* counts,
                                             cudaStream_t stream) {
-  if (batch < 1 || batch > kMaxDevicePlanRows || num_kv_heads < 1 || num_splits < 1 || max_tokens < 1)
+  if (batch < 1 || batch > kMaxDevicePlanRows || num_kv_heads < 1 || num_splits < 1 || max_tokens < 1 ||
+      page_size < 1)
     return cudaErrorInvalidValue;
-  plan_workqueue_kernel<<<1, kPlanThreads, 0, stream>>>(seq_lens, batch, num_kv_heads, num_splits, max_tokens,
-                                                        tasks, split_offsets, counts);
+  plan_workqueue_kernel<<<1, kPlanThreads, 0, stream>>>(seq_lens, page_indptr, batch, num_kv_heads, num_splits,
+                                                        max_tokens, page_size, tasks, split_offsets, counts);
   return cudaGetLastError();
 }
 

@@ -15,7 +15,11 @@ struct DecodeArgs {
   const void* q;            // [B, Hq, d]
   const void* k_pages;      // [num_pages, Hkv, P, d]
   const void* v_pages;      // [num_pages, Hkv, P, d]
-  const int32_t* block_table;  // [B, block_table_stride]
+  // The page table, in one of two forms. Block table (page_indptr null): row r's pages are
+  // block_table[r * block_table_stride ..]. Page lists (FlashInfer's paged_kv_indptr / indices):
+  // row r's pages are block_table[page_indptr[r] .. page_indptr[r + 1]).
+  const int32_t* block_table;  // [B, block_table_stride], or the concatenated page lists
+  const int32_t* page_indptr;  // [B + 1], or null for a block table
   const int32_t* seq_lens;     // [B]
   void* out;                // [B, Hq, d]
   float* part_m;            // [num_slots, G]
@@ -24,8 +28,8 @@ struct DecodeArgs {
   int num_kv_heads;
   int group_size;
   int page_shift;  // page size is 1 << page_shift tokens
-  int block_table_stride;
-  int block_table_width;  // entries per row that may be read (page lookups are clamped to it)
+  int block_table_stride;  // unused with page lists
+  int block_table_width;   // block table entries per row that may be read (lookups are clamped to it)
   int64_t q_stride_row, q_stride_head;
   int64_t out_stride_row, out_stride_head;
   int64_t kv_stride_page, kv_stride_head;  // token stride is d (pages are contiguous per head)

@@ -80,14 +80,43 @@ pkv::DecodeArgs make_core_args(const Tensor& q, const Tensor& k_pages, const Ten
   return a;
 }
 
+// Row indptr of page lists (FlashInfer's paged_kv_indptr): int32 [B + 1] on the device.
+void check_page_indptr(const Tensor& page_indptr, int64_t batch) {
+  check_cuda_tensor(page_indptr, "page_indptr", at::kInt);
+  TORCH_CHECK(page_indptr.dim() == 1 && page_indptr.size(0) == batch + 1 && page_indptr.is_contiguous(),
+              "pkv: page_indptr must be contiguous [B + 1] = [", batch + 1, "], got ", page_indptr.sizes());
+}
+
+// The page table: a block table [B, max_pages], or with page_indptr the concatenated page lists
+// (FlashInfer's paged_kv_indices) in `block_table`.
+void set_page_table(pkv::DecodeArgs& a, const Tensor& block_table, const std::optional<Tensor>& page_indptr,
+                    int64_t batch) {
+  if (page_indptr.has_value()) {
+    check_page_indptr(*page_indptr, batch);
+    check_cuda_tensor(block_table, "page_indices", at::kInt);
+    TORCH_CHECK(block_table.dim() == 1 && block_table.is_contiguous() && block_table.numel() <= INT32_MAX,
+                "pkv: with page_indptr the page table must be the contiguous page lists [num_entries], got ",
+                block_table.sizes());
+    a.page_indptr = page_indptr->data_ptr<int32_t>();
+    a.block_table_stride = 0;
+    a.block_table_width = static_cast<int>(block_table.numel());
+  } else {
+    check_cuda_tensor(block_table, "block_table", at::kInt);
+    TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch && block_table.size(1) >= 1 &&
+                    block_table.stride(1) == 1,
+                "pkv: block_table must be [B, max_pages] with contiguous rows, got ", block_table.sizes());
+    a.block_table_stride = static_cast<int>(block_table.stride(0));
+    a.block_table_width = static_cast<int>(block_table.size(1));
+  }
+  a.block_table = block_table.data_ptr<int32_t>();
+}
+
 pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
                           const Tensor& seq_lens, double sm_scale, const Tensor& out, const Tensor& part_m,
-                          const Tensor& part_l, const Tensor& part_acc, int64_t stages) {
+                          const Tensor& part_l, const Tensor& part_acc, int64_t stages,
+                          const std::optional<Tensor>& page_indptr = std::nullopt) {
   pkv::DecodeArgs a = make_core_args(q, k_pages, v_pages, sm_scale, out, stages);
-  check_cuda_tensor(block_table, "block_table", at::kInt);
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && block_table.size(1) >= 1 &&
-                  block_table.stride(1) == 1,
-              "pkv: block_table must be [B, max_pages] with contiguous rows, got ", block_table.sizes());
+  set_page_table(a, block_table, page_indptr, q.size(0));
   check_cuda_tensor(seq_lens, "seq_lens", at::kInt);
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous(),
               "pkv: seq_lens must be contiguous [B], got ", seq_lens.sizes());
@@ -100,10 +129,7 @@ pkv::DecodeArgs make_args(const Tensor& q, const Tensor& k_pages, const Tensor& 
   TORCH_CHECK(part_acc.dim() == 3 && part_acc.size(0) == part_m.size(0) && part_acc.size(1) == a.group_size &&
                   part_acc.size(2) == pkv::kHeadDim,
               "pkv: part_acc must be [num_slots, G, d], got ", part_acc.sizes());
-  a.block_table = block_table.data_ptr<int32_t>();
   a.seq_lens = seq_lens.data_ptr<int32_t>();
-  a.block_table_stride = static_cast<int>(block_table.stride(0));
-  a.block_table_width = static_cast<int>(block_table.size(1));
   a.part_m = part_m.data_ptr<float>();
   a.part_l = part_l.data_ptr<float>();
   a.part_acc = part_acc.data_ptr<float>();
@@ -134,9 +160,11 @@ void check_cluster_merge(int64_t num_splits, const std::optional<Tensor>& pair_c
 void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
                    const Tensor& seq_lens, const Tensor& row_indices, int64_t num_splits, double sm_scale,
                    const Tensor& out, const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc,
-                   const std::optional<Tensor>& pair_counters, int64_t stages, bool cluster_merge) {
+                   const std::optional<Tensor>& pair_counters, int64_t stages, bool cluster_merge,
+                   const std::optional<Tensor>& page_indptr) {
   const c10::cuda::CUDAGuard guard(q.device());
-  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages);
+  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages,
+                        page_indptr);
   check_cuda_tensor(row_indices, "row_indices", at::kInt);
   TORCH_CHECK(row_indices.dim() == 1 && row_indices.is_contiguous(), "pkv: row_indices must be contiguous [R]");
   TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "pkv: num_splits must be in 1..65535, got ", num_splits);
@@ -326,9 +354,11 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
 }
 
 // The workqueue plan made on the GPU from seq_lens (device_plan.h), into caller-owned buffers:
-// no host synchronization, no copy, so a CUDA graph can hold it.
+// no host synchronization, no copy, so a CUDA graph can hold it. With page lists, page_indptr
+// and page_size clamp each row to its own pages.
 void plan_workqueue_on_device(const Tensor& seq_lens, int64_t num_kv_heads, int64_t num_splits, int64_t max_tokens,
-                              const Tensor& tasks, const Tensor& split_offsets, const Tensor& counts) {
+                              const Tensor& tasks, const Tensor& split_offsets, const Tensor& counts,
+                              const std::optional<Tensor>& page_indptr, int64_t page_size) {
   const c10::cuda::CUDAGuard guard(seq_lens.device());
   check_cuda_tensor(seq_lens, "seq_lens", at::kInt);
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous(), "pkv: seq_lens must be contiguous [B], got ",
@@ -352,9 +382,13 @@ void plan_workqueue_on_device(const Tensor& seq_lens, int64_t num_kv_heads, int6
   check_cuda_tensor(counts, "counts", at::kInt);
   TORCH_CHECK(counts.is_contiguous() && counts.numel() == 2, "pkv: counts must be contiguous [2], got ",
               counts.sizes());
-  check_launch(pkv::launch_plan_workqueue_on_device(seq_lens.data_ptr<int32_t>(), static_cast<int>(batch),
-                                                    static_cast<int>(num_kv_heads), static_cast<int>(num_splits),
-                                                    static_cast<int>(max_tokens), tasks.data_ptr<int32_t>(),
+  TORCH_CHECK(page_size >= 1 && page_size <= INT32_MAX, "pkv: page_size must be in 1..2^31-1, got ", page_size);
+  if (page_indptr.has_value()) check_page_indptr(*page_indptr, batch);
+  check_launch(pkv::launch_plan_workqueue_on_device(seq_lens.data_ptr<int32_t>(),
+                                                    page_indptr.has_value() ? page_indptr->data_ptr<int32_t>() : nullptr,
+                                                    static_cast<int>(batch), static_cast<int>(num_kv_heads),
+                                                    static_cast<int>(num_splits), static_cast<int>(max_tokens),
+                                                    static_cast<int>(page_size), tasks.data_ptr<int32_t>(),
                                                     split_offsets.data_ptr<int32_t>(), counts.data_ptr<int32_t>(),
                                                     c10::cuda::getCurrentCUDAStream().stream()),
                "plan_workqueue_on_device");
@@ -367,9 +401,10 @@ void run_workqueue_planned_on_device(const Tensor& q, const Tensor& k_pages, con
                                      const Tensor& block_table, const Tensor& seq_lens, const Tensor& tasks,
                                      const Tensor& split_offsets, const Tensor& counts, double sm_scale,
                                      int64_t stages, const Tensor& out, const Tensor& part_m, const Tensor& part_l,
-                                     const Tensor& part_acc) {
+                                     const Tensor& part_acc, const std::optional<Tensor>& page_indptr) {
   const c10::cuda::CUDAGuard guard(q.device());
-  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages);
+  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages,
+                        page_indptr);
   const int64_t pairs = q.size(0) * args.num_kv_heads;
   check_cuda_tensor(tasks, "tasks", at::kInt);
   TORCH_CHECK(tasks.dim() == 2 && tasks.size(1) == 5 && tasks.is_contiguous() && tasks.size(0) >= 1,
@@ -399,7 +434,7 @@ TORCH_LIBRARY(pkv, m) {
       "bucket_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
       "Tensor row_indices, int num_splits, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
       "Tensor(c!) part_l, Tensor(d!) part_acc, Tensor(e!)? pair_counters, int stages=3, "
-      "bool cluster_merge=False) -> ()");
+      "bool cluster_merge=False, Tensor? page_indptr=None) -> ()");
   m.def(
       "workqueue_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
       "Tensor tasks, Tensor split_offsets, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
@@ -412,11 +447,12 @@ TORCH_LIBRARY(pkv, m) {
       "int merge_kind, Tensor(a!)? pair_counters) -> Tensor");
   m.def(
       "plan_workqueue_on_device(Tensor seq_lens, int num_kv_heads, int num_splits, int max_tokens, "
-      "Tensor(a!) tasks, Tensor(b!) split_offsets, Tensor(c!) counts) -> ()");
+      "Tensor(a!) tasks, Tensor(b!) split_offsets, Tensor(c!) counts, Tensor? page_indptr=None, "
+      "int page_size=1) -> ()");
   m.def(
       "run_workqueue_planned_on_device(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, "
       "Tensor seq_lens, Tensor tasks, Tensor split_offsets, Tensor counts, float sm_scale, int stages, "
-      "Tensor(a!) out, Tensor(b!) part_m, Tensor(c!) part_l, Tensor(d!) part_acc) -> ()");
+      "Tensor(a!) out, Tensor(b!) part_m, Tensor(c!) part_l, Tensor(d!) part_acc, Tensor? page_indptr=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CUDA, m) {

@@ -54,7 +54,8 @@ struct CtaDecoder {
   const int warp, lane;
   const T* k_head;
   const T* v_head;
-  const int32_t* pages;
+  const int32_t* pages;  // this row's page table entries
+  int last_page;         // the last entry of `pages` a lookup may read (-1: none)
 
   __device__ CtaDecoder(const DecodeArgs& args, int row_, int kvh_, int seq_len_, int tb, int te, char* smem)
       : a(args), row(row_), kvh(kvh_), seq_len(seq_len_), tile_begin(tb), num_chunks((te - tb) * kChunksPerTile),
@@ -62,7 +63,14 @@ struct CtaDecoder {
         warp(threadIdx.x / 32), lane(threadIdx.x % 32) {
     k_head = static_cast<const T*>(a.k_pages) + kvh * a.kv_stride_head;
     v_head = static_cast<const T*>(a.v_pages) + kvh * a.kv_stride_head;
-    pages = a.block_table + static_cast<int64_t>(row) * a.block_table_stride;
+    if (a.page_indptr == nullptr) {
+      pages = a.block_table + static_cast<int64_t>(row) * a.block_table_stride;
+      last_page = a.block_table_width - 1;
+    } else {
+      const int first = __ldg(a.page_indptr + row);
+      pages = a.block_table + first;
+      last_page = __ldg(a.page_indptr + row + 1) - first - 1;
+    }
   }
 
   // First token of this warp's j-th chunk.
@@ -72,10 +80,12 @@ struct CtaDecoder {
 
   // Lane r (< 16) looks up the physical page of token r of chunk j (-1 past the split or row).
   // The read is clamped into the row instead of predicated on seq_len, so at a split's start the
-  // page-table read does not wait for the seq_lens read: one dependent round trip less.
+  // page-table read does not wait for the seq_lens read: one dependent round trip less. A row
+  // with no entries (page lists of a row the caller left empty) reads nothing.
   __device__ __forceinline__ int lookup(int j) const {
     const int tok = chunk_token(j) + (lane & 15);
-    const int page = __ldg(pages + min(tok >> a.page_shift, a.block_table_width - 1));
+    const int entry = min(tok >> a.page_shift, last_page);
+    const int page = entry >= 0 ? __ldg(pages + entry) : -1;
     const bool valid = warp + kWarps * j < num_chunks && tok < seq_len;
     return valid ? page : -1;
   }

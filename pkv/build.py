@@ -5,7 +5,7 @@ changed kernel or a new GPU never loads a stale library. A file lock keeps two p
 building the same key at once (FlashInfer's JIT cache works the same way).
 
     python -m pkv.build --record artifacts/h200/build/extension.json   # build (or skip: no GPU)
-    python -m pkv.build --check-compile                                # nvcc every .cu, no GPU needed
+    python -m pkv.build --check-compile     # nvcc every .cu and parse the binding, no GPU needed
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,6 +181,31 @@ def check_compile(arches: tuple[str, ...] = ("90a", "80")) -> list[str]:
     return done
 
 
+def check_binding_syntax() -> str:
+    """Parse the torch binding with the host C++ compiler against torch's and CUDA's headers, so a
+    binding that would not build on the GPU machine fails CI. A CPU build of torch ships the
+    c10/cuda headers but not the one CMake writes for a CUDA build; an empty stand-in fills it."""
+    from torch.utils.cpp_extension import include_paths
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # nvcc names its own include folders (it may be a wrapper script outside the toolkit).
+        probe = Path(tmp) / "probe.cu"
+        probe.touch()
+        dryrun = subprocess.run([nvcc_path(), "--dryrun", "-c", str(probe), "-o", str(probe.with_suffix(".o"))],
+                                capture_output=True, text=True)
+        cuda_includes = re.findall(r"-I(\S+?)\"?\s", dryrun.stdout + dryrun.stderr)
+        macros = Path(tmp) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+        macros.parent.mkdir(parents=True)
+        macros.write_text("#pragma once\n")
+        includes = [*include_paths(), *dict.fromkeys(cuda_includes), str(CSRC), tmp]  # torch's own header first
+        cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-w",
+               *(f"-I{d}" for d in includes), str(CSRC / BINDING_SOURCE)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"the binding {BINDING_SOURCE} does not compile:\n{result.stderr}")
+    return f"{BINDING_SOURCE}:syntax"
+
+
 def write_record(path: Path) -> dict:
     record: dict = {"schema": "pkv.build/1", "source_hash": source_hash()}
     if not torch.cuda.is_available():
@@ -202,11 +228,11 @@ def write_record(path: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--record", type=Path, help="build (or record why not) and write this JSON")
-    parser.add_argument("--check-compile", action="store_true", help="compile every csrc/*.cu with nvcc")
+    parser.add_argument("--check-compile", action="store_true", help="compile every csrc/*.cu with nvcc and parse the binding")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.check_compile:
-        for item in check_compile():
+        for item in (*check_compile(), check_binding_syntax()):
             print(f"compiled {item}")
     if args.record:
         record = write_record(args.record)

@@ -1,4 +1,5 @@
-"""Small decode cases for compute-sanitizer (memcheck, racecheck): every kernel and route once.
+"""Small decode cases for compute-sanitizer (memcheck, racecheck): every kernel and route once,
+and the device-planned step (both planners, block table and page lists, eager and replayed).
 
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py
     compute-sanitizer --tool racecheck python scripts/sanitize_cases.py
@@ -9,8 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pkv.engines.device_step import PLANNERS, DeviceDecodeStep, GraphedDecodeStep
 from pkv.engines.persistentkv import PersistentKVEngine
 from pkv.measure.kv_data import make_kv_pages, make_queries
+from pkv.page_table import PageLists
 from pkv.pipeline.pages import assign_pages
 from pkv.pipeline.step import build_step
 from pkv.policy.choose import PinnedRoutePolicy
@@ -43,7 +46,26 @@ def main() -> None:
             out = engine.run(q, k, v, engine.plan(step))
             torch.cuda.synchronize()
             assert not torch.isnan(out).any()
+        device_step_cases(shape, step, q, k, v)
     print("sanitize cases ran")
+
+
+def device_step_cases(shape, step, q, k, v) -> None:
+    """The device-planned step over both page-table forms, eager and from a graph replayed with
+    other lengths (shorter rows, a row of one token)."""
+    table = torch.from_numpy(step.block_table).cuda()
+    lens = torch.from_numpy(step.seq_lens).cuda()
+    lists = PageLists.from_step(step, "cuda")
+    shorter = torch.clamp(lens // 3, min=1)
+    for planner in PLANNERS:
+        workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, num_splits=8, planner=planner)
+        for page_table in (table, lists):
+            out = workspace.run(q, k, v, page_table, lens, torch.empty_like(q), host_lens=step.seq_lens)
+            graphed = GraphedDecodeStep(workspace, k, v, table.shape[1], debug_checks=True)
+            graphed.run(q, page_table, lens)
+            replayed = graphed.run(q, page_table, shorter)
+            torch.cuda.synchronize()
+            assert not torch.isnan(out).any() and not torch.isnan(replayed).any()
 
 
 if __name__ == "__main__":

@@ -100,3 +100,57 @@ def test_the_reference_engine_runs_the_device_plan_to_float64(splits):
     with pytest.raises(ValueError, match="fixed split rule only"):
         ReferenceEngine(shape, policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, 4, "balanced")),
                         planner="device").plan(step)
+
+
+def test_page_lists_are_checked_against_each_rows_own_pages():
+    check_lengths(np.array([16, 0, 33]), np.array([1, 0, 3]), 16)
+    with pytest.raises(ValueError, match=r"row 2 has length 49; its page list's 3 pages of 16 tokens address "
+                                         r"0\.\.48 \(1 row\(s\) out of range\)"):
+        check_lengths(np.array([16, 0, 49]), np.array([1, 0, 3]), 16)
+
+
+def test_the_device_plan_clamps_each_row_to_its_page_list():
+    from pkv.pipeline.schedule import plan_workqueue_device_order
+
+    rng = np.random.default_rng(5)
+    for trial in range(100):
+        batch, splits = int(rng.integers(1, 30)), int(rng.integers(1, 50))
+        pages = rng.integers(0, 400, size=batch)
+        lens = np.maximum(pages * 16 + rng.integers(-40, 40, size=batch), 0).astype(np.int32)
+        clamped = plan_workqueue_device_order(lens, 8, 4, splits, row_tokens=pages * 16)
+        expected = plan_workqueue_device_order(np.minimum(lens, pages * 16), 8, 4, splits)
+        assert np.array_equal(clamped.tasks, expected.tasks) and np.array_equal(clamped.split_offsets,
+                                                                                expected.split_offsets), trial
+
+
+def test_page_table_forms_are_checked_and_read_on_any_device():
+    import torch
+
+    from pkv.engines.device_step import _first_out_of_range
+    from pkv.page_table import PageLists, check_page_table, device_token_limits, host_row_pages, kernel_operands
+    from pkv.pipeline.step import build_step
+
+    step = build_step(0, [7, 8, 9], [17, 1, 64], [np.array([4, 5]), np.array([9]), np.array([1, 2, 3, 6])], 16)
+    lists = PageLists.from_step(step, "cpu")
+    assert lists.batch_size == 3 and lists.indices.tolist() == [4, 5, 9, 1, 2, 3, 6]
+    check_page_table(lists, 3, torch.device("cpu"), "here")
+    assert host_row_pages(lists).tolist() == [2, 1, 4]
+    # Without a host copy the lengths come from the device tensor.
+    assert host_row_pages(PageLists(lists.indptr, lists.indices)).tolist() == [2, 1, 4]
+    table = torch.from_numpy(step.block_table)
+    assert host_row_pages(table) == 4 and kernel_operands(table) == (table, None)
+    assert kernel_operands(lists) == (lists.indices, lists.indptr)
+    assert device_token_limits(lists, 16).tolist() == [32, 16, 64] and device_token_limits(table, 16) == 64
+    with pytest.raises(ValueError, match=r"here: page_table.indptr must be int32 \[4\]"):
+        check_page_table(PageLists(lists.indptr[:3], lists.indices), 3, torch.device("cpu"), "here")
+    with pytest.raises(ValueError, match=r"here: page_table.indices must be int32"):
+        check_page_table(PageLists(lists.indptr, lists.indices.long()), 3, torch.device("cpu"), "here")
+    with pytest.raises(ValueError, match=r"here: block_table must be int32 \[2, max_pages\]"):
+        check_page_table(table, 2, torch.device("cpu"), "here")
+    with pytest.raises(ValueError, match="must be a block table tensor or PageLists, got list"):
+        check_page_table([1, 2], 3, torch.device("cpu"), "here")
+    # The graphs' device-side debug record: the first row past its own pages, with its limit.
+    lens = torch.tensor([17, 17, 64], dtype=torch.int32)
+    assert _first_out_of_range(lens, device_token_limits(lists, 16)).tolist() == [1, 1, 17, 16]
+    assert _first_out_of_range(lens, 64).tolist()[0] == 0
+    assert _first_out_of_range(torch.tensor([1, -1], dtype=torch.int32), 64).tolist() == [1, 1, -1, 64]

@@ -9,6 +9,7 @@ import torch
 
 from pkv.engines.dense import dense_decode
 from pkv.measure.kv_data import make_kv_pages, make_queries
+from pkv.page_table import PageLists
 from pkv.pipeline.schedule import SplitPolicy, plan_workqueue, plan_workqueue_device_order
 from pkv.pipeline.step import build_step
 from pkv.shape import ModelShape
@@ -73,16 +74,17 @@ def test_device_plan_is_the_host_plan_longest_first(num_splits):
         assert np.all(np.diff(row_tiles) <= 0), "tasks must come longest row (most tiles) first"
 
 
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_device_planned_step_matches_float64(group, dtype):
+def test_device_planned_step_matches_float64(group, dtype, planner):
     from pkv.engines.device_step import DeviceDecodeStep
 
     shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8)
     rng = np.random.default_rng(group)
     k, v = _pool(shape, dtype, 11000, seed=group)
     for splits in (1, 7, 32):
-        workspace = DeviceDecodeStep(shape, max_batch=16, num_splits=splits, stages=2 + splits % 3)
+        workspace = DeviceDecodeStep(shape, max_batch=16, num_splits=splits, stages=2 + splits % 3, planner=planner)
         lengths = [int(x) for x in rng.choice(EDGE_LENGTHS, size=int(rng.integers(1, 9)))]
         step, table, lens = _tables(lengths, 11000, 1300, rng)
         q = make_queries(len(lengths), shape, dtype, "cuda", seed=splits)
@@ -93,7 +95,8 @@ def test_device_planned_step_matches_float64(group, dtype):
         _check(out, step, q, k, v, dtype)
 
 
-def test_graph_replays_for_lengths_other_than_the_captured_ones():
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
+def test_graph_replays_for_lengths_other_than_the_captured_ones(planner):
     from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
 
     shape = ModelShape()
@@ -101,7 +104,7 @@ def test_graph_replays_for_lengths_other_than_the_captured_ones():
     rng = np.random.default_rng(7)
     max_pages = 4096
     k, v = _pool(shape, dtype, 40000, seed=3)
-    workspace = DeviceDecodeStep(shape, max_batch=8, num_splits=24)
+    workspace = DeviceDecodeStep(shape, max_batch=8, num_splits=24, planner=planner)
     graphed = GraphedDecodeStep(workspace, k, v, max_pages)
     # Captured at the first lengths; every later step has other lengths, longer and shorter,
     # with rows that need more splits than any captured row and rows of a single tile.
@@ -115,12 +118,12 @@ def test_graph_replays_for_lengths_other_than_the_captured_ones():
         _check(out, step, q, k, v, dtype)
         eager = workspace.run(q, k, v, table, lens, torch.empty_like(q))
         assert torch.equal(eager, out), trial  # the replay is the eager step, bit for bit
-    assert list(graphed._graphs) == [8]
+    assert list(graphed._graphs) == [(8, False)]
     # Another batch size is another graph.
     step, table, lens = _tables([5000, 70], 40000, max_pages, rng)
     q = make_queries(2, shape, dtype, "cuda", seed=1)
     _check(graphed.run(q, table, lens).clone(), step, q, k, v, dtype)
-    assert sorted(graphed._graphs) == [2, 8]
+    assert sorted(graphed._graphs) == [(2, False), (8, False)]
 
 
 def test_bad_input_is_refused_before_any_launch():
@@ -202,6 +205,98 @@ def test_device_planned_ops_compile_with_torch_compile():
     # The one-call form too: its eager length check stands aside while torch.compile traces.
     whole = torch.compile(lambda q, table, lens, out: workspace.run(q, k, v, table, lens, out), fullgraph=True)
     _check(whole(q, table, lens, torch.full_like(q, float("nan"))), step, q, k, v, torch.float16)
+
+
+def _lists(step, trailing=0, rng=None):
+    """The step's pages as PageLists, with ``trailing`` junk entries after the last row's list (a
+    serving engine's flat list is a buffer longer than the step's pages)."""
+    lists = PageLists.from_step(step, "cuda")
+    if not trailing:
+        return lists
+    junk = torch.tensor(rng.integers(0, 2**30, size=trailing), dtype=torch.int32, device="cuda")
+    return PageLists(lists.indptr, torch.cat((lists.indices, junk)), lists.host_indptr)
+
+
+@pytest.mark.parametrize("num_splits", [1, 8, 40])
+def test_device_plan_clamps_each_row_to_its_page_list(num_splits):
+    from pkv.engines.device_step import DeviceDecodeStep
+
+    shape = ModelShape()
+    workspace = DeviceDecodeStep(shape, max_batch=32, num_splits=num_splits)
+    rng = np.random.default_rng(40 + num_splits)
+    for trial in range(10):
+        batch = int(rng.integers(1, 33))
+        pages = rng.integers(0, 300, size=batch).astype(np.int32)
+        indptr = np.r_[0, np.cumsum(pages)].astype(np.int32)
+        # Lengths inside, at and past each row's pages: the plan clamps each row to its own list.
+        lengths = np.minimum(pages.astype(np.int64) * PAGE + rng.integers(-40, 40, size=batch), 2**31 - 1)
+        lengths = np.maximum(lengths, 0).astype(np.int32)
+        lens = torch.tensor(lengths, device="cuda")
+        capacity = batch * shape.num_kv_heads * num_splits
+        offsets = workspace.split_offsets[:batch * shape.num_kv_heads + 1]
+        workspace.ops.plan_workqueue_on_device(lens, shape.num_kv_heads, num_splits, 2**31 - 1,
+                                               workspace.tasks[:capacity], offsets, workspace.counts,
+                                               torch.tensor(indptr, device="cuda"), PAGE)
+        mirror = plan_workqueue_device_order(lengths, shape.num_kv_heads, shape.group_size, num_splits,
+                                             row_tokens=pages.astype(np.int64) * PAGE)
+        live = workspace.counts[0].item()
+        assert np.array_equal(workspace.tasks[:live].cpu().numpy(), mirror.tasks), trial
+        assert np.array_equal(offsets.cpu().numpy(), mirror.split_offsets), trial
+
+
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_page_lists_give_the_block_tables_output_bit_for_bit(dtype, planner):
+    """The same pages named as page lists or as a block table: one plan, one kernel, the same
+    output; and it matches float64."""
+    from pkv.engines.device_step import DeviceDecodeStep
+
+    shape = ModelShape()
+    rng = np.random.default_rng(23)
+    k, v = _pool(shape, dtype, 20000, seed=4)
+    workspace = DeviceDecodeStep(shape, max_batch=12, num_splits=16, planner=planner)
+    for trial in range(6):
+        lengths = [int(x) for x in rng.choice(EDGE_LENGTHS, size=int(rng.integers(1, 13)))]
+        step, table, lens = _tables(lengths, 20000, 1400, rng)
+        q = make_queries(len(lengths), shape, dtype, "cuda", seed=300 + trial)
+        by_table = workspace.run(q, k, v, table, lens, torch.full_like(q, float("nan"))).clone()
+        lists = _lists(step, trailing=trial % 3 * 50, rng=rng)
+        by_lists = workspace.run(q, k, v, lists, lens, torch.full_like(q, float("nan")),
+                                 host_lens=step.seq_lens)
+        torch.cuda.synchronize()
+        _check(by_lists, step, q, k, v, dtype)
+        assert torch.equal(by_lists, by_table), trial
+
+
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
+def test_graph_over_page_lists_replays_for_fresh_lengths_and_checks_each_row_on_the_device(planner):
+    from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
+
+    shape = ModelShape()
+    dtype = torch.float16
+    rng = np.random.default_rng(29)
+    max_pages = 4096
+    k, v = _pool(shape, dtype, 40000, seed=6)
+    workspace = DeviceDecodeStep(shape, max_batch=8, num_splits=24, planner=planner)
+    graphed = GraphedDecodeStep(workspace, k, v, max_pages, debug_checks=True)
+    edge = EDGE_LENGTHS + [max_pages * PAGE, 24 * 32, 24 * 32 + 1]
+    for trial in range(20):
+        lengths = [int(x) for x in rng.choice(edge, size=8)]
+        step, _, lens = _tables(lengths, 40000, max_pages, rng)
+        q = make_queries(8, shape, dtype, "cuda", seed=400 + trial)
+        out = graphed.run(q, _lists(step, trailing=trial % 2 * 7, rng=rng), lens).clone()
+        torch.cuda.synchronize()
+        _check(out, step, q, k, v, dtype)
+    assert list(graphed._graphs) == [(8, True)]
+    step, _, lens = _tables([100, 4000, 17, 5, 5, 5, 5, 5], 40000, max_pages, rng)
+    lists = _lists(step)
+    too_long = lens.clone()
+    too_long[1] = 4001 + PAGE  # its list holds 250 pages: 4000 tokens
+    with pytest.raises(ValueError, match=r"debug check on the device\): row 1 has length 4017; its pages address "
+                                         r"0\.\.4000 tokens"):
+        graphed.run(q, lists, too_long)
+    with pytest.raises(ValueError, match=r"row 1 has length 4017; its page list's 250 pages of 16 tokens"):
+        workspace.run(q, k, v, lists, too_long, torch.empty_like(q))
 
 
 class _RouteByBatch:

@@ -1,8 +1,9 @@
 """The device-planned decode step against the host-planned one and FlashInfer, on identical pages.
 
 Per case: PersistentKV's workqueue planned on the host (C++ planner, one upload) and run eagerly;
-the same split count planned on the GPU (pkv.engines.device_step) run eagerly, replayed from a
-CUDA graph, and replayed through the routed graphs a serving engine would hold
+the same split count planned on the GPU (pkv.engines.device_step) run eagerly over the block table
+and over page lists (pkv.page_table), replayed from a CUDA graph; the same with no plan launch
+(planner "in_decode"), eager and replayed; replayed through the routed graphs a serving engine would hold
 (pkv.engines.routed_graphs: the route asked of the policy with the host's lengths, then the
 replay over static buffers the caller writes); FlashInfer's fastest decode path for reference.
 Device time is CUDA events with an L2 flush before each call (median); wall time is a
@@ -31,6 +32,7 @@ from pkv.engines.routed_graphs import RoutedGraphStep
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.measure.timing import L2Flusher, WallTimer, time_device_us
+from pkv.page_table import PageLists
 from pkv.pipeline.pages import assign_pages
 from pkv.pipeline.step import build_step
 from pkv.policy.choose import PinnedRoutePolicy
@@ -104,12 +106,46 @@ def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
                               "wall_us": _wall_us(device_planned, reps), "host_us": _host_us(device_planned, reps),
                               "max_abs_diff_vs_host": float((out.float() - reference.float()).abs().max())}
 
+    # The same step over page lists (FlashInfer's indptr / indices): one more dependent read a CTA.
+    lists = PageLists.from_step(step, "cuda")
+    lists_out = torch.empty_like(q)
+
+    def device_planned_lists():
+        return workspace.run(q, k, v, lists, lens, lists_out, host_lens=host_lens)
+
+    device_planned_lists()
+    torch.cuda.synchronize()
+    rows["device_planned_lists"] = {
+        "device_us": time_device_us(device_planned_lists, flusher=flusher, reps=reps).median_us,
+        "wall_us": _wall_us(device_planned_lists, reps), "host_us": _host_us(device_planned_lists, reps),
+        "max_abs_diff_vs_host": float((lists_out.float() - reference.float()).abs().max())}
+
     graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
     graphed.run(q, table, lens)
-    graph = graphed._graphs[len(lengths)][0]
+    graph = graphed._graphs[(len(lengths), False)][0]
     rows["device_planned_graph"] = {"device_us": time_device_us(graph.replay, flusher=flusher, reps=reps).median_us,
                                     "wall_us": _wall_us(lambda: graphed.run(q, table, lens), reps),
                                     "host_us": _host_us(lambda: graphed.run(q, table, lens), reps)}
+
+    # No plan launch: the decode CTAs derive their splits (DeviceDecodeStep, planner="in_decode").
+    in_decode = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits, planner="in_decode")
+    in_decode_out = torch.empty_like(q)
+
+    def planned_in_decode():
+        return in_decode.run(q, k, v, table, lens, in_decode_out, host_lens=host_lens)
+
+    planned_in_decode()
+    torch.cuda.synchronize()
+    rows["in_decode"] = {"device_us": time_device_us(planned_in_decode, flusher=flusher, reps=reps).median_us,
+                         "wall_us": _wall_us(planned_in_decode, reps), "host_us": _host_us(planned_in_decode, reps),
+                         "max_abs_diff_vs_host": float((in_decode_out.float() - reference.float()).abs().max())}
+    in_decode_graphed = GraphedDecodeStep(in_decode, k, v, table.shape[1])
+    in_decode_graphed.run(q, table, lens)
+    in_decode_graph = in_decode_graphed._graphs[(len(lengths), False)][0]
+    rows["in_decode_graph"] = {
+        "device_us": time_device_us(in_decode_graph.replay, flusher=flusher, reps=reps).median_us,
+        "wall_us": _wall_us(lambda: in_decode_graphed.run(q, table, lens), reps),
+        "host_us": _host_us(lambda: in_decode_graphed.run(q, table, lens), reps)}
 
     # The serving form: the caller has written the step into the bucket's buffers; the host asks
     # the route and replays. The pinned policy keeps the route on this split count.
@@ -146,18 +182,19 @@ def main(argv=None) -> int:
     args = bench_parser(__doc__, CASES, reps=30, seed=20260622).parse_args(argv)
     config = {"cases": args.cases, "reps": args.reps}
     if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/2", config, args.seed)
+        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/3", config, args.seed)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
     log("case        split" + "".join(f"{label:>22} {'device':>7} / {'wall':>7} / {'host':>6}" for label in
-                                     ("host_planned", "device_planned", "device_planned_graph", "routed_graph",
+                                     ("host_planned", "device_planned", "device_planned_lists",
+                                      "device_planned_graph", "in_decode", "in_decode_graph", "routed_graph",
                                       "flashinfer")))
     flusher = L2Flusher("cuda")
     cases = {name: run_case(name, *CASES[name], ModelShape(), flusher, args.reps, args.seed, log)
              for name in args.cases}
-    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/2", "cases": cases,
+    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/3", "cases": cases,
                                  "provenance": collect_provenance(config=config, seed=args.seed)})
     return 0
 

@@ -309,16 +309,19 @@ def plan_workqueue(step, num_kv_heads: int, group_size: int, policy: SplitPolicy
 
 
 def plan_workqueue_device_order(seq_lens, num_kv_heads: int, group_size: int, num_splits: int,
-                                max_tokens: int = 2**31 - 1) -> WorkqueuePlan:
+                                max_tokens: int = 2**31 - 1, row_tokens=None) -> WorkqueuePlan:
     """The plan csrc/device_plan.cu writes on the GPU, as data: the fixed split rule of
     ``plan_workqueue`` (the same split_offsets and the same task set), lengths clamped to
-    ``max_tokens``, rows of length 0 without tasks, and the tasks in the kernel's order: rows
+    ``max_tokens`` (a block table's reach) and to ``row_tokens`` where given (each row's page
+    list times the page size), rows of length 0 without tasks, and the tasks in the kernel's order: rows
     ranked by tiles, longest first (ties by row), each row's tasks KV head by KV head, split by
     split. The reference engine runs it (``ReferenceEngine(planner="device")``), so the CPU checks
     the device plan's logic against float64, and the GPU tests hold the kernel to it exactly."""
     _check_heads(num_kv_heads, group_size)
     hkv = int(num_kv_heads)
     lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, int(max_tokens))
+    if row_tokens is not None:
+        lens = np.maximum(np.minimum(lens, np.asarray(row_tokens, dtype=np.int64)), 0)
     n = _ceil_div(lens, TILE_TOKENS)
     k = np.where(n > 0, _ceil_div(n, np.maximum(_ceil_div(n, np.maximum(np.minimum(num_splits, n), 1)), 1)), 0)
     per_split = np.where(k > 0, _ceil_div(n, np.maximum(k, 1)), 0)

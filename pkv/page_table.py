@@ -1,0 +1,83 @@
+"""How a decode step on the GPU names each row's pages: a block table, or page lists.
+
+A block table is an int32 tensor [B, max_pages] (vLLM's form): row r's pages are its row. Page
+lists are FlashInfer's and SGLang's form (``paged_kv_indptr`` / ``paged_kv_indices``): row r's
+pages are ``indices[indptr[r]:indptr[r + 1]]``, so no row is padded to the longest. The device
+step (pkv.engines.device_step) reads either in place; this module owns what each form allows a
+row to address, on the host and on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class PageLists:
+    """Each row's pages as a slice of one flat list.
+
+    ``host_indptr`` is the caller's host copy of ``indptr`` where it has one (a serving scheduler
+    builds the lists on the host): eager calls then check lengths without a device-to-host copy."""
+
+    indptr: torch.Tensor  # int32 [B + 1] on the device, non-decreasing from 0
+    indices: torch.Tensor  # int32 [>= indptr[B]] on the device: physical page ids
+    host_indptr: np.ndarray | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.indptr.shape[0]) - 1
+
+    @classmethod
+    def from_step(cls, step, device) -> "PageLists":
+        """The lists of a pkv.pipeline.step.StepBatch (the pages its block table holds), uploaded."""
+        indptr = np.ascontiguousarray(step.kv_indptr, dtype=np.int32)
+        return cls(torch.from_numpy(indptr).to(device), torch.from_numpy(
+            np.ascontiguousarray(step.kv_indices, dtype=np.int32)).to(device), indptr)
+
+
+def check_page_table(table, batch: int, device, where: str) -> None:
+    """Refuse a page table of the wrong form, dtype, batch or device, naming what it got."""
+    if isinstance(table, PageLists):
+        indptr, indices = table.indptr, table.indices
+        if (indptr.dim() != 1 or indptr.shape[0] != batch + 1 or indptr.dtype != torch.int32
+                or indptr.device != device):
+            raise ValueError(f"{where}: page_table.indptr must be int32 [{batch + 1}] on {device}, got "
+                             f"{indptr.dtype} {tuple(indptr.shape)} on {indptr.device}")
+        if indices.dim() != 1 or indices.dtype != torch.int32 or indices.device != device:
+            raise ValueError(f"{where}: page_table.indices must be int32 [num_entries] on {device}, got "
+                             f"{indices.dtype} {tuple(indices.shape)} on {indices.device}")
+        if table.host_indptr is not None and np.shape(table.host_indptr) != (batch + 1,):
+            raise ValueError(f"{where}: page_table.host_indptr must have {batch + 1} entries, got "
+                             f"{np.shape(table.host_indptr)}")
+        return
+    if not isinstance(table, torch.Tensor):
+        raise ValueError(f"{where}: page_table must be a block table tensor or PageLists, got {type(table).__name__}")
+    if table.dim() != 2 or table.shape[0] != batch or table.dtype != torch.int32 or table.device != device:
+        raise ValueError(f"{where}: block_table must be int32 [{batch}, max_pages] on {device}, got "
+                         f"{table.dtype} {tuple(table.shape)} on {table.device}")
+
+
+def host_row_pages(table) -> int | np.ndarray:
+    """The entries each row may address, on the host: a block table's width (one int for every
+    row), or each row's list length (one synchronization where the caller gave no host copy)."""
+    if isinstance(table, PageLists):
+        indptr = table.host_indptr if table.host_indptr is not None else table.indptr.cpu().numpy()
+        return np.diff(np.asarray(indptr, dtype=np.int64))
+    return int(table.shape[1])
+
+
+def device_token_limits(table, page_size: int) -> torch.Tensor | int:
+    """What each row may address in tokens, as device ops a CUDA graph captures (no host sync)."""
+    if isinstance(table, PageLists):
+        return (table.indptr[1:] - table.indptr[:-1]).to(torch.int64) * int(page_size)
+    return int(table.shape[1]) * int(page_size)
+
+
+def kernel_operands(table) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the table the kernels read, page_indptr or None): what the pkv ops take."""
+    if isinstance(table, PageLists):
+        return table.indices, table.indptr
+    return table, None
