@@ -40,6 +40,8 @@ def test_routed_graph_buckets_and_buffers_on_any_device():
     assert routed.buffers(5).q.data_ptr() == buffers.q.data_ptr()  # one bucket, one set of tensors
     with pytest.raises(ValueError, match="batch_buckets"):
         RoutedGraphStep(None, shape, k, k, max_pages=8, batch_buckets=())
+    with pytest.raises(ValueError, match=r"planner must be one of \('plan_kernel', 'in_decode'\), got 'host'"):
+        RoutedGraphStep(None, shape, k, k, max_pages=8, planner="host")
 
 
 EDGE = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 4097]

@@ -314,8 +314,9 @@ class _RouteByBatch:
         return RouteDecision(route, "test", {})
 
 
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_routed_graphs_replay_every_route_for_fresh_lengths(dtype):
+def test_routed_graphs_replay_every_route_for_fresh_lengths(dtype, planner):
     from pkv.engines.routed_graphs import RoutedGraphStep
 
     flashinfer = pytest.importorskip("flashinfer")
@@ -325,7 +326,7 @@ def test_routed_graphs_replay_every_route_for_fresh_lengths(dtype):
     max_pages = 4200
     k, v = _pool(shape, dtype, 30000, seed=9)
     routed = RoutedGraphStep(_RouteByBatch({3}, splits=16), shape, k, v, max_pages=max_pages,
-                             batch_buckets=(1, 4, 8), debug_checks=True)
+                             batch_buckets=(1, 4, 8), debug_checks=True, planner=planner)
     # Batch 3 goes to FlashInfer, the others to the device-planned workqueue; 3 and 4 share a
     # bucket, so one bucket replays both routes, with padding rows in between.
     batches = [[65536], [20000, 17, 1, 4097], [1, 16, 4096], [33, 65], [60000, 100, 5, 16, 17, 1000, 3000],

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep, check_lengths
+from pkv.engines.device_step import PLANNERS, DeviceDecodeStep, GraphedDecodeStep, check_lengths
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.policy.route import ROUTE_FLASHINFER
 
@@ -80,15 +80,18 @@ class RoutedGraphStep:
 
     def __init__(self, policy, shape, k_pages, v_pages, *, max_pages: int,
                  batch_buckets=DEFAULT_BATCH_BUCKETS, stages: int = 2, use_tensor_cores: bool = True,
-                 debug_checks: bool = False) -> None:
+                 debug_checks: bool = False, planner: str = "plan_kernel") -> None:
         buckets = sorted({int(b) for b in batch_buckets})
         if not buckets or buckets[0] < 1:
             raise ValueError(f"RoutedGraphStep: batch_buckets must be positive sizes, got {batch_buckets!r}")
+        if planner not in PLANNERS:
+            raise ValueError(f"RoutedGraphStep: planner must be one of {PLANNERS}, got {planner!r}")
         self.policy, self.shape = policy, shape
         self.k_pages, self.v_pages = k_pages, v_pages
         self.max_pages, self.page_size = int(max_pages), int(k_pages.shape[2])
         self.batch_buckets = tuple(buckets)
         self.stages, self.use_tensor_cores, self.debug_checks = int(stages), bool(use_tensor_cores), debug_checks
+        self.planner = planner  # how the PersistentKV graphs plan their splits (DeviceDecodeStep's PLANNERS)
         self.device = k_pages.device
         self._buffers: dict[int, StepBuffers] = {}
         self._last_batch: dict[int, int] = {}
@@ -147,7 +150,7 @@ class RoutedGraphStep:
     def _graphed(self, num_splits: int) -> GraphedDecodeStep:
         if num_splits not in self._persistent:
             workspace = DeviceDecodeStep(self.shape, max_batch=self.batch_buckets[-1], num_splits=num_splits,
-                                         device=self.device, stages=self.stages)
+                                         device=self.device, stages=self.stages, planner=self.planner)
             self._persistent[num_splits] = GraphedDecodeStep(workspace, self.k_pages, self.v_pages, self.max_pages)
         return self._persistent[num_splits]
 
