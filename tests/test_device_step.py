@@ -156,3 +156,19 @@ def test_page_table_forms_are_checked_and_read_on_any_device():
     assert _first_out_of_range(lens, device_token_limits(lists, 16)).tolist() == [1, 1, 17, 16]
     assert _first_out_of_range(lens, 64).tolist()[0] == 0
     assert _first_out_of_range(torch.tensor([1, -1], dtype=torch.int32), 64).tolist() == [1, 1, -1, 64]
+
+
+def test_the_in_decode_grid_covers_the_fixed_rules_tile_ranges():
+    """planner="in_decode" launches the bucket grid (B, Hkv, S) over every row; its non-empty CTAs
+    must own exactly the workqueue's tasks under the fixed split rule (what the plan kernel writes)."""
+    from pkv.pipeline.schedule import plan_workqueue_device_order, split_range
+
+    rng = np.random.default_rng(9)
+    for trial in range(100):
+        batch, splits = int(rng.integers(1, 20)), int(rng.integers(1, 70))
+        lens = rng.choice(np.r_[EDGE, rng.integers(1, 70000, size=5)], size=batch)
+        grid = sorted((row, kvh, split, *split_range(-(-int(lens[row]) // 32), splits, split))
+                      for row in range(batch) for kvh in range(2) for split in range(splits)
+                      if split_range(-(-int(lens[row]) // 32), splits, split)[0] < -(-int(lens[row]) // 32))
+        plan = plan_workqueue_device_order(lens, 2, 4, splits)
+        assert grid == sorted(map(tuple, plan.tasks.tolist())), trial
