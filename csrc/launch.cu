@@ -7,7 +7,7 @@
 namespace pkv {
 
 template <typename T>
-cudaError_t bucket_decode_typed(const DecodeArgs&, const int32_t*, int, int, int32_t*, cudaStream_t);
+cudaError_t bucket_decode_typed(const DecodeArgs&, const int32_t*, int, int, int32_t*, cudaStream_t, bool);
 template <typename T>
 cudaError_t bucket_cluster_decode_typed(const DecodeArgs&, const int32_t*, int, int, cudaStream_t);
 template <typename T>
@@ -17,11 +17,13 @@ template <typename T>
 cudaError_t merge_states_typed(const DecodeArgs&, const int32_t*, const int32_t*, int, int, cudaStream_t);
 
 cudaError_t launch_bucket_decode(const DecodeArgs& args, const int32_t* row_indices, int num_rows, int num_splits,
-                                 int32_t* pair_counters, cudaStream_t stream) {
+                                 int32_t* pair_counters, cudaStream_t stream, bool live_splits_only) {
   if (num_rows == 0) return cudaSuccess;
   return args.dtype == KvDtype::kFloat16
-             ? bucket_decode_typed<__half>(args, row_indices, num_rows, num_splits, pair_counters, stream)
-             : bucket_decode_typed<__nv_bfloat16>(args, row_indices, num_rows, num_splits, pair_counters, stream);
+             ? bucket_decode_typed<__half>(args, row_indices, num_rows, num_splits, pair_counters, stream,
+                                           live_splits_only)
+             : bucket_decode_typed<__nv_bfloat16>(args, row_indices, num_rows, num_splits, pair_counters, stream,
+                                                  live_splits_only);
 }
 
 cudaError_t launch_bucket_cluster_decode(const DecodeArgs& args, const int32_t* row_indices, int num_rows,

@@ -58,14 +58,14 @@ cudaError_t dispatch_group_size(int group_size, F&& launch) {
 
 template <typename T>
 cudaError_t bucket_decode_typed(const DecodeArgs& args, const int32_t* row_indices, int num_rows,
-                                int num_splits, int32_t* pair_counters, cudaStream_t stream) {
+                                int num_splits, int32_t* pair_counters, cudaStream_t stream, bool live_splits_only) {
   return dispatch_group_size(args.group_size, [&](auto g) {
     return dispatch_stages(args.stages, [&](auto st) {
       constexpr int G = decltype(g)::value, S = decltype(st)::value, bytes = decode_smem_bytes<S>();
       constexpr auto kernel = bucket_decode_kernel<T, G, S>;
       if (cudaError_t e = allow_decode_smem<kernel, bytes>(); e != cudaSuccess) return e;
       const dim3 grid(num_rows, args.num_kv_heads, num_splits);
-      kernel<<<grid, kThreads, bytes, stream>>>(args, row_indices, num_splits, pair_counters);
+      kernel<<<grid, kThreads, bytes, stream>>>(args, row_indices, num_splits, pair_counters, live_splits_only);
       return cudaGetLastError();
     });
   });
@@ -140,7 +140,7 @@ cudaError_t merge_states_typed(const DecodeArgs& args, const int32_t* row_indice
 
 #define PKV_INSTANTIATE_LAUNCHERS(T)                                                                  \
   template cudaError_t bucket_decode_typed<T>(const DecodeArgs&, const int32_t*, int, int, int32_t*,       \
-                                              cudaStream_t);                                          \
+                                              cudaStream_t, bool);                                    \
   template cudaError_t bucket_cluster_decode_typed<T>(const DecodeArgs&, const int32_t*, int, int,       \
                                                       cudaStream_t);                                  \
   template cudaError_t workqueue_decode_typed<T>(const DecodeArgs&, const int32_t*, int, const int32_t*,  \

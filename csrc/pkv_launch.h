@@ -42,9 +42,12 @@ struct DecodeArgs {
 // Split bounds are row-local (seq_lens); splits with no tiles write the neutral state and return.
 // With num_splits == 1 the kernel writes `out` directly.
 // When `pair_counters` is non-null (num_rows * Hkv of them, zero on entry and zero again on exit)
-// the last split of each (row, KV head) merges it in the same launch (fused variant).
+// the last split of each (row, KV head) merges it in the same launch (fused variant). With
+// `live_splits_only` the fused merge counts and merges only the splits that own tiles (the
+// first ones of the row), so empty splits write nothing; partial states past them stay unwritten.
 cudaError_t launch_bucket_decode(const DecodeArgs& args, const int32_t* row_indices, int num_rows,
-                                 int num_splits, int32_t* pair_counters, cudaStream_t stream);
+                                 int num_splits, int32_t* pair_counters, cudaStream_t stream,
+                                 bool live_splits_only = false);
 
 // Length-bucket route with the cluster merge (Hopper, sm_90): the same grid in clusters of
 // (1, 1, num_splits), 2 <= num_splits <= kMaxClusterSplits. The splits of a (row, KV head) merge

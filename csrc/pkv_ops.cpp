@@ -161,7 +161,7 @@ void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages
                    const Tensor& seq_lens, const Tensor& row_indices, int64_t num_splits, double sm_scale,
                    const Tensor& out, const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc,
                    const std::optional<Tensor>& pair_counters, int64_t stages, bool cluster_merge,
-                   const std::optional<Tensor>& page_indptr) {
+                   const std::optional<Tensor>& page_indptr, bool live_splits_only) {
   const c10::cuda::CUDAGuard guard(q.device());
   auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages,
                         page_indptr);
@@ -182,7 +182,7 @@ void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages
               num_rows * args.num_kv_heads * num_splits);
   int32_t* counters = num_splits > 1 ? pair_counters_of(pair_counters, num_rows * args.num_kv_heads) : nullptr;
   check_launch(pkv::launch_bucket_decode(args, row_indices.data_ptr<int32_t>(), static_cast<int>(num_rows),
-                                         static_cast<int>(num_splits), counters, stream),
+                                         static_cast<int>(num_splits), counters, stream, live_splits_only),
                "bucket_decode");
 }
 
@@ -434,7 +434,7 @@ TORCH_LIBRARY(pkv, m) {
       "bucket_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
       "Tensor row_indices, int num_splits, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
       "Tensor(c!) part_l, Tensor(d!) part_acc, Tensor(e!)? pair_counters, int stages=3, "
-      "bool cluster_merge=False, Tensor? page_indptr=None) -> ()");
+      "bool cluster_merge=False, Tensor? page_indptr=None, bool live_splits_only=False) -> ()");
   m.def(
       "workqueue_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
       "Tensor tasks, Tensor split_offsets, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "

@@ -318,34 +318,43 @@ __device__ void merge_if_last(const DecodeArgs& a, int32_t* counter, int slot_be
 // The tile range [tile_begin, tile_end) of split `split` of a bucket launch's row: the row's
 // tiles in num_splits equal, row-local ranges. Trailing splits of a short row own no tiles.
 struct BucketSplit {
-  int row, seq_len, tile_begin, tile_end;
+  int row, seq_len, n_tiles, per_split, tile_begin, tile_end;
   __device__ BucketSplit(const DecodeArgs& a, int row_, int split, int num_splits)
       : row(row_), seq_len(a.seq_lens[row_]) {
-    const int n_tiles = (seq_len + kTileTokens - 1) / kTileTokens;
-    const int per_split = (n_tiles + num_splits - 1) / num_splits;
+    n_tiles = (seq_len + kTileTokens - 1) / kTileTokens;
+    per_split = (n_tiles + num_splits - 1) / num_splits;
     tile_begin = split * per_split;
     tile_end = min(tile_begin + per_split, n_tiles);
   }
   __device__ bool empty() const { return tile_begin >= tile_end; }
+  // Splits of the row that own tiles: the first ones, 0 .. live_splits() - 1.
+  __device__ int live_splits() const { return per_split == 0 ? 0 : (n_tiles + per_split - 1) / per_split; }
 };
 
 template <typename T, int G, int Stages>
 __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
-    bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices, int num_splits, int32_t* pair_counters) {
+    bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices, int num_splits, int32_t* pair_counters,
+                         bool live_splits_only) {
   extern __shared__ __align__(128) char smem[];
   const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
   const BucketSplit b(a, row_indices[r], split, num_splits);
   const int pair = r * a.num_kv_heads + kvh;
   const int slot = pair * num_splits + split;
+  // live_splits_only (fused merge only): a pair merges just the splits that own tiles, so an
+  // empty split writes nothing and a pair with one live split writes `out` directly. Otherwise
+  // every split of the grid holds a state (empty ones the neutral state) and all are merged.
+  const bool fused = pair_counters != nullptr && num_splits > 1;
+  const bool live_only = fused && live_splits_only;
+  const int merged = live_only ? b.live_splits() : num_splits;
   if (b.empty()) {  // row-local bounds leave this split empty: no Q load, no staging
-    write_neutral<G>(a, slot);
+    if (!live_only) write_neutral<G>(a, slot);
   } else {
     CtaDecoder<T, G, Stages>(a, b.row, kvh, b.seq_len, b.tile_begin, b.tile_end, smem).run(smem);
-    finish_split<T, G>(a, smem, b.row, kvh, num_splits == 1, slot);
+    finish_split<T, G>(a, smem, b.row, kvh, merged == 1, slot);
   }
   allow_dependent_launch();
-  if (pair_counters != nullptr && num_splits > 1)
-    merge_if_last<T, G>(a, pair_counters + pair, pair * num_splits, num_splits, b.row, kvh, smem);
+  if (fused && merged > 1 && !(live_only && b.empty()))
+    merge_if_last<T, G>(a, pair_counters + pair, pair * num_splits, merged, b.row, kvh, smem);
 }
 
 // A split's combined state kept in its own shared memory for the cluster merge: acc[g][d], then

@@ -12,9 +12,9 @@ kind "fixed"); the split count comes from the caller's route (pkv.policy), one p
 Two planners give those splits (``PLANNERS``): "plan_kernel" launches a planner (one CTA) that
 writes the compact workqueue, longest rows first, before the decode; "in_decode" launches no
 planner: the decode grid is (B, Hkv, S) and each CTA derives its split's tiles from its row's
-length (the bucket kernel over every row, splits past a short row's tiles exit after writing a
-neutral state, the fused merge). The tile ranges are the same; what differs is one launch on the
-critical path against a grid with empty CTAs and no longest-first order.
+length (the bucket kernel over every row with the fused merge of a row's live splits only, so
+splits past a short row's tiles exit without writing). The tile ranges are the same; what differs
+is one launch on the critical path against no longest-first order.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class DeviceDecodeStep:
             self.ops.bucket_decode(q, k_pages, v_pages, table, seq_lens, self.rows[:batch], self.num_splits,
                                    self.shape.sm_scale, out, self.part_m[:capacity], self.part_l[:capacity],
                                    self.part_acc[:capacity], self.pair_counters[:batch * hkv], self.stages, False,
-                                   page_indptr)
+                                   page_indptr, True)
             return out
         self.ops.run_workqueue_planned_on_device(q, k_pages, v_pages, table, seq_lens, self.tasks[:capacity],
                                                  self.split_offsets[:batch * hkv + 1], self.counts,

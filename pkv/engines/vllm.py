@@ -24,6 +24,10 @@ _TP_RANK, _BS_LOCAL_BLOCKS, _BS_VERT_STRIDE, _BS_BLOCK_SIZE, _BS_HEAD_SLIDING_ST
 # should reach this many programs, else the split-KV (3D) kernel runs with this many segments.
 MIN_LAUNCH_GRID_SIZE_2D = 128
 NUM_PAR_SOFTMAX_SEGMENTS = 16
+# What TritonAttentionBackend accepts (supports_block_size, supports_head_size): vLLM never runs
+# the kernel on other pages or heads.
+TRITON_BLOCK_SIZE_MULTIPLE = 16
+TRITON_MIN_HEAD_SIZE = 32
 
 
 def _cuda_device(device, what: str) -> torch.device:
@@ -31,6 +35,14 @@ def _cuda_device(device, what: str) -> torch.device:
     if device.type != "cuda":
         raise EngineUnavailable(f"{what} needs a CUDA device, got {device}")
     return device
+
+
+def _check_auto_kv_dtype(q, k_pages, what: str) -> None:
+    # vLLM's kv_cache_dtype "auto": the cache holds the model's dtype, the query's (the paged
+    # kernels reinterpret the cache as q's dtype; the Triton kernel would cast it).
+    if q.dtype != k_pages.dtype:
+        raise ValueError(f"{what} reads the pages in q's dtype {q.dtype} (kv_cache_dtype 'auto'), "
+                         f"got {k_pages.dtype} pages")
 
 
 class _ConvertedCache:
@@ -60,9 +72,18 @@ def _paged_layout(k_pages, v_pages):
     return key_cache.contiguous(), value_cache.contiguous()
 
 
-def _nhd_layout(k_pages, v_pages):
-    # vLLM's Triton backend: K and V [blocks, P, Hkv, d].
-    return k_pages.permute(0, 2, 1, 3).contiguous(), v_pages.permute(0, 2, 1, 3).contiguous()
+def _triton_layout(k_pages, v_pages):
+    # vLLM 0.34.0's Triton backend keeps one cache per layer, logically [blocks, Hkv, P, 2d] with a
+    # token-head's K in the first d of the last axis and its V in the second (AttentionSpec's
+    # state content, K then V), stored in the default layout LBNHC, i.e. physically
+    # [blocks, P, Hkv, 2d]; TritonAttentionImpl.forward hands the kernel the two halves of
+    # kv_cache.transpose(1, 2): [blocks, P, Hkv, d] views whose token-head stride is 2d, so each
+    # head's V lies right after its K. Two separate NHD tensors would be read with other strides.
+    blocks, heads, page, dim = k_pages.shape
+    kv = torch.empty(blocks, page, heads, 2 * dim, dtype=k_pages.dtype, device=k_pages.device)
+    kv[..., :dim].copy_(k_pages.permute(0, 2, 1, 3))
+    kv[..., dim:].copy_(v_pages.permute(0, 2, 1, 3))
+    return kv[..., :dim], kv[..., dim:]
 
 
 class VllmEngine(Engine):
@@ -88,7 +109,8 @@ class VllmEngine(Engine):
         self._ops = load_vllm_paged_attention()
         self._version = PAGED_ATTENTION.version
         self.name = "vllm"
-        self.implementation = f"vllm-{PAGED_ATTENTION.version}-paged_attention_v2-own-build"
+        # v1 or v2 per step, by vLLM's rule (run), so the name is of both.
+        self.implementation = f"vllm-{PAGED_ATTENTION.version}-paged_attention_v1_v2-own-build"
         self._convert = _ConvertedCache(_paged_layout)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
 
@@ -104,9 +126,14 @@ class VllmEngine(Engine):
 
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
         check_decode_inputs(q, k_pages, v_pages, self.shape, plan.step.page_size)
+        _check_auto_kv_dtype(q, k_pages, "vllm paged attention")
+        # The kernels take q's row stride alone (q + row * stride(0) + head * head_size) and write
+        # out as packed [B, Hq, d]: a strided head axis would be misread.
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            raise ValueError(f"vllm paged attention needs q's heads packed, got strides {tuple(q.stride())}")
         key_cache, value_cache = self._convert(k_pages, v_pages)
         shape = self.shape
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         batch = q.shape[0]
         max_seq_len = plan.extra["max_seq_len"]
         partitions = -(-max_seq_len // PARTITION_SIZE)
@@ -131,8 +158,9 @@ class VllmTritonEngine(Engine):
     """vLLM's Triton unified attention (the current release's decode path on every GPU), called as
     vLLM's Triton backend calls it for a decode batch: one query token per sequence as a ragged
     batch (cu_seqlens_q = 0..B), causal, no window, no softcap, the split-KV (3D) kernel below
-    vLLM's batch threshold with vLLM's 16 segments. The shared HND pages are converted to vLLM's
-    NHD pages once per KV tensor (in ``prepare``, untimed), keeping the physical page ids.
+    vLLM's batch threshold with vLLM's 16 segments. The shared HND pages are converted to the
+    backend's page (K and V of a token-head side by side, NHD) once per KV tensor (in
+    ``prepare``, untimed), keeping the physical page ids.
     """
 
     def __init__(self, shape, device="cuda") -> None:
@@ -141,10 +169,14 @@ class VllmTritonEngine(Engine):
         from pkv.engines.vllm_build import load_vllm_triton_unified_attention
         from pkv.engines.vllm_sources import TRITON_ATTENTION
 
+        if shape.head_dim < TRITON_MIN_HEAD_SIZE:
+            raise EngineUnavailable(f"vllm triton unified attention takes head_dim >= {TRITON_MIN_HEAD_SIZE} "
+                                    f"(vLLM {TRITON_ATTENTION.version}'s Triton backend), got {shape.head_dim}")
+        self._version = TRITON_ATTENTION.version
         self._attention = load_vllm_triton_unified_attention()
         self.name = "vllm_triton"
         self.implementation = f"vllm-{TRITON_ATTENTION.version}-triton_unified_attention"
-        self._convert = _ConvertedCache(_nhd_layout)
+        self._convert = _ConvertedCache(_triton_layout)
         # As vLLM's TritonAttentionMetadataBuilder sizes them: one scratch row per sequence up to
         # the threshold, the head size padded to a power of two.
         self._seq_threshold_3d = MIN_LAUNCH_GRID_SIZE_2D // shape.num_kv_heads
@@ -158,6 +190,10 @@ class VllmTritonEngine(Engine):
         self._one = torch.ones(1, dtype=torch.float32, device=self.device)
 
     def plan(self, step) -> EnginePlan:
+        if step.page_size % TRITON_BLOCK_SIZE_MULTIPLE:
+            raise EngineUnavailable(f"vllm triton unified attention takes page sizes that are multiples of "
+                                    f"{TRITON_BLOCK_SIZE_MULTIPLE} (vLLM {self._version}'s Triton backend), "
+                                    f"got {step.page_size}")
         tensors, max_seq_len = upload_block_table(step, self.device)
         batch = len(step.seq_lens)
         tensors["cu_seqlens_q"] = torch.arange(batch + 1, dtype=torch.int32, device=self.device)
@@ -170,6 +206,7 @@ class VllmTritonEngine(Engine):
 
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
         check_decode_inputs(q, k_pages, v_pages, self.shape, plan.step.page_size)
+        _check_auto_kv_dtype(q, k_pages, "vllm triton unified attention")
         key_cache, value_cache = self._convert(k_pages, v_pages)
         out = torch.empty_like(q)
         tensors = plan.tensors

@@ -54,6 +54,27 @@ def _include_paths() -> list[str]:
     return include_paths()
 
 
+# How vLLM's CMake compiles its CUDA sources (cmake/utils.cmake, get_torch_gpu_compiler_flags, and
+# CMAKE_CUDA_STANDARD 20 in CMakeLists.txt): torch's COMMON_NVCC_FLAGS, which
+# torch.utils.cpp_extension adds on its own, less their four half / bfloat16 operator and
+# conversion bans (vLLM drops them for CUDA >= 12), plus ENABLE_FP8 (CUDA >= 11.8), which the fp8
+# branches of quant_utils.cuh and dtype_fp8.cuh are compiled under. nvcc applies -D and -U in
+# order, and these come after torch's.
+VLLM_NVCC_FLAGS = (
+    "-std=c++20",
+    "-DENABLE_FP8",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+)
+
+
+def paged_nvcc_flags() -> list[str]:
+    """The project's nvcc flags, vLLM's language standard in place of the project's, and vLLM's."""
+    return [*(f for f in NVCC_FLAGS if not f.startswith("-std=")), *VLLM_NVCC_FLAGS]
+
+
 def _paged_sources(root: Path) -> list[Path]:
     return [BINDING_SOURCE, *(root / rel for rel in PAGED_KERNEL_SOURCES)]
 
@@ -70,8 +91,9 @@ def paged_build_key(root: Path, capability: tuple[int, int]) -> str:
     for name, path in ours + [(rel, root / rel) for rel in PAGED_ATTENTION.files]:
         digest.update(name.encode())
         digest.update(path.read_bytes())
+    # The flags too, so a library compiled with other flags is not reused from the cache.
     parts = [digest.hexdigest(), f"sm{capability[0]}{capability[1]}", torch.__version__, str(torch.version.cuda),
-             " ".join(LINK_FLAGS_VERSION)]
+             " ".join(LINK_FLAGS_VERSION), " ".join(paged_nvcc_flags())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -97,7 +119,7 @@ def load_vllm_paged_attention(dest: str | os.PathLike = DEFAULT_DEST, verbose: b
                              lambda target: compile_library(
                                  target, LIBRARY_NAME, sources, verbose,
                                  extra_include_paths=_paged_includes(root),
-                                 extra_cuda_cflags=[*NVCC_FLAGS, gencode_for(capability)]))
+                                 extra_cuda_cflags=[*paged_nvcc_flags(), gencode_for(capability)]))
             except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
                 lines = [line for line in str(exc).splitlines() if line.strip()]
                 errors = [line for line in lines if "error" in line.lower()] or lines
@@ -126,8 +148,9 @@ def check_compile(dest: str | os.PathLike = DEFAULT_DEST, arch: str = "90a") -> 
     with tempfile.TemporaryDirectory() as tmp:
         for source in _paged_sources(root):
             if source.suffix == ".cu":
-                cmd = [nvcc_path(), *NVCC_FLAGS, *COMMON_NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}",
-                       "-Xcompiler", "-fPIC", *defines, *includes]
+                # torch.utils.cpp_extension's order: its COMMON_NVCC_FLAGS, then the extra flags.
+                cmd = [nvcc_path(), *COMMON_NVCC_FLAGS, *paged_nvcc_flags(),
+                       f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xcompiler", "-fPIC", *defines, *includes]
                 label = f"{source.name}:sm_{arch}"
             else:
                 cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-fPIC", *defines, *includes]
