@@ -28,6 +28,12 @@ from pkv.page_table import PageLists, check_page_table, device_token_limits, hos
 MAX_DEVICE_PLAN_ROWS = 1024  # kMaxDevicePlanRows in csrc/device_plan.h: one planner CTA, a thread per row
 MAX_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
 PLANNERS = ("plan_kernel", "in_decode")
+# The planner of every device step that does not name one (the routed graphs, the model step's
+# graphs): the one measured faster on the device (docs/performance.md, "Page lists, and a step
+# with no plan launch").
+DEFAULT_PLANNER = "plan_kernel"
+# What each planner's step is called in result records.
+PLANNER_LABELS = {"plan_kernel": "device-planned workqueue", "in_decode": "in-decode split grid"}
 
 
 def check_lengths(host_lens, row_pages, page_size: int, where: str = "DeviceDecodeStep") -> None:
@@ -50,7 +56,7 @@ class DeviceDecodeStep:
     """Workspace and launches of a device-planned decode step for up to ``max_batch`` rows."""
 
     def __init__(self, shape, *, max_batch: int, num_splits: int, device="cuda", stages: int = 2,
-                 planner: str = "plan_kernel"):
+                 planner: str = DEFAULT_PLANNER):
         if planner not in PLANNERS:
             raise ValueError(f"DeviceDecodeStep: planner must be one of {PLANNERS}, got {planner!r}")
         if not 1 <= int(max_batch) <= MAX_DEVICE_PLAN_ROWS:

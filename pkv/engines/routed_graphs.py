@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pkv.engines.device_step import PLANNERS, DeviceDecodeStep, GraphedDecodeStep, check_lengths
+from pkv.engines.device_step import (DEFAULT_PLANNER, PLANNERS, DeviceDecodeStep, GraphedDecodeStep,
+                                     check_lengths)
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.policy.route import ROUTE_FLASHINFER
 
@@ -80,7 +81,7 @@ class RoutedGraphStep:
 
     def __init__(self, policy, shape, k_pages, v_pages, *, max_pages: int,
                  batch_buckets=DEFAULT_BATCH_BUCKETS, stages: int = 2, use_tensor_cores: bool = True,
-                 debug_checks: bool = False, planner: str = "plan_kernel") -> None:
+                 debug_checks: bool = False, planner: str = DEFAULT_PLANNER) -> None:
         buckets = sorted({int(b) for b in batch_buckets})
         if not buckets or buckets[0] < 1:
             raise ValueError(f"RoutedGraphStep: batch_buckets must be positive sizes, got {batch_buckets!r}")

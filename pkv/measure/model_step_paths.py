@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from pkv.engines.base import EngineUnavailable, upload_block_table
-from pkv.engines.device_step import DeviceDecodeStep
+from pkv.engines.device_step import DEFAULT_PLANNER, PLANNER_LABELS, DeviceDecodeStep
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.measure.model_step import ModelStep, skip_attend
 from pkv.policy.route import ROUTE_FLASHINFER
@@ -223,7 +223,7 @@ class AdaptiveGraphPath(GraphPath):
         self.flashinfer_path = flashinfer_path
         self._device_step = DeviceDecodeStep
         self._workspaces: dict[int, object] = {}
-        self.implementation = "device-planned workqueue+cuda_graph | " + flashinfer_path.implementation
+        self.implementation = f"{PLANNER_LABELS[DEFAULT_PLANNER]}+cuda_graph | {flashinfer_path.implementation}"
 
     def _route(self, step):
         return self.policy.choose(step).route
