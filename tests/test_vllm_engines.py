@@ -245,6 +245,48 @@ def test_triton_kernel_imports_resolve_inside_the_fetched_tree():
 
 
 # ---------------------------------------------------------------------------------------------
+# the pages each engine hands vLLM's kernels (CPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_paged_layout_is_the_one_vllms_cache_writer_fills(dtype):
+    from pkv.engines.vllm import _paged_layout
+
+    k_pages, v_pages = torch.randn(2, 5, 3, 16, 64).to(dtype)
+    key_cache, value_cache = _paged_layout(k_pages, v_pages)
+    # vLLM 0.22.1's reshape_and_cache_kernel (csrc/cache_kernels.cu): the key of head h, token slot
+    # s, element d at key_cache[block, h, d // x, s, d % x] with x = 16 bytes of elements, the value
+    # at value_cache[block, h, d, s]; both packed, one block stride for both (the kernels take K's).
+    x = 16 // k_pages.element_size()
+    assert key_cache.shape == (5, 3, 64 // x, 16, x) and key_cache.is_contiguous()
+    assert value_cache.shape == (5, 3, 64, 16) and value_cache.is_contiguous()
+    assert key_cache.stride()[:2] == value_cache.stride()[:2]
+    for d in range(64):
+        assert torch.equal(key_cache[:, :, d // x, :, d % x], k_pages[..., d])
+        assert torch.equal(value_cache[:, :, d, :], v_pages[..., d])
+
+
+def test_triton_layout_is_the_view_vllms_triton_backend_hands_the_kernel():
+    from pkv.engines.vllm import _triton_layout
+
+    blocks, heads, page, dim = 6, 4, 16, 32
+    k_pages, v_pages = torch.randn(2, blocks, heads, page, dim, dtype=torch.float16)
+    # vLLM 0.34.0: one layer's cache, logically [blocks, Hkv, P, 2d] (K then V per token-head),
+    # in the default layout LBNHC (memory [blocks, P, Hkv, 2d]); TritonAttentionImpl.forward splits
+    # kv_cache.transpose(1, 2) into K and V at d.
+    kv_cache = torch.empty(blocks, page, heads, 2 * dim, dtype=torch.float16).permute(0, 2, 1, 3)
+    kv_cache[..., :dim] = k_pages
+    kv_cache[..., dim:] = v_pages
+    want = kv_cache.transpose(1, 2).split(dim, dim=-1)
+    got = _triton_layout(k_pages, v_pages)
+    for mine, theirs in zip(got, want):
+        assert mine.shape == theirs.shape == (blocks, page, heads, dim)
+        assert mine.stride() == theirs.stride()
+        assert torch.equal(mine, theirs)
+    assert got[1].data_ptr() - got[0].data_ptr() == dim * k_pages.element_size()  # V right after K
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: each engine against float64
 
 
@@ -299,7 +341,14 @@ def test_engines_match_float64(name, page, group, dtype):
     rng = np.random.default_rng(page * 10 + group + (dtype == torch.bfloat16))
     batches = [_lengths(page), [int(x) for x in rng.choice(_lengths(page), size=5)],
                [9000],  # one long row: vLLM's partitioned v2 kernel / Triton's split-KV kernel
-               [int(x) for x in rng.integers(1, 3000, size=40)]]  # many rows: v1 / Triton's 2D kernel
+               # many rows: v1 where rows x query heads > 512 / Triton's 2D kernel
+               [int(x) for x in rng.integers(1, 3000, size=40)]]
+    if name == "vllm_triton" and page % 16:
+        # vLLM's Triton backend takes only block sizes that are multiples of 16.
+        step, *_ = _gpu_case(batches[0], shape, dtype, seed=0, page=page)
+        with pytest.raises(EngineUnavailable, match="multiples of 16"):
+            engine.plan(step)
+        return
     for trial, lengths in enumerate(batches):
         step, q, k, v = _gpu_case(lengths, shape, dtype, seed=1000 * group + 10 * page + trial, page=page)
         out = _run_poisoned(engine, step, q, k, v)
