@@ -184,7 +184,8 @@ def check_compile(arches: tuple[str, ...] = ("90a", "80")) -> list[str]:
 def check_binding_syntax() -> str:
     """Parse the torch binding with the host C++ compiler against torch's and CUDA's headers, so a
     binding that would not build on the GPU machine fails CI. A CPU build of torch ships the
-    c10/cuda headers but not the one CMake writes for a CUDA build; an empty stand-in fills it."""
+    c10/cuda headers but not the one CMake writes for a CUDA build; torch's own switch
+    (C10_CUDA_NO_CMAKE_CONFIGURE_FILE) leaves it out."""
     from torch.utils.cpp_extension import include_paths
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -193,14 +194,11 @@ def check_binding_syntax() -> str:
         probe.touch()
         dryrun = subprocess.run([nvcc_path(), "--dryrun", "-c", str(probe), "-o", str(probe.with_suffix(".o"))],
                                 capture_output=True, text=True)
-        cuda_includes = re.findall(r"-I(\S+?)\"?\s", dryrun.stdout + dryrun.stderr)
-        macros = Path(tmp) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
-        macros.parent.mkdir(parents=True)
-        macros.write_text("#pragma once\n")
-        includes = [*include_paths(), *dict.fromkeys(cuda_includes), str(CSRC), tmp]  # torch's own header first
-        cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-w",
-               *(f"-I{d}" for d in includes), str(CSRC / BINDING_SOURCE)]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+    cuda_includes = re.findall(r"-I(\S+?)\"?\s", dryrun.stdout + dryrun.stderr)
+    includes = [*include_paths(), *dict.fromkeys(cuda_includes), str(CSRC)]
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-w", "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
+           *(f"-I{d}" for d in includes), str(CSRC / BINDING_SOURCE)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"the binding {BINDING_SOURCE} does not compile:\n{result.stderr}")
     return f"{BINDING_SOURCE}:syntax"
