@@ -3,11 +3,14 @@
 Each case is one decode call over a fixed batch (50% holes, page 16, fp16). For every case the
 script times FlashInfer's decode paths (fa2 CUDA-core, fa2 tensor-core, holistic BatchAttention,
 and the fa3 backend, reported but never the baseline), TensorRT-LLM's XQA as FlashInfer ships it,
-vLLM's PagedAttention and Triton decode where they are built, and a sweep of PersistentKV split
-points, all with the L2 flushed before each timed call and CUDA events around the call alone,
-each checked against float64. A baseline that cannot run here is recorded with the reason. It
-reports each time as a ratio to FlashInfer's fastest path and to XQA, and as a fraction of the
-read-bandwidth floor (KV bytes / read bandwidth measured in the same run).
+vLLM's PagedAttention and Triton decode where they are built, a sweep of PersistentKV split
+points planned on the host, and a sweep of the decode step planned on the GPU (both planners of
+pkv.engines.device_step, the plan launch included in its time), all with the L2 flushed before
+each timed call and CUDA events around the call alone, each checked against float64. A baseline
+that cannot run here is recorded with the reason. It reports each time as a ratio to
+FlashInfer's fastest path and to XQA, the device-planned step's as a ratio to the host-planned
+best (re-timed in turns), and each as a fraction of the read-bandwidth floor (KV bytes / read
+bandwidth measured in the same run).
 
     python -m pkv.measure.kernel_bench --out artifacts/h200/kernel_bench/decode.json
 """
@@ -23,6 +26,7 @@ import torch
 from pkv.atomic_io import write_json_atomic
 from pkv.engines import ENGINE_NAMES, EngineUnavailable, build_engine
 from pkv.engines.dense import dense_decode
+from pkv.engines.device_step import PLANNERS, DeviceDecodeStep
 from pkv.engines.flashinfer import BEST_OF_ROLES
 from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
@@ -95,6 +99,38 @@ def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False):
         for waves in BALANCED_WAVES:
             route = StepRoute(ROUTE_WORKQUEUE, 1, "balanced", target_ctas=waves * num_sms)
             yield f"balanced:{waves}w:st{stages}", route, stages
+
+
+def device_step_configs(batch: int):
+    """(label, planner, split count, ring stages) of the device-planned sweep: the split counts
+    of the host-planned sweep's fixed rule, each planner."""
+    for stages in RING_STAGES:
+        for planner in PLANNERS:
+            for s in (B1_SPLITS if batch == 1 else WORKQUEUE_SPLITS):
+                yield f"{planner}:S={s}:st{stages}", planner, s, stages
+
+
+def sweep_device_step(name, step, q, k, v, shape, flusher, reps, errors) -> tuple[dict, str, object]:
+    """{label: median us} of the device-planned step, its fastest label and a callable running it."""
+    table = torch.from_numpy(step.block_table).to(q.device)
+    lens = torch.from_numpy(step.seq_lens).to(q.device)
+    sweep, best = {}, (None, None)
+    for label, planner, splits, stages in device_step_configs(step.batch_size):
+        workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, num_splits=splits, device=q.device,
+                                     stages=stages, planner=planner)
+        out = torch.empty_like(q)
+
+        def run(workspace=workspace, out=out):
+            return workspace.run(q, k, v, table, lens, out, host_lens=step.seq_lens)
+
+        rel_err = errors(run())["rel_err"]
+        if not rel_err < REF_REL_LIMIT[q.dtype]:
+            raise RuntimeError(f"kernel_bench {name}: device-planned {label} has relative error {rel_err:.3e} "
+                               f"against the float64 reference (limit {REF_REL_LIMIT[q.dtype]:.0e})")
+        sweep[label] = time_device_us(run, reps=reps, warmup=3, flusher=flusher).median_us
+        if best[0] is None or sweep[label] < sweep[best[0]]:
+            best = (label, run)
+    return sweep, best[0], best[1]
 
 
 def time_baselines(step, q, k, v, shape, flusher, reps, errors) -> tuple[dict, dict]:
@@ -190,6 +226,9 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
     out = best_engine.run(q, k, v, best_plan)
     torch.cuda.synchronize()
     rows["persistentkv"] = dict(median_us=sweep[best_label], config=best_label, **errors(out))
+    device_sweep, device_label, device_run = sweep_device_step(name, step, q, k, v, shape, flusher, reps, errors)
+    rows["persistentkv_device_planned"] = dict(median_us=device_sweep[device_label], config=device_label,
+                                               **errors(device_run()))
     breakdown = None
     if len(seq_lens) == 1:
         unfused = min((label for label in sweep if label.startswith("bucket:")), key=sweep.get)
@@ -208,8 +247,14 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
     contenders = {"flashinfer": fi_label, "xqa": "xqa"} if "median_us" in rows["xqa"] else {"flashinfer": fi_label}
     timed = {role: (lambda r=baseline_runs[label]: r[0].run(q, k, v, r[1])) for role, label in contenders.items()}
     timed["persistentkv"] = lambda: best_engine.run(q, k, v, best_plan)
+    timed["persistentkv_device_planned"] = device_run
     rounds = time_interleaved_us(timed, rounds=CONFIRM_ROUNDS, reps=max(reps // 3, 5), flusher=flusher)
-    confirmed = dict(flashinfer=fi_label, persistentkv=best_label, rounds_us=rounds)
+    confirmed = dict(flashinfer=fi_label, persistentkv=best_label, persistentkv_device_planned=device_label,
+                     rounds_us=rounds)
+    # The device-planned step against the host-planned best: above 1 is slower (the plan launch).
+    device_per_round = [d / h for d, h in zip(rounds["persistentkv_device_planned"], rounds["persistentkv"])]
+    confirmed["device_planned_over_host_per_round"] = device_per_round
+    confirmed["device_planned_over_host"] = float(np.median(device_per_round))
     for role in contenders:
         per_round = [b / p for b, p in zip(rounds[role], rounds["persistentkv"])]
         suffix = "" if role == "flashinfer" else f"_vs_{role}"
@@ -217,6 +262,7 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
         confirmed[f"speedup{suffix}"] = float(np.median(per_round))
     result = dict(
         seq_lens=list(map(int, seq_lens)), kv_bytes=kv_bytes, floor_us=floor_us, engines=rows, sweep_us=sweep,
+        device_planned_sweep_us=device_sweep,
         flashinfer_best=fi_label, flashinfer_best_us=fi_best, speedup_vs_flashinfer=fi_best / pkv_us,
         xqa_us=rows["xqa"].get("median_us"),
         speedup_vs_xqa=rows["xqa"]["median_us"] / pkv_us if "median_us" in rows["xqa"] else None,
@@ -237,7 +283,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.kernel_bench/2", None, args.seed)
+        return write_skipped_no_gpu(args.out, "pkv.measure.kernel_bench/3", None, args.seed)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     shape = ModelShape()
     read_gbps = measure_read_gbps("cuda")
@@ -246,23 +292,25 @@ def main(argv=None) -> int:
     start = time.time()
     cases = {name: run_case(name, CASES[name], shape, flusher, read_gbps, args.reps, args.seed, log)
              for name in args.cases}
-    record = {"schema": "pkv.measure.kernel_bench/2", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
+    record = {"schema": "pkv.measure.kernel_bench/3", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
               "hole_fraction": 0.5, "reps": args.reps, "flush": args.flush, "seconds": time.time() - start, "cases": cases,
               "command": "python -m pkv.measure.kernel_bench " + " ".join(argv or sys.argv[1:]),
               "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps}, seed=args.seed)}
     write_json_atomic(args.out, record)
     columns = (("FI cc", "flashinfer_cc"), ("FI tc", "flashinfer_tc"), ("FI hol", "flashinfer_holistic"),
                ("FI fa3", "flashinfer_fa3"), ("XQA", "xqa"), ("vLLM", "vllm"), ("vLLM tr", "vllm_triton"),
-               ("PKV", "persistentkv"))
+               ("PKV", "persistentkv"), ("PKV dev", "persistentkv_device_planned"))
     print(f"{'case':<12}{'floor us':>9}" + "".join(f"{head:>9}" for head, _ in columns)
-          + f"{'x FI':>8}{'x XQA':>8}{'confirmed':>10}{'PKV/floor':>10}  config")
+          + f"{'x FI':>8}{'x XQA':>8}{'confirmed':>10}{'dev/host':>9}{'PKV/floor':>10}  config")
     for name, c in cases.items():
         e = c["engines"]
         times = "".join(f"{e[role]['median_us']:>9.1f}" if "median_us" in e[role] else f"{'-':>9}"
                         for _, role in columns)
         vs_xqa = f"{c['speedup_vs_xqa']:>8.3f}" if c["speedup_vs_xqa"] else f"{'-':>8}"
         print(f"{name:<12}{c['floor_us']:>9.1f}{times}{c['speedup_vs_flashinfer']:>8.3f}{vs_xqa}"
-              f"{c['confirmed']['speedup']:>10.3f}{c['pkv_fraction_of_floor']:>10.2f}  {e['persistentkv']['config']}")
+              f"{c['confirmed']['speedup']:>10.3f}{c['confirmed']['device_planned_over_host']:>9.3f}"
+              f"{c['pkv_fraction_of_floor']:>10.2f}  {e['persistentkv']['config']} | "
+              f"{e['persistentkv_device_planned']['config']}")
     for role in BASELINE_ROLES:
         reasons = {c["engines"][role]["skipped"] for c in cases.values() if "skipped" in c["engines"][role]}
         for reason in sorted(reasons):
