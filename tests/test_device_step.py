@@ -40,6 +40,10 @@ def test_routed_graph_buckets_and_buffers_on_any_device():
     assert routed.buffers(5).q.data_ptr() == buffers.q.data_ptr()  # one bucket, one set of tensors
     with pytest.raises(ValueError, match="batch_buckets"):
         RoutedGraphStep(None, shape, k, k, max_pages=8, batch_buckets=())
+    listed = RoutedGraphStep(None, shape, k, k, max_pages=8, batch_buckets=(4,), page_lists=True)
+    lists = listed.buffers(3)
+    assert lists.page_lists.indptr.shape == (4,) and lists.page_lists.indices.shape == (32,)
+    assert lists.q.shape[0] == lists.seq_lens.shape[0] == lists.out.shape[0] == 3
     with pytest.raises(ValueError, match=r"planner must be one of \('plan_kernel', 'in_decode'\), got 'host'"):
         RoutedGraphStep(None, shape, k, k, max_pages=8, planner="host")
 

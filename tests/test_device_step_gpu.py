@@ -314,9 +314,10 @@ class _RouteByBatch:
         return RouteDecision(route, "test", {})
 
 
+@pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
 @pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_routed_graphs_replay_every_route_for_fresh_lengths(dtype, planner):
+def test_routed_graphs_replay_every_route_for_fresh_lengths(dtype, planner, page_lists):
     from pkv.engines.routed_graphs import RoutedGraphStep
 
     flashinfer = pytest.importorskip("flashinfer")
@@ -326,7 +327,7 @@ def test_routed_graphs_replay_every_route_for_fresh_lengths(dtype, planner):
     max_pages = 4200
     k, v = _pool(shape, dtype, 30000, seed=9)
     routed = RoutedGraphStep(_RouteByBatch({3}, splits=16), shape, k, v, max_pages=max_pages,
-                             batch_buckets=(1, 4, 8), debug_checks=True, planner=planner)
+                             batch_buckets=(1, 4, 8), debug_checks=True, planner=planner, page_lists=page_lists)
     # Batch 3 goes to FlashInfer, the others to the device-planned workqueue; 3 and 4 share a
     # bucket, so one bucket replays both routes, with padding rows in between.
     batches = [[65536], [20000, 17, 1, 4097], [1, 16, 4096], [33, 65], [60000, 100, 5, 16, 17, 1000, 3000],
@@ -336,10 +337,16 @@ def test_routed_graphs_replay_every_route_for_fresh_lengths(dtype, planner):
         q = make_queries(len(lengths), shape, dtype, "cuda", seed=200 + trial)
         buffers = routed.buffers(len(lengths))
         buffers.q.copy_(q)
-        buffers.block_table.copy_(table)
+        if page_lists:  # a serving engine's flat list: the step's lists, then stale entries
+            buffers.page_lists.indptr.copy_(torch.from_numpy(step.kv_indptr))
+            buffers.page_lists.indices[:step.kv_indices.size].copy_(torch.from_numpy(step.kv_indices))
+            host_table = (step.kv_indptr, step.kv_indices)
+        else:
+            buffers.block_table.copy_(table)
+            host_table = table.cpu().numpy()
         buffers.seq_lens.copy_(lens)
         buffers.out.fill_(float("nan"))
-        out = routed.run(step.seq_lens, host_table=table.cpu().numpy()).clone()
+        out = routed.run(step.seq_lens, host_table=host_table).clone()
         torch.cuda.synchronize()
         _check(out, step, q, k, v, dtype)
         assert (routed.last_route.name == "flashinfer") == (len(lengths) == 3)

@@ -14,8 +14,10 @@ graph captured for that route and the step's batch-size bucket:
   from the host lengths and page table, as serving engines that use it do.
 
 The caller owns nothing per step but the contents of ``buffers(batch)``: it writes the step's
-queries, block table and lengths there (rows past the batch are set to length 0 here, so they get
-no task) and reads the output from the same place.
+queries, page table and lengths there (rows past the batch are set to length 0 here, so they get
+no task) and reads the output from the same place. The page table is a block table, or with
+``page_lists=True`` FlashInfer-style page lists (pkv.page_table.PageLists) in a flat list of
+``bucket x max_pages`` entries.
 """
 
 from __future__ import annotations
@@ -28,18 +30,38 @@ import torch
 from pkv.engines.device_step import (DEFAULT_PLANNER, PLANNERS, DeviceDecodeStep, GraphedDecodeStep,
                                      check_lengths)
 from pkv.engines.flashinfer import FlashInferGraphDecode
+from pkv.page_table import PageLists
 from pkv.policy.route import ROUTE_FLASHINFER
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class StepBuffers(NamedTuple):
-    """The static tensors one batch-size bucket's graphs read and write."""
+    """The static tensors one batch-size bucket's graphs read and write (block-table form)."""
 
     q: torch.Tensor  # [bucket, Hq, d]
     block_table: torch.Tensor  # int32 [bucket, max_pages]
     seq_lens: torch.Tensor  # int32 [bucket]
     out: torch.Tensor  # [bucket, Hq, d]
+
+
+class ListStepBuffers(NamedTuple):
+    """The same, with the page table as page lists: the caller writes indptr[:batch + 1] and the
+    lists into indices; rows past the batch get empty lists here."""
+
+    q: torch.Tensor  # [bucket, Hq, d]
+    page_lists: PageLists  # indptr int32 [bucket + 1], indices int32 [bucket * max_pages]
+    seq_lens: torch.Tensor  # int32 [bucket]
+    out: torch.Tensor  # [bucket, Hq, d]
+
+
+def _host_row_pages(host_table, row: int, count: int) -> np.ndarray:
+    """The first ``count`` pages of a row from the host page table: a block table, or (indptr,
+    indices) page lists."""
+    if isinstance(host_table, tuple):
+        indptr, indices = host_table
+        return np.asarray(indices[int(indptr[row]):int(indptr[row]) + count], dtype=np.int32)
+    return np.asarray(host_table[row, :count], dtype=np.int32)
 
 
 class _HostLengths:
@@ -67,12 +89,12 @@ class _FlashInferGraphPath:
         pages[:batch] = np.maximum(-(-lens // page), 1)
         last = np.ones(self.bucket, dtype=np.int32)
         last[:batch] = np.where(lens > 0, lens - (pages[:batch] - 1) * page, 1)
-        table = np.asarray(host_table)
-        indices = np.concatenate([table[row, :pages[row]] for row in range(batch)]
+        table = host_table if isinstance(host_table, tuple) else np.asarray(host_table)
+        indices = np.concatenate([_host_row_pages(table, row, int(pages[row])) for row in range(batch)]
                                  + [np.zeros(self.bucket - batch, dtype=np.int32)])
         self.decode.plan(np.concatenate(([0], np.cumsum(pages))), indices, last, q_dtype, kv_dtype)
 
-    def run(self, buffers: StepBuffers, k_pages, v_pages) -> None:
+    def run(self, buffers, k_pages, v_pages) -> None:
         self.decode.run(buffers.q, k_pages, v_pages, out=buffers.out)
 
 
@@ -81,7 +103,7 @@ class RoutedGraphStep:
 
     def __init__(self, policy, shape, k_pages, v_pages, *, max_pages: int,
                  batch_buckets=DEFAULT_BATCH_BUCKETS, stages: int = 2, use_tensor_cores: bool = True,
-                 debug_checks: bool = False, planner: str = DEFAULT_PLANNER) -> None:
+                 debug_checks: bool = False, planner: str = DEFAULT_PLANNER, page_lists: bool = False) -> None:
         buckets = sorted({int(b) for b in batch_buckets})
         if not buckets or buckets[0] < 1:
             raise ValueError(f"RoutedGraphStep: batch_buckets must be positive sizes, got {batch_buckets!r}")
@@ -93,8 +115,9 @@ class RoutedGraphStep:
         self.batch_buckets = tuple(buckets)
         self.stages, self.use_tensor_cores, self.debug_checks = int(stages), bool(use_tensor_cores), debug_checks
         self.planner = planner  # how the PersistentKV graphs plan their splits (DeviceDecodeStep's PLANNERS)
+        self.page_lists = bool(page_lists)  # the page table's form in the buffers
         self.device = k_pages.device
-        self._buffers: dict[int, StepBuffers] = {}
+        self._buffers: dict[int, StepBuffers | ListStepBuffers] = {}
         self._last_batch: dict[int, int] = {}
         self._persistent: dict[int, GraphedDecodeStep] = {}  # split count -> its graphs, one per bucket
         self._flashinfer: dict[int, tuple[_FlashInferGraphPath, torch.cuda.CUDAGraph | None]] = {}
@@ -106,19 +129,28 @@ class RoutedGraphStep:
                 return bucket
         raise ValueError(f"RoutedGraphStep: batch {batch} exceeds the largest bucket {self.batch_buckets[-1]}")
 
-    def buffers(self, batch: int) -> StepBuffers:
-        """The first ``batch`` rows of the bucket's static tensors: where the caller writes a step."""
+    def buffers(self, batch: int) -> StepBuffers | ListStepBuffers:
+        """The first ``batch`` rows of the bucket's static tensors: where the caller writes a step
+        (with page lists: indptr's first batch + 1 entries and the whole flat list)."""
         bucket = self.bucket_of(batch)
         if bucket not in self._buffers:
             q_like = dict(dtype=self.k_pages.dtype, device=self.device)
             int32 = dict(dtype=torch.int32, device=self.device)
             shape = self.shape
-            self._buffers[bucket] = StepBuffers(
-                torch.zeros(bucket, shape.num_qo_heads, shape.head_dim, **q_like),
-                torch.zeros(bucket, self.max_pages, **int32), torch.zeros(bucket, **int32),
-                torch.zeros(bucket, shape.num_qo_heads, shape.head_dim, **q_like))
+            q = torch.zeros(bucket, shape.num_qo_heads, shape.head_dim, **q_like)
+            out = torch.zeros(bucket, shape.num_qo_heads, shape.head_dim, **q_like)
+            if self.page_lists:
+                lists = PageLists(torch.zeros(bucket + 1, **int32), torch.zeros(bucket * self.max_pages, **int32))
+                self._buffers[bucket] = ListStepBuffers(q, lists, torch.zeros(bucket, **int32), out)
+            else:
+                self._buffers[bucket] = StepBuffers(q, torch.zeros(bucket, self.max_pages, **int32),
+                                                    torch.zeros(bucket, **int32), out)
             self._last_batch[bucket] = bucket
         full = self._buffers[bucket]
+        if self.page_lists:
+            return ListStepBuffers(full.q[:batch], PageLists(full.page_lists.indptr[:batch + 1],
+                                                             full.page_lists.indices),
+                                   full.seq_lens[:batch], full.out[:batch])
         return StepBuffers(*(t[:batch] for t in full))
 
     def route(self, host_lens):
@@ -127,17 +159,24 @@ class RoutedGraphStep:
 
     def run(self, host_lens, host_table=None) -> torch.Tensor:
         """Replay the step the caller wrote into ``buffers(len(host_lens))``; returns its output
-        rows. ``host_table`` (the block table as the scheduler holds it) is read only on steps
-        the policy sends to FlashInfer, whose plan needs it on the host."""
+        rows. ``host_table`` is the page table as the scheduler holds it on the host: the block
+        table, or with page lists the pair (indptr, indices). It is read on steps the policy sends
+        to FlashInfer, whose plan needs it on the host, and with page lists by the debug check."""
         batch = len(host_lens)
         bucket = self.bucket_of(batch)
         full = self._buffers.get(bucket)
         if full is None:
             raise ValueError(f"RoutedGraphStep.run: write the step into buffers({batch}) first")
         if self.debug_checks:  # the host holds the lengths: no device check and no synchronization needed
-            check_lengths(host_lens, self.max_pages, self.page_size, "RoutedGraphStep")
+            if self.page_lists and host_table is None:
+                raise ValueError("RoutedGraphStep.run: debug_checks with page lists need host_table=(indptr, indices)")
+            row_pages = np.diff(np.asarray(host_table[0], dtype=np.int64)) if self.page_lists else self.max_pages
+            check_lengths(host_lens, row_pages, self.page_size, "RoutedGraphStep")
         if batch < self._last_batch[bucket]:
             full.seq_lens[batch:].zero_()  # padding rows: length 0, no task, output never read
+        if self.page_lists and batch < bucket:
+            indptr = full.page_lists.indptr  # padding rows: empty lists after the batch's last entry
+            indptr[batch + 1:].copy_(indptr[batch].expand(bucket - batch))
         self._last_batch[bucket] = batch
         route = self.last_route = self.route(host_lens)
         if route.name == ROUTE_FLASHINFER:
@@ -155,7 +194,7 @@ class RoutedGraphStep:
             self._persistent[num_splits] = GraphedDecodeStep(workspace, self.k_pages, self.v_pages, self.max_pages)
         return self._persistent[num_splits]
 
-    def _replay_flashinfer(self, bucket: int, full: StepBuffers, host_lens, host_table) -> None:
+    def _replay_flashinfer(self, bucket: int, full, host_lens, host_table) -> None:
         path, graph = self._flashinfer.get(bucket, (None, None))
         if path is None:
             path = _FlashInferGraphPath(self.shape, bucket, self.max_pages, self.page_size, self.device,
