@@ -226,7 +226,8 @@ def write_record(path: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--record", type=Path, help="build (or record why not) and write this JSON")
-    parser.add_argument("--check-compile", action="store_true", help="compile every csrc/*.cu with nvcc and parse the binding")
+    parser.add_argument("--check-compile", action="store_true",
+                        help="compile every csrc/*.cu with nvcc and parse the binding")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.check_compile:

@@ -95,17 +95,20 @@ def test_device_planned_step_matches_float64(group, dtype, planner):
         _check(out, step, q, k, v, dtype)
 
 
-@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
-def test_graph_replays_for_lengths_other_than_the_captured_ones(planner):
+def _graphed_step(shape, dtype, max_pages, planner, seed, debug_checks=False):
+    """A pool of 40,000 pages and graphs over a workspace of 8 rows and 24 splits."""
     from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
 
-    shape = ModelShape()
-    dtype = torch.float16
-    rng = np.random.default_rng(7)
-    max_pages = 4096
-    k, v = _pool(shape, dtype, 40000, seed=3)
+    k, v = _pool(shape, dtype, 40000, seed=seed)
     workspace = DeviceDecodeStep(shape, max_batch=8, num_splits=24, planner=planner)
-    graphed = GraphedDecodeStep(workspace, k, v, max_pages)
+    return k, v, workspace, GraphedDecodeStep(workspace, k, v, max_pages, debug_checks=debug_checks)
+
+
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
+def test_graph_replays_for_lengths_other_than_the_captured_ones(planner):
+    shape, dtype, max_pages = ModelShape(), torch.float16, 4096
+    rng = np.random.default_rng(7)
+    k, v, workspace, graphed = _graphed_step(shape, dtype, max_pages, planner, seed=3)
     # Captured at the first lengths; every later step has other lengths, longer and shorter,
     # with rows that need more splits than any captured row and rows of a single tile.
     batches = [[20000, 3000, 17, 65536, 4097, 1, 900, 12000], [1, 1, 1, 1, 1, 1, 1, 1],
@@ -270,15 +273,9 @@ def test_page_lists_give_the_block_tables_output_bit_for_bit(dtype, planner):
 
 @pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
 def test_graph_over_page_lists_replays_for_fresh_lengths_and_checks_each_row_on_the_device(planner):
-    from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
-
-    shape = ModelShape()
-    dtype = torch.float16
+    shape, dtype, max_pages = ModelShape(), torch.float16, 4096
     rng = np.random.default_rng(29)
-    max_pages = 4096
-    k, v = _pool(shape, dtype, 40000, seed=6)
-    workspace = DeviceDecodeStep(shape, max_batch=8, num_splits=24, planner=planner)
-    graphed = GraphedDecodeStep(workspace, k, v, max_pages, debug_checks=True)
+    k, v, workspace, graphed = _graphed_step(shape, dtype, max_pages, planner, seed=6, debug_checks=True)
     edge = EDGE_LENGTHS + [max_pages * PAGE, 24 * 32, 24 * 32 + 1]
     for trial in range(20):
         lengths = [int(x) for x in rng.choice(edge, size=8)]

@@ -4,8 +4,9 @@ CUDA graphs (DESIGN.md, "Inside a serving engine").
 ``DeviceDecodeStep`` is the workspace: allocated once for (max batch, num_splits), it plans the
 compact workqueue from ``seq_lens`` and the page table the caller already holds on the GPU, a
 block table or page lists (pkv.page_table; csrc/device_plan.cu: no host synchronization, no copy,
-no upload) and runs the decode and merge into a caller-owned ``out``. Its launch shapes depend on the batch size only, so
-``GraphedDecodeStep`` captures one step per batch size and replays it for any lengths.
+no upload) and runs the decode and merge into a caller-owned ``out``. Its launch shapes depend on
+the batch size only, so ``GraphedDecodeStep`` captures one step per batch size and replays it for
+any lengths.
 
 The split rule is the fixed one of the workqueue route (pkv.pipeline.schedule.SplitPolicy,
 kind "fixed"); the split count comes from the caller's route (pkv.policy), one per captured graph.

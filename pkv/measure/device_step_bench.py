@@ -25,7 +25,7 @@ import torch
 
 from pkv.atomic_io import write_json_atomic
 from pkv.engines import build_engine
-from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
+from pkv.engines.device_step import PLANNERS, DeviceDecodeStep, GraphedDecodeStep
 from pkv.engines.flashinfer import BEST_OF_ROLES
 from pkv.engines.persistentkv import PersistentKVEngine
 from pkv.engines.routed_graphs import RoutedGraphStep
@@ -42,6 +42,10 @@ from pkv.refusal import exit_on_refusal
 from pkv.shape import ModelShape
 
 K = 1024
+# Row names of each planner's forms: <name>, <name>_lists (page lists), <name>_graph (replayed).
+PLANNER_ROWS = {"plan_kernel": "device_planned", "in_decode": "in_decode"}
+ROWS = ("host_planned", *(f"{PLANNER_ROWS[p]}{suffix}" for p in PLANNERS for suffix in ("", "_lists", "_graph")),
+        "routed_graph", "flashinfer")
 # (lengths, split count): the calibrated operating points of the H200 for B1 and B8, and a full batch.
 CASES = {
     "b1_32k": ([32 * K], 32),
@@ -75,6 +79,18 @@ def _wall_us(fn, reps: int) -> float:
     return statistics.median(samples)
 
 
+def _timed_row(fn, flusher, reps, *, out=None, reference=None, device_fn=None) -> dict:
+    """Device (of ``device_fn``, else ``fn``), wall and host time of one form of the step, after a
+    first untimed call; with ``out``, its largest difference from the host-planned output."""
+    fn()
+    torch.cuda.synchronize()
+    row = {"device_us": time_device_us(device_fn or fn, flusher=flusher, reps=reps).median_us,
+           "wall_us": _wall_us(fn, reps), "host_us": _host_us(fn, reps)}
+    if out is not None:
+        row["max_abs_diff_vs_host"] = float((out.float() - reference.float()).abs().max())
+    return row
+
+
 def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
     assignment = assign_pages(lengths, 16, 0.5, seed)
     step = build_step(0, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), assignment.pages, 16)
@@ -93,59 +109,21 @@ def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
                             "wall_us": _wall_us(lambda: host.run(q, k, v, host.plan(step)), reps),
                             "host_us": _host_us(lambda: host.run(q, k, v, host.plan(step)), reps)}
 
-    workspace = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits)
-    out = torch.empty_like(q)
+    # The step planned on the GPU, by each planner, over the block table and over page lists
+    # (FlashInfer's indptr / indices: one more dependent read a CTA), eager and replayed.
     host_lens = step.seq_lens  # what a serving scheduler holds: the eager length check reads these
-
-    def device_planned():
-        return workspace.run(q, k, v, table, lens, out, host_lens=host_lens)
-
-    device_planned()
-    torch.cuda.synchronize()
-    rows["device_planned"] = {"device_us": time_device_us(device_planned, flusher=flusher, reps=reps).median_us,
-                              "wall_us": _wall_us(device_planned, reps), "host_us": _host_us(device_planned, reps),
-                              "max_abs_diff_vs_host": float((out.float() - reference.float()).abs().max())}
-
-    # The same step over page lists (FlashInfer's indptr / indices): one more dependent read a CTA.
     lists = PageLists.from_step(step, "cuda")
-    lists_out = torch.empty_like(q)
-
-    def device_planned_lists():
-        return workspace.run(q, k, v, lists, lens, lists_out, host_lens=host_lens)
-
-    device_planned_lists()
-    torch.cuda.synchronize()
-    rows["device_planned_lists"] = {
-        "device_us": time_device_us(device_planned_lists, flusher=flusher, reps=reps).median_us,
-        "wall_us": _wall_us(device_planned_lists, reps), "host_us": _host_us(device_planned_lists, reps),
-        "max_abs_diff_vs_host": float((lists_out.float() - reference.float()).abs().max())}
-
-    graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
-    graphed.run(q, table, lens)
-    graph = graphed._graphs[(len(lengths), False)][0]
-    rows["device_planned_graph"] = {"device_us": time_device_us(graph.replay, flusher=flusher, reps=reps).median_us,
-                                    "wall_us": _wall_us(lambda: graphed.run(q, table, lens), reps),
-                                    "host_us": _host_us(lambda: graphed.run(q, table, lens), reps)}
-
-    # No plan launch: the decode CTAs derive their splits (DeviceDecodeStep, planner="in_decode").
-    in_decode = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits, planner="in_decode")
-    in_decode_out = torch.empty_like(q)
-
-    def planned_in_decode():
-        return in_decode.run(q, k, v, table, lens, in_decode_out, host_lens=host_lens)
-
-    planned_in_decode()
-    torch.cuda.synchronize()
-    rows["in_decode"] = {"device_us": time_device_us(planned_in_decode, flusher=flusher, reps=reps).median_us,
-                         "wall_us": _wall_us(planned_in_decode, reps), "host_us": _host_us(planned_in_decode, reps),
-                         "max_abs_diff_vs_host": float((in_decode_out.float() - reference.float()).abs().max())}
-    in_decode_graphed = GraphedDecodeStep(in_decode, k, v, table.shape[1])
-    in_decode_graphed.run(q, table, lens)
-    in_decode_graph = in_decode_graphed._graphs[(len(lengths), False)][0]
-    rows["in_decode_graph"] = {
-        "device_us": time_device_us(in_decode_graph.replay, flusher=flusher, reps=reps).median_us,
-        "wall_us": _wall_us(lambda: in_decode_graphed.run(q, table, lens), reps),
-        "host_us": _host_us(lambda: in_decode_graphed.run(q, table, lens), reps)}
+    for planner in PLANNERS:
+        workspace = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits, planner=planner)
+        for suffix, page_table in (("", table), ("_lists", lists)):
+            out = torch.empty_like(q)
+            rows[PLANNER_ROWS[planner] + suffix] = _timed_row(
+                lambda: workspace.run(q, k, v, page_table, lens, out, host_lens=host_lens), flusher, reps,
+                out=out, reference=reference)
+        graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
+        graphed.run(q, table, lens)
+        rows[PLANNER_ROWS[planner] + "_graph"] = _timed_row(lambda: graphed.run(q, table, lens), flusher, reps,
+                                                            device_fn=graphed._graphs[(len(lengths), False)][0].replay)
 
     # The serving form: the caller has written the step into the bucket's buffers; the host asks
     # the route and replays. The pinned policy keeps the route on this split count.
@@ -187,10 +165,7 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    log("case        split" + "".join(f"{label:>22} {'device':>7} / {'wall':>7} / {'host':>6}" for label in
-                                     ("host_planned", "device_planned", "device_planned_lists",
-                                      "device_planned_graph", "in_decode", "in_decode_graph", "routed_graph",
-                                      "flashinfer")))
+    log("case        split" + "".join(f"{label:>22} {'device':>7} / {'wall':>7} / {'host':>6}" for label in ROWS))
     flusher = L2Flusher("cuda")
     cases = {name: run_case(name, *CASES[name], ModelShape(), flusher, args.reps, args.seed, log)
              for name in args.cases}
