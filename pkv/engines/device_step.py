@@ -20,6 +20,8 @@ is one launch on the critical path against no longest-first order.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -43,10 +45,12 @@ def check_lengths(host_lens, row_pages, page_size: int, where: str = "DeviceDeco
     length. The device planner would clamp such a row to its pages, which computes attention over
     fewer tokens than the caller asked for."""
     lens = np.asarray(host_lens, dtype=np.int64)
-    pages = np.broadcast_to(np.asarray(row_pages, dtype=np.int64), lens.shape)
-    limits = pages * int(page_size)
-    bad = np.flatnonzero((lens > limits) | (lens < 0))
-    if bad.size:
+    limits = np.asarray(row_pages, dtype=np.int64) * int(page_size)
+    out_of_range = (lens > limits) | (lens < 0)
+    if out_of_range.any():  # the usual case costs these three array operations and no more
+        pages = np.broadcast_to(np.asarray(row_pages, dtype=np.int64), lens.shape)
+        limits = pages * int(page_size)
+        bad = np.flatnonzero(out_of_range)
         row = int(bad[0])
         source = "the block table's" if np.ndim(row_pages) == 0 else "its page list's"
         raise ValueError(f"{where}: row {row} has length {int(lens[row])}; {source} {int(pages[row])} pages "
@@ -84,6 +88,8 @@ class DeviceDecodeStep:
         # in_decode: the decode grid's rows, and the fused merge's counters (zero between launches).
         self.rows = torch.arange(self.max_batch, **int32)
         self.pair_counters = torch.zeros(self.max_batch * shape.num_kv_heads, **int32)
+        self.sm_scale = shape.sm_scale
+        self._views: dict[int, _BatchViews] = {}  # batch size -> the workspace's views for it
 
     def _check(self, q, page_table, seq_lens, out) -> int:
         batch = q.shape[0]
@@ -109,12 +115,12 @@ class DeviceDecodeStep:
             raise ValueError(f"DeviceDecodeStep.plan: seq_lens must be int32 [1..{self.max_batch}] on {self.device}, "
                              f"got {seq_lens.dtype} {tuple(seq_lens.shape)} on {seq_lens.device}")
         check_page_table(page_table, batch, self.device, "DeviceDecodeStep.plan")
-        self._launch_plan(batch, page_table, seq_lens, page_size)
+        self._launch_plan(self._batch_views(batch), page_table, seq_lens, page_size)
 
     def decode(self, q, k_pages, v_pages, page_table, seq_lens, out) -> torch.Tensor:
         """Decode into ``out`` with the last ``plan`` (of this batch size); returns ``out``."""
-        return self._launch_decode(self._check(q, page_table, seq_lens, out), q, k_pages, v_pages, page_table,
-                                   seq_lens, out)
+        views = self._batch_views(self._check(q, page_table, seq_lens, out))
+        return self._launch_decode(views, q, k_pages, v_pages, page_table, seq_lens, out)
 
     def run(self, q, k_pages, v_pages, page_table, seq_lens, out, host_lens=None) -> torch.Tensor:
         """Plan on the GPU and decode into ``out``; returns ``out``. ``page_table`` is a block
@@ -131,36 +137,59 @@ class DeviceDecodeStep:
         if not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
             check_lengths(seq_lens.cpu().numpy() if host_lens is None else host_lens, host_row_pages(page_table),
                           k_pages.shape[2])
-        self._launch_plan(batch, page_table, seq_lens, k_pages.shape[2])
-        return self._launch_decode(batch, q, k_pages, v_pages, page_table, seq_lens, out)
+        views = self._batch_views(batch)
+        self._launch_plan(views, page_table, seq_lens, k_pages.shape[2])
+        return self._launch_decode(views, q, k_pages, v_pages, page_table, seq_lens, out)
 
     # The launches, after the checks of the public calls (each input checked once per call).
-    def _launch_plan(self, batch: int, page_table, seq_lens, page_size: int) -> None:
+    def _batch_views(self, batch: int) -> "_BatchViews":
+        # Slicing a tensor costs about a microsecond and a step needs seven: made once per batch size.
+        # Under torch.compile they are made in the traced graph and never stored on the object.
+        compiling = torch.compiler.is_compiling()
+        views = None if compiling else self._views.get(batch)
+        if views is None:
+            pairs = batch * self.shape.num_kv_heads
+            capacity = pairs * self.num_splits
+            views = _BatchViews(self.tasks[:capacity], self.split_offsets[:pairs + 1], self.part_m[:capacity],
+                                self.part_l[:capacity], self.part_acc[:capacity], self.rows[:batch],
+                                self.pair_counters[:pairs])
+            if not compiling:
+                self._views[batch] = views
+        return views
+
+    def _launch_plan(self, views: "_BatchViews", page_table, seq_lens, page_size: int) -> None:
         if self.planner == "in_decode":
             return  # the decode CTAs plan their own splits
-        hkv, splits = self.shape.num_kv_heads, self.num_splits
         _, page_indptr = kernel_operands(page_table)
         # A block table clamps every row to its width; page lists clamp each row to its own list.
         width_tokens = 2**31 - 1 if page_indptr is not None else page_table.shape[1] * int(page_size)
-        self.ops.plan_workqueue_on_device(seq_lens, hkv, splits, min(width_tokens, 2**31 - 1),
-                                          self.tasks[:batch * hkv * splits], self.split_offsets[:batch * hkv + 1],
+        self.ops.plan_workqueue_on_device(seq_lens, self.shape.num_kv_heads, self.num_splits,
+                                          min(width_tokens, 2**31 - 1), views.tasks, views.split_offsets,
                                           self.counts, page_indptr, int(page_size))
 
-    def _launch_decode(self, batch: int, q, k_pages, v_pages, page_table, seq_lens, out) -> torch.Tensor:
-        hkv = self.shape.num_kv_heads
-        capacity = batch * hkv * self.num_splits
+    def _launch_decode(self, views: "_BatchViews", q, k_pages, v_pages, page_table, seq_lens, out) -> torch.Tensor:
         table, page_indptr = kernel_operands(page_table)
         if self.planner == "in_decode":
-            self.ops.bucket_decode(q, k_pages, v_pages, table, seq_lens, self.rows[:batch], self.num_splits,
-                                   self.shape.sm_scale, out, self.part_m[:capacity], self.part_l[:capacity],
-                                   self.part_acc[:capacity], self.pair_counters[:batch * hkv], self.stages, False,
-                                   page_indptr, True)
+            self.ops.bucket_decode(q, k_pages, v_pages, table, seq_lens, views.rows, self.num_splits, self.sm_scale,
+                                   out, views.part_m, views.part_l, views.part_acc, views.pair_counters,
+                                   self.stages, False, page_indptr, True)
             return out
-        self.ops.run_workqueue_planned_on_device(q, k_pages, v_pages, table, seq_lens, self.tasks[:capacity],
-                                                 self.split_offsets[:batch * hkv + 1], self.counts,
-                                                 self.shape.sm_scale, self.stages, out, self.part_m[:capacity],
-                                                 self.part_l[:capacity], self.part_acc[:capacity], page_indptr)
+        self.ops.run_workqueue_planned_on_device(q, k_pages, v_pages, table, seq_lens, views.tasks,
+                                                 views.split_offsets, self.counts, self.sm_scale, self.stages, out,
+                                                 views.part_m, views.part_l, views.part_acc, page_indptr)
         return out
+
+
+class _BatchViews(NamedTuple):
+    """A DeviceDecodeStep's buffers cut to one batch size: what its launches take."""
+
+    tasks: torch.Tensor
+    split_offsets: torch.Tensor
+    part_m: torch.Tensor
+    part_l: torch.Tensor
+    part_acc: torch.Tensor
+    rows: torch.Tensor
+    pair_counters: torch.Tensor
 
 
 class GraphedDecodeStep:
