@@ -60,13 +60,23 @@ def check_page_table(table, batch: int, device, where: str) -> None:
                          f"{table.dtype} {tuple(table.shape)} on {table.device}")
 
 
-def host_row_pages(table) -> int | np.ndarray:
+def host_row_pages(table, where: str = "page_table") -> int | np.ndarray:
     """The entries each row may address, on the host: a block table's width (one int for every
-    row), or each row's list length (one synchronization where the caller gave no host copy)."""
-    if isinstance(table, PageLists):
-        indptr = table.host_indptr if table.host_indptr is not None else table.indptr.cpu().numpy()
-        return np.diff(np.asarray(indptr, dtype=np.int64))
-    return int(table.shape[1])
+    row), or each row's list length (one synchronization where the caller gave no host copy).
+    Page lists whose indptr would send a row outside ``indices`` are refused, naming the row."""
+    if not isinstance(table, PageLists):
+        return int(table.shape[1])
+    indptr = np.asarray(table.host_indptr if table.host_indptr is not None else table.indptr.cpu().numpy(),
+                        dtype=np.int64)
+    counts = np.diff(indptr)
+    entries = int(table.indices.shape[0])
+    if indptr[0] < 0 or indptr[-1] > entries or (counts < 0).any():
+        bad = np.flatnonzero((indptr[1:] < indptr[:-1]) | (indptr[1:] > entries) | (indptr[:-1] < 0))
+        row = int(bad[0]) if bad.size else 0
+        raise ValueError(f"{where}: page_table.indptr must rise from 0 or more to at most the {entries} entries of "
+                         f"indices; row {row} spans indptr[{row}]={int(indptr[row])} .. "
+                         f"indptr[{row + 1}]={int(indptr[row + 1])}")
+    return counts
 
 
 def device_token_limits(table, page_size: int) -> torch.Tensor | int:

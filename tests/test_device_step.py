@@ -145,6 +145,11 @@ def test_page_table_forms_are_checked_and_read_on_any_device():
     assert host_row_pages(PageLists(lists.indptr, lists.indices)).tolist() == [2, 1, 4]
     table = torch.from_numpy(step.block_table)
     assert host_row_pages(table) == 4 and kernel_operands(table) == (table, None)
+    # An indptr that sends a row outside the flat list is refused before anything reads it.
+    for indptr, row in (([0, 2, 1, 7], 1), ([0, 2, 3, 8], 2), ([-1, 2, 3, 7], 0)):
+        with pytest.raises(ValueError, match=rf"here: page_table.indptr must rise .* 7 entries of indices; row {row} "):
+            host_row_pages(PageLists(torch.tensor(indptr, dtype=torch.int32), lists.indices,
+                                     np.asarray(indptr)), "here")
     assert kernel_operands(lists) == (lists.indices, lists.indptr)
     assert device_token_limits(lists, 16).tolist() == [32, 16, 64] and device_token_limits(table, 16) == 64
     with pytest.raises(ValueError, match=r"here: page_table.indptr must be int32 \[4\]"):

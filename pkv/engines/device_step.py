@@ -135,8 +135,8 @@ class DeviceDecodeStep:
         # No host check while a graph is captured or torch.compile traces: both need the step
         # free of host synchronization (the debug check of GraphedDecodeStep runs on the device).
         if not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
-            check_lengths(seq_lens.cpu().numpy() if host_lens is None else host_lens, host_row_pages(page_table),
-                          k_pages.shape[2])
+            check_lengths(seq_lens.cpu().numpy() if host_lens is None else host_lens,
+                          host_row_pages(page_table, "DeviceDecodeStep"), k_pages.shape[2])
         views = self._batch_views(batch)
         self._launch_plan(views, page_table, seq_lens, k_pages.shape[2])
         return self._launch_decode(views, q, k_pages, v_pages, page_table, seq_lens, out)
