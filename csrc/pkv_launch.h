@@ -32,7 +32,10 @@ struct DecodeArgs {
   int block_table_width;   // block table entries per row that may be read (lookups are clamped to it)
   int64_t q_stride_row, q_stride_head;
   int64_t out_stride_row, out_stride_head;
-  int64_t kv_stride_page, kv_stride_head;  // token stride is d (pages are contiguous per head)
+  // Element strides of k_pages and v_pages (the same for both), viewed as [num_pages, Hkv, P, d]
+  // with d contiguous: kv_stride_token is d for HND pages and Hkv * d for NHD pages
+  // ([num_pages, P, Hkv, d], vLLM's and FlashAttention's layout), which are read in place.
+  int64_t kv_stride_page, kv_stride_head, kv_stride_token;
   float sm_scale;
   KvDtype dtype;
   int stages;  // cp.async ring depth per warp: 2, 3 or 4

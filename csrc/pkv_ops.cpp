@@ -42,9 +42,12 @@ pkv::DecodeArgs make_core_args(const Tensor& q, const Tensor& k_pages, const Ten
   check_cuda_tensor(v_pages, "v_pages", dtype);
   TORCH_CHECK(v_pages.sizes() == k_pages.sizes() && v_pages.strides() == k_pages.strides(),
               "pkv: v_pages must match k_pages in shape and strides, got ", v_pages.sizes(), " vs ", k_pages.sizes());
-  TORCH_CHECK(k_pages.size(3) == pkv::kHeadDim && k_pages.stride(3) == 1 && k_pages.stride(2) == pkv::kHeadDim,
-              "pkv: each page must hold contiguous [P, d] rows per head (HND layout), got strides ",
-              k_pages.strides());
+  // Any layout whose head-dim rows are contiguous and 16-byte aligned: HND [num_pages, Hkv, P, d]
+  // as it is, NHD [num_pages, P, Hkv, d] passed as its view .permute(0, 2, 1, 3).
+  TORCH_CHECK(k_pages.size(3) == pkv::kHeadDim && k_pages.stride(3) == 1 && k_pages.stride(2) % 8 == 0 &&
+                  k_pages.stride(1) % 8 == 0 && k_pages.stride(0) % 8 == 0,
+              "pkv: k_pages must be [num_pages, Hkv, P, d] with contiguous d and strides divisible by 8 (HND, or "
+              "NHD viewed through permute(0, 2, 1, 3)), got strides ", k_pages.strides());
   check_aligned(k_pages, "k_pages");
   check_aligned(v_pages, "v_pages");
   const int64_t num_kv_heads = k_pages.size(1);
@@ -74,6 +77,7 @@ pkv::DecodeArgs make_core_args(const Tensor& q, const Tensor& k_pages, const Ten
   a.out_stride_head = out.stride(1);
   a.kv_stride_page = k_pages.stride(0);
   a.kv_stride_head = k_pages.stride(1);
+  a.kv_stride_token = k_pages.stride(2);
   a.sm_scale = static_cast<float>(sm_scale);
   a.dtype = dtype == at::kHalf ? pkv::KvDtype::kFloat16 : pkv::KvDtype::kBFloat16;
   a.stages = static_cast<int>(stages);

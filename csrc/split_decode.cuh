@@ -102,7 +102,7 @@ struct CtaDecoder {
       const int pg = __shfl_sync(0xffffffffu, page_of_lane, r);
       const bool valid = pg >= 0;
       const int64_t off = valid ? static_cast<int64_t>(pg) * a.kv_stride_page +
-                                      static_cast<int64_t>((tok0 + r) & page_mask) * kHeadDim + piece * 8
+                                      static_cast<int64_t>((tok0 + r) & page_mask) * a.kv_stride_token + piece * 8
                                 : 0;
       cp_async_16(sk + swizzled(r, piece), k_head + off, valid);  // invalid rows: zero-filled, not read
       cp_async_16(sv + swizzled(r, piece), v_head + off, valid);

@@ -25,6 +25,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then  # SKIP_BENCH=1: checks and host times only
   python3 -m pkv.measure.kernel_bench --out "$OUT/kernel_bench.json" ${BENCH_ARGS:-} 2>"$OUT/bench.err"
   tail -3 "$OUT/bench.err"
 fi
+# BENCH_NHD=1: PersistentKV over the same pages stored NHD (vLLM's cache layout, read in place).
+[ -n "${BENCH_NHD:-}" ] && python3 -m pkv.measure.kernel_bench --kv-layout nhd --out "$OUT/kernel_bench_nhd.json" --cases b1_32k b8_bimodal b64_4k 2>/dev/null | tail -4
 [ -n "${BENCH_WRITE_FLUSH:-}" ] && python3 -m pkv.measure.kernel_bench --flush write --out "$OUT/kernel_bench_writeflush.json" --cases b1_8k b1_32k b8_bimodal 2>/dev/null | tail -4
 if [ -z "${SKIP_STEP:-}" ]; then  # SKIP_STEP=1: no device-planned step benchmark
   python3 -m pkv.measure.device_step_bench --out "$OUT/device_step_bench.json" 2>&1 | tail -8

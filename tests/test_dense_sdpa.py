@@ -9,7 +9,7 @@ import torch
 from pkv.measure.accuracy import compare
 from pkv.engines.dense import dense_decode
 from pkv.engines.sdpa import SdpaEngine
-from pkv.measure.kv_data import make_kv_pages, make_queries
+from pkv.measure.kv_data import make_kv_pages, make_queries, stored_nhd
 from pkv.shape import ModelShape
 
 pages_mod = pytest.importorskip("pkv.pipeline.pages")
@@ -88,3 +88,16 @@ def test_sdpa_engine_rejects_mismatched_shapes():
         engine.run(q[:, :4], k, v, engine.plan(step))
     with pytest.raises(ValueError, match="k_pages"):
         engine.run(q, k[:, :1], v, engine.plan(step))
+
+
+def test_pages_stored_nhd_hold_the_same_values_with_the_token_stride_of_nhd():
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=16)
+    k, _ = make_kv_pages(5, shape, 4, torch.float32, "cpu", seed=3)
+    nhd = stored_nhd(k)
+    assert nhd.shape == k.shape and torch.equal(nhd, k)
+    assert nhd.stride() == (4 * 2 * 16, 16, 2 * 16, 1)  # [num_pages, Hkv, P, d] over [num_pages, P, Hkv, d]
+    step_lens = np.array([7, 20])
+    table = np.array([[4, 1, 0, 0, 0], [0, 2, 3, 1, 4]])
+    q = make_queries(2, shape, torch.float32, "cpu", seed=4)
+    assert torch.equal(dense_decode(q.double(), nhd.double(), nhd.double(), step_lens, table),
+                       dense_decode(q.double(), k.double(), k.double(), step_lens, table))

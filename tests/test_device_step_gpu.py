@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pkv.engines.dense import dense_decode
-from pkv.measure.kv_data import make_kv_pages, make_queries
+from pkv.measure.kv_data import make_kv_pages, make_queries, stored_nhd
 from pkv.page_table import PageLists
 from pkv.pipeline.schedule import SplitPolicy, plan_workqueue, plan_workqueue_device_order
 from pkv.pipeline.step import build_step
@@ -93,6 +93,27 @@ def test_device_planned_step_matches_float64(group, dtype, planner):
         workspace.run(q, k, v, table, lens, out)
         torch.cuda.synchronize()
         _check(out, step, q, k, v, dtype)
+
+
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
+def test_device_step_reads_nhd_pages_in_place(planner):
+    """vLLM's cache layout ([num_pages, P, Hkv, d], viewed as [num_pages, Hkv, P, d]) gives the HND
+    pages' output bit for bit, over both page-table forms."""
+    from pkv.engines.device_step import DeviceDecodeStep
+
+    shape = ModelShape()
+    rng = np.random.default_rng(61)
+    k, v = _pool(shape, torch.float16, 9000, seed=8)
+    k_nhd, v_nhd = stored_nhd(k), stored_nhd(v)
+    workspace = DeviceDecodeStep(shape, max_batch=8, num_splits=12, planner=planner)
+    step, table, lens = _tables([20000, 1, 17, 4097, 333], 9000, 1300, rng)
+    q = make_queries(5, shape, torch.float16, "cuda", seed=9)
+    hnd = workspace.run(q, k, v, table, lens, torch.full_like(q, float("nan"))).clone()
+    for page_table in (table, PageLists.from_step(step, "cuda")):
+        nhd = workspace.run(q, k_nhd, v_nhd, page_table, lens, torch.full_like(q, float("nan")))
+        torch.cuda.synchronize()
+        assert torch.equal(nhd, hnd)
+    _check(hnd, step, q, k, v, torch.float16)
 
 
 def _graphed_step(shape, dtype, max_pages, planner, seed, debug_checks=False):

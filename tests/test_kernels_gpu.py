@@ -350,6 +350,31 @@ def test_cuda_graph_replay_matches_eager(route):
         torch.testing.assert_close(got, ref, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("route", ["workqueue", "bucket_masked"])
+def test_nhd_pages_are_read_in_place(route, group):
+    """Pages stored NHD give the HND pages' output bit for bit: one kernel, the token stride taken
+    from the tensor; and so do pages inside vLLM's combined [2, num_pages, P, Hkv, d] cache."""
+    from pkv.measure.kv_data import stored_nhd
+    from pkv.pipeline.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128)
+    engine = _engine(shape, route=route, split_policy=SplitPolicy(num_splits=16), bucket_num_splits=16,
+                     fused_merge=True)
+    step, q, k, v = _case([1, 17, 4097, 1000, 65], shape, torch.float16, seed=50 + group)
+    _, hnd, _ = _run_poisoned(engine, step, q, k, v)
+    k_nhd, v_nhd = stored_nhd(k), stored_nhd(v)
+    assert k_nhd.stride(2) == shape.num_kv_heads * shape.head_dim
+    _, nhd, _ = _run_poisoned(engine, step, q, k_nhd, v_nhd)
+    torch.testing.assert_close(nhd, hnd, atol=0, rtol=0)
+    combined = torch.stack((k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)))  # [2, N, P, Hkv, d]
+    _, from_cache, _ = _run_poisoned(engine, step, q, combined[0].permute(0, 2, 1, 3),
+                                     combined[1].permute(0, 2, 1, 3))
+    torch.testing.assert_close(from_cache, hnd, atol=0, rtol=0)
+    _check(nhd, _dense(step, q, k, v), torch.float16)
+
+
 def test_bad_inputs_name_the_field():
     from pkv.shape import ModelShape
 
@@ -361,6 +386,12 @@ def test_bad_inputs_name_the_field():
         engine.run(q.float(), k, v, plan)
     with pytest.raises(ValueError, match="v_pages"):
         engine.run(q, k, v[:, :4], plan)
+    # A head-dim row that is not contiguous cannot be copied in 16-byte pieces.
+    def strided(pages):
+        return pages.transpose(2, 3).contiguous().transpose(2, 3)
+
+    with pytest.raises(RuntimeError, match="k_pages must be .* with contiguous d"):
+        engine.run(q, strided(k), strided(v), plan)
     with pytest.raises(ValueError, match="2 rows"):
         engine.run(q, k, v, engine.plan(_case([100, 200, 300], shape, torch.float16, seed=1)[0]))
 

@@ -31,7 +31,7 @@ from pkv.engines.flashinfer import BEST_OF_ROLES
 from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.harness import REF_REL_LIMIT
-from pkv.measure.kv_data import make_kv_pages, make_queries
+from pkv.measure.kv_data import make_kv_pages, make_queries, stored_nhd
 from pkv.measure.timing import L2Flusher, time_device_us, time_interleaved_us
 from pkv.pipeline.pages import assign_pages
 from pkv.pipeline.step import build_step
@@ -191,7 +191,7 @@ def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
     return {label: time_device_us(fn, reps=reps, warmup=3, flusher=flusher).median_us for label, fn in timed.items()}
 
 
-def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
+def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layout="hnd"):
     device = "cuda"
     assignment = assign_pages(seq_lens, 16, 0.5, seed)
     step = build_step(0, np.arange(len(seq_lens)), np.asarray(seq_lens, dtype=np.int32), assignment.pages, 16)
@@ -207,6 +207,9 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
                     rel_err=((out.double() - ref).norm() / ref.norm()).item())
 
     rows, baseline_runs = time_baselines(step, q, k, v, shape, flusher, reps, errors)
+    # PersistentKV's pages: the baselines' HND pages, or the same pages stored NHD (vLLM's cache
+    # layout) and read in place through a permuted view.
+    pk, pv = (k, v) if kv_layout == "hnd" else (stored_nhd(k), stored_nhd(v))
     sweep = {}
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     clusters = torch.cuda.get_device_capability(0)[0] >= 9
@@ -215,18 +218,18 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
         engine = _engine(shape, route, stages)
         plan = engine.plan(step)
         # Every configuration is checked before it is timed: a fast wrong one must not win.
-        rel_err = errors(engine.run(q, k, v, plan))["rel_err"]
+        rel_err = errors(engine.run(q, pk, pv, plan))["rel_err"]
         if not rel_err < REF_REL_LIMIT[q.dtype]:
             raise RuntimeError(f"kernel_bench {name}: {label} has relative error {rel_err:.3e} against the "
                                f"float64 reference (limit {REF_REL_LIMIT[q.dtype]:.0e})")
-        stats = time_device_us(lambda: engine.run(q, k, v, plan), reps=reps, warmup=3, flusher=flusher)
+        stats = time_device_us(lambda: engine.run(q, pk, pv, plan), reps=reps, warmup=3, flusher=flusher)
         sweep[label] = stats.median_us
         if best_label is None or stats.median_us < sweep[best_label]:
             best_label, best_engine, best_plan = label, engine, plan
-    out = best_engine.run(q, k, v, best_plan)
+    out = best_engine.run(q, pk, pv, best_plan)
     torch.cuda.synchronize()
     rows["persistentkv"] = dict(median_us=sweep[best_label], config=best_label, **errors(out))
-    device_sweep, device_label, device_run = sweep_device_step(name, step, q, k, v, shape, flusher, reps, errors)
+    device_sweep, device_label, device_run = sweep_device_step(name, step, q, pk, pv, shape, flusher, reps, errors)
     rows["persistentkv_device_planned"] = dict(median_us=device_sweep[device_label], config=device_label,
                                                **errors(device_run()))
     breakdown = None
@@ -234,7 +237,7 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
         unfused = min((label for label in sweep if label.startswith("bucket:")), key=sweep.get)
         route, stages = {label: (r, st) for label, r, st in persistentkv_configs(1, num_sms)}[unfused]
         engine = _engine(shape, route, stages)
-        breakdown = dict(config=unfused, **b1_breakdown(engine, engine.plan(step), q, k, v, flusher, reps))
+        breakdown = dict(config=unfused, **b1_breakdown(engine, engine.plan(step), q, pk, pv, flusher, reps))
     fi_label = min((label for label in BEST_OF_ROLES if "median_us" in rows[label]),
                    key=lambda label: rows[label]["median_us"], default=None)
     if fi_label is None:
@@ -246,7 +249,7 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log):
     # configurations is biased low by its own noise, these round-by-round ratios are not.
     contenders = {"flashinfer": fi_label, "xqa": "xqa"} if "median_us" in rows["xqa"] else {"flashinfer": fi_label}
     timed = {role: (lambda r=baseline_runs[label]: r[0].run(q, k, v, r[1])) for role, label in contenders.items()}
-    timed["persistentkv"] = lambda: best_engine.run(q, k, v, best_plan)
+    timed["persistentkv"] = lambda: best_engine.run(q, pk, pv, best_plan)
     timed["persistentkv_device_planned"] = device_run
     rounds = time_interleaved_us(timed, rounds=CONFIRM_ROUNDS, reps=max(reps // 3, 5), flusher=flusher)
     confirmed = dict(flashinfer=fi_label, persistentkv=best_label, persistentkv_device_planned=device_label,
@@ -280,6 +283,9 @@ def main(argv=None) -> int:
     parser = bench_parser(__doc__, CASES, reps=30, seed=20260622)
     parser.add_argument("--flush", choices=("read", "write"), default="read",
                         help="how L2 is evicted before each timed call (see pkv.measure.timing.L2Flusher)")
+    parser.add_argument("--kv-layout", choices=("hnd", "nhd"), default="hnd",
+                        help="how PersistentKV's pages are stored (the baselines read HND): nhd is vLLM's cache "
+                             "layout, read in place")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -290,10 +296,12 @@ def main(argv=None) -> int:
     log(f"read bandwidth {read_gbps:.0f} GB/s")
     flusher = L2Flusher("cuda", mode=args.flush)  # time_device_us holds the GPU while the call is queued
     start = time.time()
-    cases = {name: run_case(name, CASES[name], shape, flusher, read_gbps, args.reps, args.seed, log)
+    cases = {name: run_case(name, CASES[name], shape, flusher, read_gbps, args.reps, args.seed, log,
+                            args.kv_layout)
              for name in args.cases}
     record = {"schema": "pkv.measure.kernel_bench/3", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
-              "hole_fraction": 0.5, "reps": args.reps, "flush": args.flush, "seconds": time.time() - start, "cases": cases,
+              "hole_fraction": 0.5, "reps": args.reps, "flush": args.flush, "kv_layout": args.kv_layout,
+              "seconds": time.time() - start, "cases": cases,
               "command": "python -m pkv.measure.kernel_bench " + " ".join(argv or sys.argv[1:]),
               "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps}, seed=args.seed)}
     write_json_atomic(args.out, record)

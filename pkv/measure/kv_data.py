@@ -99,3 +99,10 @@ def make_queries(batch, shape, dtype, device, seed, peaked=True, *, direction_se
     u_per_head = u.repeat_interleave(shape.group_size, dim=0)
     q = math.sqrt(shape.head_dim) * u_per_head[None] + 0.5 * noise
     return q.to(dtype).to(device)
+
+
+def stored_nhd(pages: torch.Tensor) -> torch.Tensor:
+    """HND pages ([num_pages, Hkv, P, d]) copied into NHD storage ([num_pages, P, Hkv, d], vLLM's
+    and FlashAttention's cache layout) and viewed as [num_pages, Hkv, P, d] again: the same values
+    with another token stride, as the CUDA kernels read vLLM's cache in place."""
+    return pages.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
