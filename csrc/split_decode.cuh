@@ -46,6 +46,17 @@ static_assert(kThreads == kMergeThreads && kThreads == kHeadDim, "finish_split a
 // the 8 rows an ldmatrix reads in 8 different bank groups (rows are 256 bytes apart).
 __device__ __forceinline__ int swizzled(int row, int piece) { return row * kHeadDim + ((piece ^ (row & 7)) << 3); }
 
+// A row's length as the kernels use it: its seq_len clamped to what its page-table entries
+// address (a block table's width, or the row's own page list), as the device planner clamps it,
+// so a length past its pages never reads or attends past them. Valid input is unchanged.
+__device__ __forceinline__ int row_length(const DecodeArgs& a, int row) {
+  const long long entries = a.page_indptr == nullptr
+                                ? static_cast<long long>(a.block_table_width)
+                                : static_cast<long long>(__ldg(a.page_indptr + row + 1)) - __ldg(a.page_indptr + row);
+  const long long limit = max(0LL, entries) << a.page_shift;
+  return static_cast<int>(max(0LL, min(static_cast<long long>(a.seq_lens[row]), limit)));
+}
+
 template <typename T, int G, int kStages>
 struct CtaDecoder {
   const DecodeArgs& a;
@@ -320,7 +331,7 @@ __device__ void merge_if_last(const DecodeArgs& a, int32_t* counter, int slot_be
 struct BucketSplit {
   int row, seq_len, n_tiles, per_split, tile_begin, tile_end;
   __device__ BucketSplit(const DecodeArgs& a, int row_, int split, int num_splits)
-      : row(row_), seq_len(a.seq_lens[row_]) {
+      : row(row_), seq_len(row_length(a, row_)) {
     n_tiles = (seq_len + kTileTokens - 1) / kTileTokens;
     per_split = (n_tiles + num_splits - 1) / num_splits;
     tile_begin = split * per_split;
@@ -473,7 +484,7 @@ __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
   const int pair = row * a.num_kv_heads + kvh;
   const int slot_begin = split_offsets[pair];
   const int num_slots = split_offsets[pair + 1] - slot_begin;
-  const int seq_len = a.seq_lens[row];
+  const int seq_len = row_length(a, row);
   CtaDecoder<T, G, Stages>(a, row, kvh, seq_len, tb, te, smem).run(smem);
   finish_split<T, G>(a, smem, row, kvh, num_slots == 1, slot_begin + split);
   allow_dependent_launch();

@@ -80,9 +80,13 @@ def host_row_pages(table, where: str = "page_table") -> int | np.ndarray:
 
 
 def device_token_limits(table, page_size: int) -> torch.Tensor | int:
-    """What each row may address in tokens, as device ops a CUDA graph captures (no host sync)."""
+    """What each row may address in tokens, as device ops a CUDA graph captures (no host sync).
+    A page-list row that leaves the flat list (indptr out of order, or past indices) gets -1: no
+    length of it is in range."""
     if isinstance(table, PageLists):
-        return (table.indptr[1:] - table.indptr[:-1]).to(torch.int64) * int(page_size)
+        starts, ends = table.indptr[:-1].to(torch.int64), table.indptr[1:].to(torch.int64)
+        outside = (ends < starts) | (starts < 0) | (ends > table.indices.shape[0])
+        return torch.where(outside, -1, (ends - starts) * int(page_size))
     return int(table.shape[1]) * int(page_size)
 
 

@@ -165,6 +165,11 @@ def test_page_table_forms_are_checked_and_read_on_any_device():
     assert _first_out_of_range(lens, device_token_limits(lists, 16)).tolist() == [1, 1, 17, 16]
     assert _first_out_of_range(lens, 64).tolist()[0] == 0
     assert _first_out_of_range(torch.tensor([1, -1], dtype=torch.int32), 64).tolist() == [1, 1, -1, 64]
+    # A row whose list leaves the flat list has no length in range (limit -1).
+    leaving = PageLists(torch.tensor([0, 2, 9, 7], dtype=torch.int32), lists.indices)
+    assert device_token_limits(leaving, 16).tolist() == [32, -1, -1]
+    assert _first_out_of_range(torch.tensor([1, 0, 0], dtype=torch.int32),
+                               device_token_limits(leaving, 16)).tolist() == [1, 1, 0, -1]
 
 
 def test_the_in_decode_grid_covers_the_fixed_rules_tile_ranges():

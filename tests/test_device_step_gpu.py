@@ -170,19 +170,26 @@ def test_bad_input_is_refused_before_any_launch():
         DeviceDecodeStep(shape, max_batch=2000, num_splits=8)
 
 
-def test_lengths_past_the_block_table_are_clamped_to_it():
-    """A length the block table cannot address reads no page past it: the step attends over the
-    pages the table holds."""
+@pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
+def test_lengths_past_a_rows_pages_are_clamped_to_them(planner, page_lists):
+    """A length its pages cannot address (what plan() and decode() take without the eager check,
+    as a graph replays it) reads no page past the row's own: the step attends over the pages the
+    row has, under either planner and page-table form."""
     from pkv.engines.device_step import DeviceDecodeStep
 
     shape = ModelShape()
     rng = np.random.default_rng(11)
     k, v = _pool(shape, torch.float16, 512, seed=5)
-    workspace = DeviceDecodeStep(shape, max_batch=2, num_splits=8)
+    workspace = DeviceDecodeStep(shape, max_batch=2, num_splits=8, planner=planner)
     step, table, _ = _tables([64 * PAGE, 3 * PAGE], 512, 64, rng)
+    page_table = PageLists.from_step(step, "cuda") if page_lists else table
     q = make_queries(2, shape, torch.float16, "cuda", seed=2)
-    out = workspace.run(q, k, v, table, torch.tensor([10**6, 3 * PAGE], dtype=torch.int32, device="cuda"),
-                        torch.empty_like(q))
+    # Row 0 runs past the table's width; with page lists row 1 also runs past its own 3 pages (a
+    # block table's row 1 addresses the table's whole width, so there it stays in range).
+    too_long = torch.tensor([10**6, 3 * PAGE + (5 if page_lists else 0)], dtype=torch.int32, device="cuda")
+    workspace.plan(page_table, too_long, PAGE)
+    out = workspace.decode(q, k, v, page_table, too_long, torch.empty_like(q))
     torch.cuda.synchronize()
     _check(out, step, q, k, v, torch.float16)
 

@@ -108,8 +108,8 @@ class DeviceDecodeStep:
         """Plan the step's workqueue on the GPU from the lengths and the page table (a block table
         [B, max_pages] or PageLists); with planner "in_decode" there is nothing to launch. A model
         step plans once and decodes every layer with it (the lengths are the same in every layer).
-        No page past a row's own is ever read: the plan kernel clamps a length past them to them,
-        and every page lookup is clamped to the row's last entry."""
+        No page past a row's own is ever read: under both planners a length past a row's pages is
+        clamped to them (csrc/split_decode.cuh, row_length), as the plan kernel clamps it."""
         batch = int(seq_lens.shape[0])
         if not 1 <= batch <= self.max_batch or seq_lens.dtype != torch.int32 or seq_lens.device != self.device:
             raise ValueError(f"DeviceDecodeStep.plan: seq_lens must be int32 [1..{self.max_batch}] on {self.device}, "
@@ -231,6 +231,9 @@ class GraphedDecodeStep:
         graph.replay()
         if debug is not None:
             found, row, length, limit = debug.tolist()
+            if found and limit < 0:
+                raise ValueError(f"GraphedDecodeStep (debug check on the device): row {row}'s page list leaves "
+                                 f"the flat list (page_table.indptr out of order or past indices)")
             if found:
                 raise ValueError(f"GraphedDecodeStep (debug check on the device): row {row} has length {length}; "
                                  f"its pages address 0..{limit} tokens")
@@ -244,12 +247,14 @@ class GraphedDecodeStep:
 
     def _copy_table(self, static_table, page_table) -> None:
         if isinstance(page_table, PageLists):
-            entries = page_table.indices.shape[0]
-            if entries > static_table.indices.shape[0]:
-                raise ValueError(f"GraphedDecodeStep: page_table.indices has {entries} entries; the graphs hold "
+            # The entries the step uses where the caller has indptr on the host (its flat list may be
+            # a pool-sized buffer), else the whole list.
+            used = page_table.indices.shape[0] if page_table.host_indptr is None else int(page_table.host_indptr[-1])
+            if used > static_table.indices.shape[0]:
+                raise ValueError(f"GraphedDecodeStep: the step's page lists hold {used} entries; the graphs hold "
                                  f"{static_table.indices.shape[0]} (batch x max_pages {self.max_pages})")
             static_table.indptr.copy_(page_table.indptr)
-            static_table.indices[:entries].copy_(page_table.indices)
+            static_table.indices[:used].copy_(page_table.indices[:used])
             return
         if page_table.shape[1] > self.max_pages:
             raise ValueError(f"GraphedDecodeStep: block_table has {page_table.shape[1]} pages a row; the "
@@ -291,5 +296,7 @@ def _first_out_of_range(lens: torch.Tensor, limits) -> torch.Tensor:
     # A fill kernel for one limit (a host-to-device copy of it could not be captured).
     limits = torch.full_like(lens, limits, dtype=torch.int64) if isinstance(limits, int) else limits
     bad = (lens > limits) | (lens < 0)
-    row = torch.argmax(bad.to(torch.int32))
-    return torch.stack((bad.any().to(torch.int64), row.to(torch.int64), lens[row].to(torch.int64), limits[row]))
+    # The row as a one-element index tensor: indexing with a 0-d tensor would read it on the host.
+    row = torch.argmax(bad.to(torch.int32)).view(1)
+    return torch.cat((bad.any().to(torch.int64).view(1), row, lens.gather(0, row).to(torch.int64),
+                      limits.gather(0, row)))
