@@ -405,7 +405,8 @@ void run_workqueue_planned_on_device(const Tensor& q, const Tensor& k_pages, con
                                      const Tensor& block_table, const Tensor& seq_lens, const Tensor& tasks,
                                      const Tensor& split_offsets, const Tensor& counts, double sm_scale,
                                      int64_t stages, const Tensor& out, const Tensor& part_m, const Tensor& part_l,
-                                     const Tensor& part_acc, const std::optional<Tensor>& page_indptr) {
+                                     const Tensor& part_acc, const std::optional<Tensor>& page_indptr,
+                                     const std::optional<Tensor>& pair_counters) {
   const c10::cuda::CUDAGuard guard(q.device());
   auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages,
                         page_indptr);
@@ -422,10 +423,13 @@ void run_workqueue_planned_on_device(const Tensor& q, const Tensor& k_pages, con
   TORCH_CHECK(counts.is_contiguous() && counts.numel() == 2, "pkv: counts must be contiguous [2], got ",
               counts.sizes());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  // With pair_counters the last task of each pair merges it (fused); otherwise a merge launch follows.
+  int32_t* counters = pair_counters_of(pair_counters, pairs);
   check_launch(pkv::launch_workqueue_decode(args, tasks.data_ptr<int32_t>(), static_cast<int>(tasks.size(0)),
-                                            split_offsets.data_ptr<int32_t>(), nullptr, stream,
+                                            split_offsets.data_ptr<int32_t>(), counters, stream,
                                             counts.data_ptr<int32_t>()),
                "workqueue_decode (planned on the device)");
+  if (counters != nullptr) return;
   check_launch(pkv::launch_merge_states(args, nullptr, split_offsets.data_ptr<int32_t>(), static_cast<int>(pairs), 0,
                                         stream),
                "merge_states (planned on the device)");
@@ -456,7 +460,8 @@ TORCH_LIBRARY(pkv, m) {
   m.def(
       "run_workqueue_planned_on_device(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, "
       "Tensor seq_lens, Tensor tasks, Tensor split_offsets, Tensor counts, float sm_scale, int stages, "
-      "Tensor(a!) out, Tensor(b!) part_m, Tensor(c!) part_l, Tensor(d!) part_acc, Tensor? page_indptr=None) -> ()");
+      "Tensor(a!) out, Tensor(b!) part_m, Tensor(c!) part_l, Tensor(d!) part_acc, Tensor? page_indptr=None, "
+      "Tensor(e!)? pair_counters=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CUDA, m) {

@@ -186,3 +186,12 @@ def test_the_in_decode_grid_covers_the_fixed_rules_tile_ranges():
                       if split_range(-(-int(lens[row]) // 32), splits, split)[0] < -(-int(lens[row]) // 32))
         plan = plan_workqueue_device_order(lens, 2, 4, splits)
         assert grid == sorted(map(tuple, plan.tasks.tolist())), trial
+
+
+def test_a_routes_merge_maps_to_the_device_steps():
+    from pkv.engines.device_step import MERGES, device_merge
+    from pkv.policy.route import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH
+
+    assert MERGES == (MERGE_LAUNCH, MERGE_FUSED)
+    assert [device_merge(m) for m in (MERGE_LAUNCH, MERGE_FUSED, MERGE_CLUSTER)] == [MERGE_LAUNCH, MERGE_FUSED,
+                                                                                      MERGE_LAUNCH]

@@ -74,17 +74,19 @@ def test_device_plan_is_the_host_plan_longest_first(num_splits):
         assert np.all(np.diff(row_tiles) <= 0), "tasks must come longest row (most tiles) first"
 
 
+@pytest.mark.parametrize("merge", ["launch", "fused"])
 @pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_device_planned_step_matches_float64(group, dtype, planner):
+def test_device_planned_step_matches_float64(group, dtype, planner, merge):
     from pkv.engines.device_step import DeviceDecodeStep
 
     shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8)
     rng = np.random.default_rng(group)
     k, v = _pool(shape, dtype, 11000, seed=group)
     for splits in (1, 7, 32):
-        workspace = DeviceDecodeStep(shape, max_batch=16, num_splits=splits, stages=2 + splits % 3, planner=planner)
+        workspace = DeviceDecodeStep(shape, max_batch=16, num_splits=splits, stages=2 + splits % 3, planner=planner,
+                                     merge=merge)
         lengths = [int(x) for x in rng.choice(EDGE_LENGTHS, size=int(rng.integers(1, 9)))]
         step, table, lens = _tables(lengths, 11000, 1300, rng)
         q = make_queries(len(lengths), shape, dtype, "cuda", seed=splits)
@@ -93,6 +95,7 @@ def test_device_planned_step_matches_float64(group, dtype, planner):
         workspace.run(q, k, v, table, lens, out)
         torch.cuda.synchronize()
         _check(out, step, q, k, v, dtype)
+        assert int(workspace.pair_counters.abs().sum()) == 0, "the fused merge's counters must be zero again"
 
 
 @pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])

@@ -15,7 +15,9 @@ writes the compact workqueue, longest rows first, before the decode; "in_decode"
 planner: the decode grid is (B, Hkv, S) and each CTA derives its split's tiles from its row's
 length (the bucket kernel over every row with the fused merge of a row's live splits only, so
 splits past a short row's tiles exit without writing). The tile ranges are the same; what differs
-is one launch on the critical path against no longest-first order.
+is one launch on the critical path against no longest-first order. Either planner merges a row's splits by a merge
+launch after the decode (``merge="launch"``) or in the decode itself, the last split of a pair
+merging it (``merge="fused"``, completion counters that are zero again after every launch).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from pkv import ops
 from pkv.page_table import PageLists, check_page_table, device_token_limits, host_row_pages, kernel_operands
+from pkv.policy.route import MERGE_FUSED, MERGE_LAUNCH
 
 MAX_DEVICE_PLAN_ROWS = 1024  # kMaxDevicePlanRows in csrc/device_plan.h: one planner CTA, a thread per row
 MAX_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
@@ -37,6 +40,15 @@ PLANNERS = ("plan_kernel", "in_decode")
 DEFAULT_PLANNER = "plan_kernel"
 # What each planner's step is called in result records.
 PLANNER_LABELS = {"plan_kernel": "device-planned workqueue", "in_decode": "in-decode split grid"}
+MERGES = (MERGE_LAUNCH, MERGE_FUSED)
+# The merge of every device step that does not name one, measured like DEFAULT_PLANNER.
+DEFAULT_MERGE = MERGE_LAUNCH
+
+
+def device_merge(route_merge: str) -> str:
+    """The merge a device step runs for a route's merge kind: the route's own, except the cluster
+    merge, which the device step does not have and replaces by a merge launch."""
+    return route_merge if route_merge in MERGES else MERGE_LAUNCH
 
 
 def check_lengths(host_lens, row_pages, page_size: int, where: str = "DeviceDecodeStep") -> None:
@@ -61,9 +73,11 @@ class DeviceDecodeStep:
     """Workspace and launches of a device-planned decode step for up to ``max_batch`` rows."""
 
     def __init__(self, shape, *, max_batch: int, num_splits: int, device="cuda", stages: int = 2,
-                 planner: str = DEFAULT_PLANNER):
+                 planner: str = DEFAULT_PLANNER, merge: str = DEFAULT_MERGE):
         if planner not in PLANNERS:
             raise ValueError(f"DeviceDecodeStep: planner must be one of {PLANNERS}, got {planner!r}")
+        if merge not in MERGES:
+            raise ValueError(f"DeviceDecodeStep: merge must be one of {MERGES}, got {merge!r}")
         if not 1 <= int(max_batch) <= MAX_DEVICE_PLAN_ROWS:
             raise ValueError(f"DeviceDecodeStep: max_batch must be in 1..{MAX_DEVICE_PLAN_ROWS}, got {max_batch!r}")
         if not 1 <= int(num_splits) <= MAX_SPLITS:
@@ -72,7 +86,7 @@ class DeviceDecodeStep:
         self.max_batch = int(max_batch)
         self.num_splits = int(num_splits)
         self.stages = int(stages)
-        self.planner = planner
+        self.planner, self.merge = planner, merge
         self.ops = ops.load()
         self.device = torch.empty(0, device=device).device  # "cuda" resolved to its index, as tensors report it
         capacity = self.max_batch * shape.num_kv_heads * self.num_splits
@@ -85,7 +99,7 @@ class DeviceDecodeStep:
         self.part_m = torch.empty(capacity, g, dtype=torch.float32, device=self.device)
         self.part_l = torch.empty(capacity, g, dtype=torch.float32, device=self.device)
         self.part_acc = torch.empty(capacity, g, d, dtype=torch.float32, device=self.device)
-        # in_decode: the decode grid's rows, and the fused merge's counters (zero between launches).
+        # in_decode: the decode grid's rows; the fused merge's counters (zero between launches).
         self.rows = torch.arange(self.max_batch, **int32)
         self.pair_counters = torch.zeros(self.max_batch * shape.num_kv_heads, **int32)
         self.sm_scale = shape.sm_scale
@@ -169,14 +183,21 @@ class DeviceDecodeStep:
 
     def _launch_decode(self, views: "_BatchViews", q, k_pages, v_pages, page_table, seq_lens, out) -> torch.Tensor:
         table, page_indptr = kernel_operands(page_table)
-        if self.planner == "in_decode":
-            self.ops.bucket_decode(q, k_pages, v_pages, table, seq_lens, views.rows, self.num_splits, self.sm_scale,
-                                   out, views.part_m, views.part_l, views.part_acc, views.pair_counters,
-                                   self.stages, False, page_indptr, True)
+        counters = views.pair_counters if self.merge == MERGE_FUSED else None
+        if self.planner == "plan_kernel":
+            self.ops.run_workqueue_planned_on_device(q, k_pages, v_pages, table, seq_lens, views.tasks,
+                                                     views.split_offsets, self.counts, self.sm_scale, self.stages,
+                                                     out, views.part_m, views.part_l, views.part_acc, page_indptr,
+                                                     counters)
             return out
-        self.ops.run_workqueue_planned_on_device(q, k_pages, v_pages, table, seq_lens, views.tasks,
-                                                 views.split_offsets, self.counts, self.sm_scale, self.stages, out,
-                                                 views.part_m, views.part_l, views.part_acc, page_indptr)
+        # in_decode, fused: only a row's live splits are merged, so its empty CTAs write nothing;
+        # with a merge launch every split of the grid holds a state (empty ones the neutral state).
+        self.ops.bucket_decode(q, k_pages, v_pages, table, seq_lens, views.rows, self.num_splits, self.sm_scale,
+                               out, views.part_m, views.part_l, views.part_acc, counters, self.stages, False,
+                               page_indptr, counters is not None)
+        if counters is None and self.num_splits > 1:
+            self.ops.merge_states(views.part_m, views.part_l, views.part_acc, views.rows, None,
+                                  self.shape.num_kv_heads, self.num_splits, out)
         return out
 
 

@@ -5,10 +5,10 @@ The host's whole share of a step is to ask the calibrated route policy with the 
 scheduler already holds (``RoutePolicy.choose`` reads nothing else of a step) and to replay the
 graph captured for that route and the step's batch-size bucket:
 
-- a PersistentKV route replays a ``DeviceDecodeStep`` graph with the route's split count: the
-  split ranges and the compact workqueue are planned on the GPU inside the graph, so one graph
-  serves any lengths. A single-row bucket route runs as the one-row workqueue, which splits the
-  row the same way;
+- a PersistentKV route replays a ``DeviceDecodeStep`` graph with the route's split count and
+  merge (a cluster merge, which the device step does not have, runs as a merge launch): the
+  split ranges are planned on the GPU inside the graph, so one graph serves any lengths. A
+  single-row bucket route runs as the one-row workqueue, which splits the row the same way;
 - a FlashInfer step replays FlashInfer's CUDA-graph decode wrapper. FlashInfer plans on the host
   (on Hopper it has no device-side plan), so its plan() runs every such step, outside the graph,
   from the host lengths and page table, as serving engines that use it do.
@@ -27,8 +27,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pkv.engines.device_step import (DEFAULT_PLANNER, PLANNERS, DeviceDecodeStep, GraphedDecodeStep,
-                                     check_lengths)
+from pkv.engines.device_step import (DEFAULT_PLANNER, PLANNERS, DeviceDecodeStep, GraphedDecodeStep, check_lengths,
+                                     device_merge)
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.page_table import PageLists
 from pkv.policy.route import ROUTE_FLASHINFER
@@ -119,7 +119,7 @@ class RoutedGraphStep:
         self.device = k_pages.device
         self._buffers: dict[int, StepBuffers | ListStepBuffers] = {}
         self._last_batch: dict[int, int] = {}
-        self._persistent: dict[int, GraphedDecodeStep] = {}  # split count -> its graphs, one per bucket
+        self._persistent: dict[tuple, GraphedDecodeStep] = {}  # (splits, merge) -> its graphs, one per bucket
         self._flashinfer: dict[int, tuple[_FlashInferGraphPath, torch.cuda.CUDAGraph | None]] = {}
         self.last_route = None
 
@@ -184,15 +184,16 @@ class RoutedGraphStep:
                 raise ValueError("RoutedGraphStep.run: this step routes to FlashInfer, whose plan needs host_table")
             self._replay_flashinfer(bucket, full, host_lens, host_table)
         else:
-            self._graphed(route.num_splits).replay_static(full)
+            self._graphed(route.num_splits, device_merge(route.merge)).replay_static(full)
         return full.out[:batch]
 
-    def _graphed(self, num_splits: int) -> GraphedDecodeStep:
-        if num_splits not in self._persistent:
+    def _graphed(self, num_splits: int, merge: str) -> GraphedDecodeStep:
+        key = (num_splits, merge)
+        if key not in self._persistent:
             workspace = DeviceDecodeStep(self.shape, max_batch=self.batch_buckets[-1], num_splits=num_splits,
-                                         device=self.device, stages=self.stages, planner=self.planner)
-            self._persistent[num_splits] = GraphedDecodeStep(workspace, self.k_pages, self.v_pages, self.max_pages)
-        return self._persistent[num_splits]
+                                         device=self.device, stages=self.stages, planner=self.planner, merge=merge)
+            self._persistent[key] = GraphedDecodeStep(workspace, self.k_pages, self.v_pages, self.max_pages)
+        return self._persistent[key]
 
     def _replay_flashinfer(self, bucket: int, full, host_lens, host_table) -> None:
         path, graph = self._flashinfer.get(bucket, (None, None))

@@ -4,8 +4,8 @@ Each case is one decode call over a fixed batch (50% holes, page 16, fp16). For 
 script times FlashInfer's decode paths (fa2 CUDA-core, fa2 tensor-core, holistic BatchAttention,
 and the fa3 backend, reported but never the baseline), TensorRT-LLM's XQA as FlashInfer ships it,
 vLLM's PagedAttention and Triton decode where they are built, a sweep of PersistentKV split
-points planned on the host, and a sweep of the decode step planned on the GPU (both planners of
-pkv.engines.device_step, the plan launch included in its time), all with the L2 flushed before
+points planned on the host, and a sweep of the decode step planned on the GPU (both planners and
+both merges of pkv.engines.device_step, the plan launch included in its time), all with the L2 flushed before
 each timed call and CUDA events around the call alone, each checked against float64. A baseline
 that cannot run here is recorded with the reason. It reports each time as a ratio to
 FlashInfer's fastest path and to XQA, the device-planned step's as a ratio to the host-planned
@@ -26,7 +26,7 @@ import torch
 from pkv.atomic_io import write_json_atomic
 from pkv.engines import ENGINE_NAMES, EngineUnavailable, build_engine
 from pkv.engines.dense import dense_decode
-from pkv.engines.device_step import PLANNERS, DeviceDecodeStep
+from pkv.engines.device_step import MERGES, PLANNERS, DeviceDecodeStep
 from pkv.engines.flashinfer import BEST_OF_ROLES
 from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
@@ -102,12 +102,13 @@ def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False):
 
 
 def device_step_configs(batch: int):
-    """(label, planner, split count, ring stages) of the device-planned sweep: the split counts
-    of the host-planned sweep's fixed rule, each planner."""
+    """(label, planner, merge, split count, ring stages) of the device-planned sweep: the split
+    counts of the host-planned sweep's fixed rule, each planner and merge."""
     for stages in RING_STAGES:
         for planner in PLANNERS:
-            for s in (B1_SPLITS if batch == 1 else WORKQUEUE_SPLITS):
-                yield f"{planner}:S={s}:st{stages}", planner, s, stages
+            for merge in MERGES:
+                for s in (B1_SPLITS if batch == 1 else WORKQUEUE_SPLITS):
+                    yield f"{planner}+{merge}:S={s}:st{stages}", planner, merge, s, stages
 
 
 def sweep_device_step(name, step, q, k, v, shape, flusher, reps, errors) -> tuple[dict, str, object]:
@@ -115,9 +116,9 @@ def sweep_device_step(name, step, q, k, v, shape, flusher, reps, errors) -> tupl
     table = torch.from_numpy(step.block_table).to(q.device)
     lens = torch.from_numpy(step.seq_lens).to(q.device)
     sweep, best = {}, (None, None)
-    for label, planner, splits, stages in device_step_configs(step.batch_size):
+    for label, planner, merge, splits, stages in device_step_configs(step.batch_size):
         workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, num_splits=splits, device=q.device,
-                                     stages=stages, planner=planner)
+                                     stages=stages, planner=planner, merge=merge)
         out = torch.empty_like(q)
 
         def run(workspace=workspace, out=out):

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 
 from pkv.engines.base import EngineUnavailable, upload_block_table
-from pkv.engines.device_step import DEFAULT_PLANNER, PLANNER_LABELS, DeviceDecodeStep
+from pkv.engines.device_step import DEFAULT_PLANNER, PLANNER_LABELS, DeviceDecodeStep, device_merge
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.measure.model_step import ModelStep, skip_attend
-from pkv.policy.route import ROUTE_FLASHINFER
+from pkv.policy.route import MERGE_LAUNCH, ROUTE_FLASHINFER
 
 MODES = ("eager", "graph")
 
@@ -222,7 +222,7 @@ class AdaptiveGraphPath(GraphPath):
         self.policy = engine.policy
         self.flashinfer_path = flashinfer_path
         self._device_step = DeviceDecodeStep
-        self._workspaces: dict[int, object] = {}
+        self._workspaces: dict[tuple, object] = {}
         self.implementation = f"{PLANNER_LABELS[DEFAULT_PLANNER]}+cuda_graph | {flashinfer_path.implementation}"
 
     def _route(self, step):
@@ -230,7 +230,9 @@ class AdaptiveGraphPath(GraphPath):
 
     def key(self, step):
         route = self._route(step)
-        return (step.batch_size, route.name, 0 if route.name == ROUTE_FLASHINFER else int(route.num_splits))
+        if route.name == ROUTE_FLASHINFER:
+            return (step.batch_size, route.name, 0, MERGE_LAUNCH)
+        return (step.batch_size, route.name, int(route.num_splits), device_merge(route.merge))
 
     def prepare(self, step, x) -> None:
         if self._route(step).name == ROUTE_FLASHINFER:
@@ -239,11 +241,12 @@ class AdaptiveGraphPath(GraphPath):
             super().prepare(step, x)
 
     def attend_for(self, key, static):
-        batch, _, splits = key
-        ws = self._workspaces.get(splits)
-        if ws is None:  # one workspace per split count, shared by the graphs of every batch size
-            ws = self._workspaces[splits] = self._device_step(self.model.shape.attention, max_batch=self.max_batch,
-                                                              num_splits=splits, device=self.model.device)
+        batch, _, splits, merge = key
+        ws = self._workspaces.get((splits, merge))
+        if ws is None:  # one workspace per split count and merge, shared by the graphs of every batch size
+            ws = self._workspaces[(splits, merge)] = self._device_step(
+                self.model.shape.attention, max_batch=self.max_batch, num_splits=splits, device=self.model.device,
+                merge=merge)
         static.device_step = ws
         static.outs = [torch.empty(batch, self.model.shape.num_qo_heads, self.model.shape.head_dim,
                                    dtype=self.model.dtype, device=self.model.device)
