@@ -1,5 +1,6 @@
 """Small decode cases for compute-sanitizer (memcheck, racecheck): every kernel and route once,
-and the device-planned step (both planners, block table and page lists, eager and replayed).
+and the device-planned step (both planners and merges, block table and page lists, eager and
+replayed).
 
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py
     compute-sanitizer --tool racecheck python scripts/sanitize_cases.py
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pkv.engines.device_step import PLANNERS, DeviceDecodeStep, GraphedDecodeStep
+from pkv.engines.device_step import MERGES, PLANNERS, DeviceDecodeStep, GraphedDecodeStep
 from pkv.engines.persistentkv import PersistentKVEngine
 from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.page_table import PageLists
@@ -57,8 +58,8 @@ def device_step_cases(shape, step, q, k, v) -> None:
     lens = torch.from_numpy(step.seq_lens).cuda()
     lists = PageLists.from_step(step, "cuda")
     shorter = torch.clamp(lens // 3, min=1)
-    for planner in PLANNERS:
-        workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, num_splits=8, planner=planner)
+    for planner, merge in ((p, m) for p in PLANNERS for m in MERGES):
+        workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, num_splits=8, planner=planner, merge=merge)
         for page_table in (table, lists):
             out = workspace.run(q, k, v, page_table, lens, torch.empty_like(q), host_lens=step.seq_lens)
             graphed = GraphedDecodeStep(workspace, k, v, table.shape[1], debug_checks=True)
