@@ -6,18 +6,33 @@
 #   name the commit of .device/source_stamp.json, if carried, when the sources match it)
 # vLLM's rows need its sources carried: run scripts/vllm_carry.sh here and name third_party/vllm
 # in the run's carry (without them the rows record why they did not run).
+#   BUILD_CACHE_FROM=<build_cache.tgz of an earlier run of the same sources, carried> unpacks the
+#     built extensions first, so a run on a fresh machine skips their builds; every run leaves its
+#     own as $OUT/build_cache.tgz (vLLM's build as $OUT/vllm_build_cache.tgz, where it fits).
+#   GPU_TESTS=<test files or node ids> narrows the tests; SKIP_SANITIZE=1 skips compute-sanitizer.
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 source scripts/device_site.sh || exit 1
 export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
+if [ -n "${BUILD_CACHE_FROM:-}" ]; then
+  for cache in $BUILD_CACHE_FROM; do mkdir -p "$PKV_CACHE_DIR" && tar xzf "$cache" -C "$PKV_CACHE_DIR" || exit 1; done
+fi
+# The builds, for the next run (each file that comes back is at most 16 MiB): after the build and on exit.
+save_builds() {
+  [ -d "$PKV_CACHE_DIR" ] || return 0
+  (cd "$PKV_CACHE_DIR" && tar czf "$OUT/build_cache.tgz" --exclude='vllm-*' --exclude='*/build-*' . \
+     && { ls -d vllm-* >/dev/null 2>&1 && tar czf "$OUT/vllm_build_cache.tgz" --exclude='*/build-*' vllm-* || true; })
+}
+trap save_builds EXIT
 [ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -m pkv.build --record "$OUT/build.json" 2>&1 | tail -5 || exit 1
+save_builds  # now too: a run stopped at its time limit runs no exit trap
 # Every GPU test (kernels, device-planned step and routed graphs, the baselines, vLLM's rows where
 # third_party/vllm was carried, the model step); GPU_TESTS narrows it, e.g. tests/test_kernels_gpu.py.
 python3 -X faulthandler -m pytest -v -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/} > "$OUT/tests.log" 2>&1
 grep -E "FAILED|ERROR|passed|failed|Fatal|^E  " "$OUT/tests.log" | tail -30
-for tool in memcheck racecheck; do
+for tool in $([ -z "${SKIP_SANITIZE:-}" ] && echo memcheck racecheck); do
   compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/sanitize_cases.py > "$OUT/$tool.log" 2>&1
   echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
 done
