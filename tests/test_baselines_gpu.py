@@ -60,8 +60,13 @@ def test_baseline_matches_float64_on_fresh_ragged_batches(role):
         _check(out, _dense(step, q, k, v), torch.float16)
 
 
-def test_best_of_flashinfer_runs_a_probed_path_and_records_every_path():
+def test_best_of_flashinfer_runs_a_probed_path_and_records_every_path(monkeypatch):
+    from pkv.engines import flashinfer
     from pkv.shape import ModelShape
+
+    # The picks are shared by every engine of the process: start from none, whatever ran before.
+    monkeypatch.setattr(flashinfer, "_PATH_PICKS", {})
+    monkeypatch.setattr(flashinfer, "_PATH_PROBES", {})
 
     shape = ModelShape()
     engine = _build("flashinfer", shape)

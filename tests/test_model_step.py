@@ -203,19 +203,34 @@ def test_table9_renders_ratios_ceiling_and_captured_fraction(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("role", ["flashinfer", "xqa", "adaptive"])
-def test_graph_replay_matches_eager_for_other_lengths(role):
+@pytest.mark.parametrize("role, pinned_merge", [("flashinfer", None), ("xqa", None), ("adaptive", None),
+                                                ("adaptive", "launch"), ("adaptive", "fused")])
+def test_graph_replay_matches_eager_for_other_lengths(role, pinned_merge):
+    """Each engine's graph, captured at one set of lengths, against its eager step for others.
+    The adaptive engine runs its calibrated policy (which may send these batches to FlashInfer)
+    and, with ``pinned_merge``, a pinned workqueue route, so its device-planned step is captured
+    and replayed with each merge."""
     from pkv.engines import EngineUnavailable, role_policy
     from pkv.experiments.common import run_calibration
     from pkv.experiments.model_step import _graph_path
     from pkv.measure.model_step_paths import EagerPath
+    from pkv.policy.choose import PinnedRoutePolicy
+    from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
 
     shape = StepShape(hidden=1024, intermediate=2048, num_qo_heads=32, num_kv_heads=8, head_dim=128, num_layers=2)
     cfg = compose(["experiment=model_step", "out=/tmp/pkv-model-step-test"])
     calib = run_calibration(cfg)
     try:
-        engine = build_engine(role, shape=shape.attention, device="cuda",
-                              policy=role_policy(role, {}, shape.attention, calib))
+        if pinned_merge is None:
+            engine = build_engine(role, shape=shape.attention, device="cuda",
+                                  policy=role_policy(role, {}, shape.attention, calib))
+        else:  # the adaptive engine over a pinned route (build_engine takes only a calibrated policy)
+            from pkv.engines.adaptive import AdaptiveEngine
+
+            pinned = PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, 16, merge=pinned_merge))
+            engine = AdaptiveEngine(pinned, build_engine("persistentkv", shape=shape.attention, device="cuda",
+                                                         policy=pinned),
+                                    build_engine("flashinfer", shape=shape.attention, device="cuda"))
     except EngineUnavailable as exc:
         pytest.skip(exc.reason)
     page, max_pages, pool = 16, 256, 4096
@@ -243,3 +258,5 @@ def test_graph_replay_matches_eager_for_other_lengths(role):
         got = graph.issue().float()
         rel = ((got - want).norm() / want.norm()).item()
         assert rel < 2e-2, (role, lengths, rel)
+        if pinned_merge is not None:
+            assert graph.route == ROUTE_WORKQUEUE, graph.route  # the device step ran, not FlashInfer
