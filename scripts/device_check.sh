@@ -26,8 +26,17 @@ save_builds() {
 trap save_builds EXIT
 [ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+# vLLM's kernels (minutes of nvcc) build beside the project's extension, not after it.
+if [ -d third_party/vllm ]; then
+  python3 -m pkv.engines.vllm_build record --record "$OUT/vllm_build.json" > "$OUT/vllm_build.log" 2>&1 &
+  vllm_build=$!
+fi
 python3 -m pkv.build --record "$OUT/build.json" 2>&1 | tail -5 || exit 1
 save_builds  # now too: a run stopped at its time limit runs no exit trap
+if [ -n "${vllm_build:-}" ]; then
+  wait "$vllm_build"; echo "vllm build rc=$? $(grep -o '"built": [a-z]*' "$OUT/vllm_build.json" 2>/dev/null | tr '\n' ' ')"
+  save_builds
+fi
 # Every GPU test (kernels, device-planned step and routed graphs, the baselines, vLLM's rows where
 # third_party/vllm was carried, the model step); GPU_TESTS narrows it, e.g. tests/test_kernels_gpu.py.
 python3 -X faulthandler -m pytest -v -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/} > "$OUT/tests.log" 2>&1
