@@ -12,13 +12,13 @@ A run that pins one schedule (the standalone PersistentKV engine of an ablation)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 
 from pkv.policy.calibration import Calibration
-from pkv.policy.estimator import VECTOR_MIN_ROWS, Estimator
+from pkv.policy.estimator import VECTOR_MIN_ROWS, Estimator, total_tokens
 from pkv.policy.regime import REGIMES, regime_of
 from pkv.policy.route import (
     DEFAULT_BUCKET_SPLITS,
@@ -33,8 +33,10 @@ from pkv.policy.route import (
 )
 
 
-@dataclass(frozen=True)
-class RouteDecision:
+class RouteDecision(NamedTuple):
+    """What choose() decided and why. Immutable, and a tuple: one is built on every decode step,
+    in a fifth of the time a frozen dataclass takes."""
+
     route: StepRoute
     basis: str  # the gate that decided, "estimate", or "pinned"
     estimates: Mapping[str, float]  # route name -> estimated us; empty when a gate decided
@@ -101,8 +103,9 @@ class RoutePolicy:
         if candidate is None:
             return GATE_REGIME
         estimator = self._estimator
-        flashinfer_us = estimator.total_us(lens, FLASHINFER_ROUTE)
-        candidate_us = estimator.total_us(lens, candidate)
+        tokens = total_tokens(lens)
+        flashinfer_us = estimator.total_us(lens, FLASHINFER_ROUTE, tokens)
+        candidate_us = estimator.total_us(lens, candidate, tokens)
         speedup = flashinfer_us / candidate_us
         chosen = candidate if speedup >= margin else FLASHINFER_ROUTE
         return RouteDecision(chosen, "estimate", {ROUTE_FLASHINFER: flashinfer_us, candidate.name: candidate_us},

@@ -108,14 +108,20 @@ class Estimator:
             return (int(hkv * (rows * s).sum()), int(len(lengths) + split.sum()),
                     int(hkv * (rows * s)[split].sum()))
         if route.name == ROUTE_WORKQUEUE:
-            tiles = -(-lens // TILE_TOKENS)
+            tiles = (lens + (TILE_TOKENS - 1)) // TILE_TOKENS
             policy = route.split_policy
             if policy.kind == "fixed":
-                requested = np.minimum(tiles, policy.num_splits)
-            else:
-                target = policy.target_ctas or len(tiles) * hkv * policy.num_splits
-                per_task = max(policy.min_tiles_per_split, -(-int(tiles.sum()) * hkv // target))
-                requested = np.minimum(np.maximum(-(-tiles // per_task), 1), policy.max_splits)
+                # The fixed rule in fewer array operations (each costs about a microsecond at any
+                # length, and this runs on every decode step): a row of n tiles gets
+                # ceil(n / ceil(n / S)) splits, which is n where n <= S, as min(n, S) gives.
+                per_split = (tiles + (policy.num_splits - 1)) // policy.num_splits
+                splits = (tiles + (per_split - 1)) // per_split
+                total = int(splits.sum())
+                merged_rows = total - int(np.count_nonzero(splits == 1))  # single-split rows need no merge
+                return hkv * total, 2 if merged_rows else 1, hkv * merged_rows
+            target = policy.target_ctas or len(tiles) * hkv * policy.num_splits
+            per_task = max(policy.min_tiles_per_split, -(-int(tiles.sum()) * hkv // target))
+            requested = np.minimum(np.maximum(-(-tiles // per_task), 1), policy.max_splits)
             splits = -(-tiles // -(-tiles // requested))
             merged_rows = int(splits[splits > 1].sum())
             return hkv * int(splits.sum()), 2 if merged_rows else 1, hkv * merged_rows
@@ -148,11 +154,13 @@ class Estimator:
         return (total_tokens(lens) * self._bytes_per_token / self._bytes_per_us, ctas / self.calib.num_sms, launches,
                 merged * self._bytes_per_slot / self._bytes_per_us)
 
-    def total_us(self, lens: list[int], route: StepRoute) -> float:
-        """T_r, host planning included: what the route policy compares on every step."""
+    def total_us(self, lens: list[int], route: StepRoute, tokens: int | None = None) -> float:
+        """T_r, host planning included: what the route policy compares on every step. ``tokens``
+        is total_tokens(lens) where the caller has it (it estimates two routes per step)."""
         ctas, launches, merged = self.counts(lens, route)
         occupancy = max(1.0, self._occupancy_ctas / ctas)
-        return (total_tokens(lens) * self._us_per_token * occupancy + launches * self.calib.lambda_us
+        tokens = total_tokens(lens) if tokens is None else tokens
+        return (tokens * self._us_per_token * occupancy + launches * self.calib.lambda_us
                 + merged * self._us_per_slot + self.plan_us(route))
 
     def estimate(self, lens: list[int], route: StepRoute) -> RouteEstimate:
