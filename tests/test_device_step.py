@@ -195,3 +195,89 @@ def test_a_routes_merge_maps_to_the_device_steps():
     assert MERGES == (MERGE_LAUNCH, MERGE_FUSED)
     assert [device_merge(m) for m in (MERGE_LAUNCH, MERGE_FUSED, MERGE_CLUSTER)] == [MERGE_LAUNCH, MERGE_FUSED,
                                                                                       MERGE_LAUNCH]
+
+
+# ----------------------------------------------------------------- the whole step, ops in torch
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    """DeviceDecodeStep over the torch reference of its ops (tests/device_ops_reference.py)."""
+    from device_ops_reference import ReferenceOps
+
+    from pkv import ops
+
+    monkeypatch.setattr(ops, "load", ReferenceOps)
+
+
+def _cpu_step(lengths, seed, page=16):
+    import torch
+
+    from pkv.measure.kv_data import make_kv_pages, make_queries
+    from pkv.pipeline.step import build_step
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=16)
+    rng = np.random.default_rng(seed)
+    counts = [-(-n // page) for n in lengths]
+    pool = sum(counts) * 2 + 4
+    rows = np.split(rng.permutation(pool)[:sum(counts)].astype(np.int32), np.cumsum(counts)[:-1])
+    step = build_step(0, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), rows, page)
+    k, v = make_kv_pages(pool, shape, page, torch.float32, "cpu", seed)
+    q = make_queries(len(lengths), shape, torch.float32, "cpu", seed + 1)
+    return shape, step, q, k, v
+
+
+def _float64(step, q, k, v):
+    from pkv.engines.dense import dense_decode
+
+    return dense_decode(q.double(), k.double(), v.double(), step.seq_lens, step.block_table)
+
+
+@pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
+@pytest.mark.parametrize("merge", ["launch", "fused"])
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
+def test_the_device_step_matches_float64_with_its_ops_in_torch(reference_ops, planner, merge, page_lists):
+    """The device step's own logic end to end on the CPU: per-batch views reused across batch
+    sizes, each planner and merge, both page-table forms, edge lengths, poisoned outputs."""
+    import torch
+
+    from pkv.engines.device_step import DeviceDecodeStep
+    from pkv.page_table import PageLists
+
+    workspace = None
+    for trial, lengths in enumerate(([1, 15, 16, 17, 33, 100, 300], [64, 5], [1, 15, 16, 17, 33, 100, 300],
+                                     [1000, 31, 32, 65])):
+        shape, step, q, k, v = _cpu_step(lengths, seed=trial)
+        if workspace is None:
+            workspace = DeviceDecodeStep(shape, max_batch=8, num_splits=5, device="cpu", planner=planner,
+                                         merge=merge)
+        table = torch.from_numpy(step.block_table)
+        page_table = PageLists.from_step(step, "cpu") if page_lists else table
+        out = torch.full_like(q, float("nan"))
+        workspace.part_acc.fill_(float("nan"))
+        workspace.run(q, k, v, page_table, torch.from_numpy(step.seq_lens), out, host_lens=step.seq_lens)
+        torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)
+    assert sorted(workspace._views) == [2, 4, 7]  # one set of views per batch size, made once
+
+
+@pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
+def test_lengths_past_a_rows_pages_attend_over_the_pages_it_has(reference_ops, planner, page_lists):
+    """The clamp both planners share (csrc/split_decode.cuh row_length), through plan() and
+    decode(), which run without the eager length check as a graph replays them."""
+    import torch
+
+    from pkv.engines.device_step import DeviceDecodeStep
+    from pkv.page_table import PageLists
+
+    shape, step, q, k, v = _cpu_step([64, 48], seed=7)
+    table = torch.from_numpy(step.block_table)  # 4 pages a row: row 1's fourth entry is padding
+    page_table = PageLists.from_step(step, "cpu") if page_lists else table
+    workspace = DeviceDecodeStep(shape, max_batch=2, num_splits=3, device="cpu", planner=planner)
+    too_long = torch.tensor([10**6, 48 + (5 if page_lists else 0)], dtype=torch.int32)
+    workspace.plan(page_table, too_long, 16)
+    out = workspace.decode(q, k, v, page_table, too_long, torch.full_like(q, float("nan")))
+    torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="row 0 has length 1000000"):
+        workspace.run(q, k, v, page_table, too_long, torch.empty_like(q))

@@ -148,7 +148,7 @@ class DeviceDecodeStep:
         batch = self._check(q, page_table, seq_lens, out)
         # No host check while a graph is captured or torch.compile traces: both need the step
         # free of host synchronization (the debug check of GraphedDecodeStep runs on the device).
-        if not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
+        if not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
             check_lengths(seq_lens.cpu().numpy() if host_lens is None else host_lens,
                           host_row_pages(page_table, "DeviceDecodeStep"), k_pages.shape[2])
         views = self._batch_views(batch)
