@@ -47,10 +47,15 @@ cudaError_t dispatch_stages(int stages, F&& launch) {
 
 template <typename F>
 cudaError_t dispatch_group_size(int group_size, F&& launch) {
+  static_assert(kMaxGroupSize == 8, "one case per G");
   switch (group_size) {
     case 1: return launch(std::integral_constant<int, 1>{});
     case 2: return launch(std::integral_constant<int, 2>{});
+    case 3: return launch(std::integral_constant<int, 3>{});
     case 4: return launch(std::integral_constant<int, 4>{});
+    case 5: return launch(std::integral_constant<int, 5>{});
+    case 6: return launch(std::integral_constant<int, 6>{});
+    case 7: return launch(std::integral_constant<int, 7>{});
     case 8: return launch(std::integral_constant<int, 8>{});
     default: return cudaErrorInvalidValue;
   }

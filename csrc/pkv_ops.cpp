@@ -56,8 +56,8 @@ pkv::DecodeArgs make_core_args(const Tensor& q, const Tensor& k_pages, const Ten
               page_size);
   TORCH_CHECK(q.size(1) % num_kv_heads == 0, "pkv: Hq=", q.size(1), " is not a multiple of Hkv=", num_kv_heads);
   const int64_t group_size = q.size(1) / num_kv_heads;
-  TORCH_CHECK(group_size == 1 || group_size == 2 || group_size == 4 || group_size == 8,
-              "pkv: group size G = Hq / Hkv must be 1, 2, 4 or 8, got ", group_size);
+  TORCH_CHECK(group_size >= 1 && group_size <= pkv::kMaxGroupSize, "pkv: group size G = Hq / Hkv must be in 1..",
+              pkv::kMaxGroupSize, ", got ", group_size);
   check_cuda_tensor(out, "out", dtype);
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1, "pkv: out must be [B, Hq, d] like q, got ",
               out.sizes());

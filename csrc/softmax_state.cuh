@@ -12,7 +12,6 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kMergeThreads = 128;
 constexpr int kMergeSlotGroups = 4;  // slots are read by 4 groups of 32 threads, 4 dims (16 bytes) each
 constexpr int kMergeScratchFloats = 8 + 2 * kMaxMergeSlots + kMergeSlotGroups * kHeadDim;
-constexpr int kMaxGroupSize = 8;
 // merge_pair's shared memory: m (then the weight) of every (slot, head), two floats per head and
 // the completion flag; well inside the decode ring it reuses.
 constexpr int kPairMergeScratchFloats = kMaxMergeSlots * kMaxGroupSize + 2 * kMaxGroupSize + 1;

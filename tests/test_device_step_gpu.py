@@ -76,7 +76,7 @@ def test_device_plan_is_the_host_plan_longest_first(num_splits):
 
 @pytest.mark.parametrize("merge", ["launch", "fused"])
 @pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_device_planned_step_matches_float64(group, dtype, planner, merge):
     from pkv.engines.device_step import DeviceDecodeStep

@@ -244,6 +244,29 @@ def test_cluster_merge_matches_float64(route, group, dtype):
         assert torch.equal(native, out), (route, lengths, splits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [3, 5, 6, 7])
+def test_group_sizes_between_the_powers_of_two_match_float64(group, dtype):
+    """G = 3, 5, 6 and 7 (Llama 3.2 3B, Qwen 2.5's 5 and 7): the G heads fill the first rows of
+    the m16 tile like any G; every route, merge and ring depth, with poisoned outputs."""
+    from pkv.pipeline.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=4 * group, num_kv_heads=4, head_dim=128)
+    rng = np.random.default_rng(900 + group + 10 * (dtype == torch.bfloat16))
+    configs = [dict(route="workqueue", split_policy=SplitPolicy(num_splits=16)),
+               dict(route="workqueue", split_policy=SplitPolicy(num_splits=16), fused_merge=True),
+               dict(route="bucket_exact", bucket_num_splits=24, stages=3),
+               dict(route="bucket_masked", bucket_num_splits=8, fused_merge=True, stages=4)]
+    if torch.cuda.get_device_capability()[0] >= 9:
+        configs.append(dict(route="bucket_exact", bucket_num_splits=12, cluster_merge=True))
+    for trial, config in enumerate(configs):
+        lengths = list(rng.choice(EDGE_LENGTHS + [20000], size=int(rng.integers(1, 7))))
+        step, q, k, v = _case(lengths, shape, dtype, seed=3000 * group + trial)
+        _, out, _ = _run_poisoned(_engine(shape, **config), step, q, k, v)
+        _check(out, _dense(step, q, k, v), dtype)
+
+
 def test_cluster_merge_cuda_graph_replay():
     from pkv.shape import ModelShape
 
