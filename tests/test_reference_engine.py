@@ -45,7 +45,7 @@ def engine(shape, route, splits):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("group_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("group_size", [1, 2, 4, 5, 7, 8])
 def test_float64_matches_dense_on_edge_lengths(route, group_size, inputs):
     shape = ModelShape(num_qo_heads=2 * group_size, num_kv_heads=2, head_dim=32)
     step, q, k, v = inputs(EDGE_LENS, shape, torch.float64, seed=group_size)
