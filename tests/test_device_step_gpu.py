@@ -137,6 +137,11 @@ def test_graph_replays_for_lengths_other_than_the_captured_ones(planner):
     # with rows that need more splits than any captured row and rows of a single tile.
     batches = [[20000, 3000, 17, 65536, 4097, 1, 900, 12000], [1, 1, 1, 1, 1, 1, 1, 1],
                [65536] * 8, [33, 65, 4097, 20000, 31, 32, 16, 60000], [20000, 3000, 17, 65536, 4097, 1, 900, 12000]]
+    # Then 20 fresh random sets from the edges: a page either side, the split boundaries of 24
+    # splits of 32-token tiles, and the table's maximum (with holes: _tables draws each step's
+    # pages at random from the 40,000 of the pool).
+    edge = EDGE_LENGTHS + [24 * 32 - 1, 24 * 32, 24 * 32 + 1, max_pages * PAGE]
+    batches += [[int(x) for x in rng.choice(edge, size=8)] for _ in range(20)]
     for trial, lengths in enumerate(batches):
         step, table, lens = _tables(lengths, 40000, max_pages, rng)
         q = make_queries(8, shape, dtype, "cuda", seed=100 + trial)
