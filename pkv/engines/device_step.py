@@ -129,12 +129,12 @@ class DeviceDecodeStep:
             raise ValueError(f"DeviceDecodeStep.plan: seq_lens must be int32 [1..{self.max_batch}] on {self.device}, "
                              f"got {seq_lens.dtype} {tuple(seq_lens.shape)} on {seq_lens.device}")
         check_page_table(page_table, batch, self.device, "DeviceDecodeStep.plan")
-        self._launch_plan(self._batch_views(batch), page_table, seq_lens, page_size)
+        self._launch_plan(self._batch_views(batch), *kernel_operands(page_table), seq_lens, page_size)
 
     def decode(self, q, k_pages, v_pages, page_table, seq_lens, out) -> torch.Tensor:
         """Decode into ``out`` with the last ``plan`` (of this batch size); returns ``out``."""
         views = self._batch_views(self._check(q, page_table, seq_lens, out))
-        return self._launch_decode(views, q, k_pages, v_pages, page_table, seq_lens, out)
+        return self._launch_decode(views, q, k_pages, v_pages, *kernel_operands(page_table), seq_lens, out)
 
     def run(self, q, k_pages, v_pages, page_table, seq_lens, out, host_lens=None) -> torch.Tensor:
         """Plan on the GPU and decode into ``out``; returns ``out``. ``page_table`` is a block
@@ -152,8 +152,9 @@ class DeviceDecodeStep:
             check_lengths(seq_lens.cpu().numpy() if host_lens is None else host_lens,
                           host_row_pages(page_table, "DeviceDecodeStep"), k_pages.shape[2])
         views = self._batch_views(batch)
-        self._launch_plan(views, page_table, seq_lens, k_pages.shape[2])
-        return self._launch_decode(views, q, k_pages, v_pages, page_table, seq_lens, out)
+        table, page_indptr = kernel_operands(page_table)
+        self._launch_plan(views, table, page_indptr, seq_lens, k_pages.shape[2])
+        return self._launch_decode(views, q, k_pages, v_pages, table, page_indptr, seq_lens, out)
 
     # The launches, after the checks of the public calls (each input checked once per call).
     def _batch_views(self, batch: int) -> "_BatchViews":
@@ -171,18 +172,18 @@ class DeviceDecodeStep:
                 self._views[batch] = views
         return views
 
-    def _launch_plan(self, views: "_BatchViews", page_table, seq_lens, page_size: int) -> None:
+    # `table` and `page_indptr` are the page table as the ops take it (pkv.page_table.kernel_operands).
+    def _launch_plan(self, views: "_BatchViews", table, page_indptr, seq_lens, page_size: int) -> None:
         if self.planner == "in_decode":
             return  # the decode CTAs plan their own splits
-        _, page_indptr = kernel_operands(page_table)
         # A block table clamps every row to its width; page lists clamp each row to its own list.
-        width_tokens = 2**31 - 1 if page_indptr is not None else page_table.shape[1] * int(page_size)
+        width_tokens = 2**31 - 1 if page_indptr is not None else table.shape[1] * int(page_size)
         self.ops.plan_workqueue_on_device(seq_lens, self.shape.num_kv_heads, self.num_splits,
                                           min(width_tokens, 2**31 - 1), views.tasks, views.split_offsets,
                                           self.counts, page_indptr, int(page_size))
 
-    def _launch_decode(self, views: "_BatchViews", q, k_pages, v_pages, page_table, seq_lens, out) -> torch.Tensor:
-        table, page_indptr = kernel_operands(page_table)
+    def _launch_decode(self, views: "_BatchViews", q, k_pages, v_pages, table, page_indptr, seq_lens,
+                       out) -> torch.Tensor:
         counters = views.pair_counters if self.merge == MERGE_FUSED else None
         if self.planner == "plan_kernel":
             self.ops.run_workqueue_planned_on_device(q, k_pages, v_pages, table, seq_lens, views.tasks,
