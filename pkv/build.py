@@ -166,18 +166,31 @@ def ensure_host_built(verbose: bool = False) -> Path:
 
 
 def check_compile(arches: tuple[str, ...] = ("90a", "80")) -> list[str]:
-    """Compile every kernel source with nvcc (no GPU, no torch) so a broken kernel fails CI."""
+    """Compile every kernel source with nvcc (no GPU, no torch) so a broken kernel fails CI, then
+    link the first arch's objects into one library and refuse any project symbol left undefined
+    (a launcher declared in one file and instantiated in none would otherwise fail only when the
+    GPU machine loads the extension)."""
     nvcc = nvcc_path()
     done = []
     with tempfile.TemporaryDirectory() as tmp:
         for source in sorted(CSRC.glob("*.cu")):
             for arch in arches:
-                cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-c", str(source),
-                       "-o", str(Path(tmp) / f"{source.stem}.{arch}.o")]
+                cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xcompiler", "-fPIC",
+                       "-c", str(source), "-o", str(Path(tmp) / f"{source.stem}.{arch}.o")]
                 result = subprocess.run(cmd, capture_output=True, text=True)
                 if result.returncode != 0:
                     raise RuntimeError(f"nvcc failed on {source.name} for sm_{arch}:\n{result.stderr}")
                 done.append(f"{source.name}:sm_{arch}")
+        library = Path(tmp) / "kernels.so"
+        objects = sorted(str(o) for o in Path(tmp).glob(f"*.{arches[0]}.o"))
+        result = subprocess.run([nvcc, "-shared", "-o", str(library), *objects], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"the kernel objects do not link:\n{result.stderr}")
+        symbols = subprocess.run(["nm", "-C", "-u", str(library)], capture_output=True, text=True, check=True)
+        undefined = [line.split(None, 1)[-1] for line in symbols.stdout.splitlines() if "pkv::" in line]
+        if undefined:
+            raise RuntimeError("the kernel objects leave project symbols undefined:\n" + "\n".join(undefined))
+        done.append(f"kernels linked:sm_{arches[0]}")
     return done
 
 
