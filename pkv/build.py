@@ -165,7 +165,11 @@ def ensure_host_built(verbose: bool = False) -> Path:
                                                         with_cuda=False))
 
 
-def check_compile(arches: tuple[str, ...] = ("90a", "80")) -> list[str]:
+# The compile check's targets: Hopper and Ampere datacenter parts, and sm_86 (the paper's RTX 3060).
+CHECK_ARCHES = ("90a", "80", "86")
+
+
+def check_compile(arches: tuple[str, ...] = CHECK_ARCHES) -> list[str]:
     """Compile every kernel source with nvcc (no GPU, no torch) so a broken kernel fails CI, then
     link the first arch's objects into one library and refuse any project symbol left undefined
     (a launcher declared in one file and instantiated in none would otherwise fail only when the

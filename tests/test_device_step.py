@@ -281,3 +281,21 @@ def test_lengths_past_a_rows_pages_attend_over_the_pages_it_has(reference_ops, p
     torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="row 0 has length 1000000"):
         workspace.run(q, k, v, page_table, too_long, torch.empty_like(q))
+
+
+def test_ring_depths_follow_the_gpus_shared_memory(monkeypatch):
+    """stages=4 takes 128 KB a CTA: an H200 (227 KB) runs every depth, a GPU that gives a CTA 99 KB
+    (the paper's RTX 3060) only 2 and 3, and a sweep on it leaves 4 out."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pkv.engines import persistentkv
+    from pkv.measure.kernel_bench import device_step_configs, persistentkv_configs
+
+    for optin, per_sm, depths in ((232448, 233472, (2, 3, 4)), (101376, 102400, (2, 3)), (0, 102400, (2, 3))):
+        props = SimpleNamespace(shared_memory_per_block_optin=optin, shared_memory_per_multiprocessor=per_sm)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
+        assert persistentkv.ring_stages_for("cuda") == depths
+    assert {stages for *_, stages in persistentkv_configs(8, 28, ring_stages=(2, 3))} == {2, 3}
+    assert {stages for *_, stages in device_step_configs(1, ring_stages=(2, 3))} == {2, 3}

@@ -22,6 +22,19 @@ from pkv.policy.route import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUC
 # specification it is tested against (and the path to compare host time with).
 PLANNERS = ("native", "numpy")
 RING_STAGES = (2, 3, 4)  # cp.async ring depths the decode kernels are built for (csrc/launch_impl.cuh)
+# Shared memory of one ring stage a CTA (csrc/split_decode.cuh, decode_smem_bytes): 4 warps, each
+# a 16-token chunk of K and of V, d = 128 elements of 2 bytes.
+RING_STAGE_SMEM_BYTES = 4 * 16 * 2 * 128 * 2
+
+
+def ring_stages_for(device) -> tuple[int, ...]:
+    """The ring depths whose shared memory one CTA of this GPU may opt into: all three on an A100
+    or an H100/H200, 2 and 3 on GPUs that give a CTA 99 KB (the RTX 3060 of the paper, RTX 40xx,
+    L4, L40S)."""
+    props = torch.cuda.get_device_properties(device)
+    # A CTA may opt into the SM's shared memory less the 1 KB the driver keeps (Ampere and later).
+    limit = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_multiprocessor - 1024
+    return tuple(s for s in RING_STAGES if s * RING_STAGE_SMEM_BYTES <= limit)
 MAX_MERGE_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
 # The route's merge kind as run_plan's merge_kind code (csrc/step_plan.h).
 _MERGE_CODES = {MERGE_LAUNCH: ops.MERGE_LAUNCH, MERGE_FUSED: ops.MERGE_FUSED, MERGE_CLUSTER: ops.MERGE_CLUSTER}
@@ -150,6 +163,9 @@ class PersistentKVEngine(Engine):
         if stages not in RING_STAGES:
             raise ValueError(f"persistentkv stages must be one of {RING_STAGES}, got {stages!r}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and stages not in ring_stages_for(self.device):
+            raise ValueError(f"persistentkv stages={stages} needs {stages * RING_STAGE_SMEM_BYTES // 1024} KB of "
+                             f"shared memory a CTA; this GPU allows ring depths {ring_stages_for(self.device)}")
         # On the CPU the engine plans (tests read its packed plans back) but cannot run.
         self.ops = ops.load() if self.device.type == "cuda" else ops.load_planner()
         self.shape = shape

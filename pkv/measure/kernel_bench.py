@@ -28,7 +28,7 @@ from pkv.engines import ENGINE_NAMES, EngineUnavailable, build_engine
 from pkv.engines.dense import dense_decode
 from pkv.engines.device_step import MERGES, PLANNERS, DeviceDecodeStep
 from pkv.engines.flashinfer import BEST_OF_ROLES
-from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine
+from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine, ring_stages_for
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.harness import REF_REL_LIMIT
 from pkv.measure.kv_data import make_kv_pages, make_queries, stored_nhd
@@ -74,12 +74,13 @@ def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
     return nbytes / (stats.median_us * 1e-6) / 1e9
 
 
-def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False):
-    """(label, StepRoute, ring stages) of the sweep; clusters adds the cluster merge (sm_90+)."""
+def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False, ring_stages=RING_STAGES):
+    """(label, StepRoute, ring stages) of the sweep; clusters adds the cluster merge (sm_90+);
+    ring_stages are the depths this GPU's shared memory allows (ring_stages_for)."""
     def merge_of(fused: bool) -> str:
         return MERGE_FUSED if fused else MERGE_LAUNCH
 
-    for stages in RING_STAGES:
+    for stages in ring_stages:
         if batch == 1:
             for s in B1_SPLITS:
                 for fused in (False, True):
@@ -101,10 +102,10 @@ def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False):
             yield f"balanced:{waves}w:st{stages}", route, stages
 
 
-def device_step_configs(batch: int):
+def device_step_configs(batch: int, ring_stages=RING_STAGES):
     """(label, planner, merge, split count, ring stages) of the device-planned sweep: the split
     counts of the host-planned sweep's fixed rule, each planner and merge."""
-    for stages in RING_STAGES:
+    for stages in ring_stages:
         for planner in PLANNERS:
             for merge in MERGES:
                 for s in (B1_SPLITS if batch == 1 else WORKQUEUE_SPLITS):
@@ -116,7 +117,7 @@ def sweep_device_step(name, step, q, k, v, shape, flusher, reps, errors) -> tupl
     table = torch.from_numpy(step.block_table).to(q.device)
     lens = torch.from_numpy(step.seq_lens).to(q.device)
     sweep, best = {}, (None, None)
-    for label, planner, merge, splits, stages in device_step_configs(step.batch_size):
+    for label, planner, merge, splits, stages in device_step_configs(step.batch_size, ring_stages_for(q.device)):
         workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, num_splits=splits, device=q.device,
                                      stages=stages, planner=planner, merge=merge)
         out = torch.empty_like(q)
@@ -215,7 +216,7 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layo
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     clusters = torch.cuda.get_device_capability(0)[0] >= 9
     best_label, best_engine, best_plan = None, None, None
-    for label, route, stages in persistentkv_configs(len(seq_lens), num_sms, clusters):
+    for label, route, stages in persistentkv_configs(len(seq_lens), num_sms, clusters, ring_stages_for(device)):
         engine = _engine(shape, route, stages)
         plan = engine.plan(step)
         # Every configuration is checked before it is timed: a fast wrong one must not win.
@@ -236,7 +237,8 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layo
     breakdown = None
     if len(seq_lens) == 1:
         unfused = min((label for label in sweep if label.startswith("bucket:")), key=sweep.get)
-        route, stages = {label: (r, st) for label, r, st in persistentkv_configs(1, num_sms)}[unfused]
+        route, stages = {label: (r, st) for label, r, st in persistentkv_configs(1, num_sms, False,
+                                                                                   ring_stages_for(device))}[unfused]
         engine = _engine(shape, route, stages)
         breakdown = dict(config=unfused, **b1_breakdown(engine, engine.plan(step), q, pk, pv, flusher, reps))
     fi_label = min((label for label in BEST_OF_ROLES if "median_us" in rows[label]),
