@@ -32,7 +32,8 @@ from pkv.refusal import exit_on_refusal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CSRC = REPO_ROOT / "csrc"
-KERNEL_SOURCES = ("launch.cu", "launch_fp16.cu", "launch_bf16.cu", "step_executor.cu", "device_plan.cu")
+KERNEL_SOURCES = ("launch.cu", "launch_fp16_g1to4.cu", "launch_fp16_g5to8.cu", "launch_bf16_g1to4.cu",
+                  "launch_bf16_g5to8.cu", "step_executor.cu", "device_plan.cu")
 BINDING_SOURCE = "pkv_ops.cpp"
 LIBRARY_NAME = "pkv_ext"
 # The step planner: part of the CUDA extension, and on its own a CPU-only library where there is

@@ -1,0 +1,10 @@
+// bf16 launchers for G = 5..8: one file per dtype and half of the group sizes, so the
+// four compile in parallel.
+#include "launch_impl.cuh"
+
+namespace pkv {
+PKV_INSTANTIATE_LAUNCHERS(__nv_bfloat16, 5)
+PKV_INSTANTIATE_LAUNCHERS(__nv_bfloat16, 6)
+PKV_INSTANTIATE_LAUNCHERS(__nv_bfloat16, 7)
+PKV_INSTANTIATE_LAUNCHERS(__nv_bfloat16, 8)
+}

@@ -1,6 +1,0 @@
-// fp16 instantiations (one file per dtype so the two compile in parallel).
-#include "launch_impl.cuh"
-
-namespace pkv {
-PKV_INSTANTIATE_LAUNCHERS(__half)
-}
