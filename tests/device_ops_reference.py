@@ -124,3 +124,33 @@ class ReferenceOps:
                 pair = r * num_kv_heads + kvh
                 _merge(part_m, part_l, part_acc, slice(pair * num_splits, (pair + 1) * num_splits),
                        out[row, kvh * group:(kvh + 1) * group], out.dtype)
+
+
+class RecordedGraph:
+    """A CUDA graph stand-in for the CPU: what the ops do while it captures is kept and done again
+    on each replay, over the same (static) tensors, as a CUDA graph replays its kernels."""
+
+    capturing: list | None = None  # the calls of the graph being captured
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def replay(self) -> None:
+        for op, args, kwargs in self.calls:
+            op(*args, **kwargs)
+
+
+class RecordingOps(ReferenceOps):
+    """ReferenceOps whose calls a RecordedGraph keeps while it captures."""
+
+    def __getattribute__(self, name):
+        attr = super().__getattribute__(name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            if RecordedGraph.capturing is not None:
+                RecordedGraph.capturing.append((attr, args, kwargs))
+            return attr(*args, **kwargs)
+
+        return call

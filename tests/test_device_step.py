@@ -299,3 +299,83 @@ def test_ring_depths_follow_the_gpus_shared_memory(monkeypatch):
         assert persistentkv.ring_stages_for("cuda") == depths
     assert {stages for *_, stages in persistentkv_configs(8, 28, ring_stages=(2, 3))} == {2, 3}
     assert {stages for *_, stages in device_step_configs(1, ring_stages=(2, 3))} == {2, 3}
+
+
+@pytest.fixture
+def recorded_graphs(monkeypatch, reference_ops):
+    """CUDA graphs on the CPU: capture keeps the reference ops' calls and replay does them again
+    (tests/device_ops_reference.py, RecordedGraph), so the routed graphs run end to end here."""
+    import contextlib
+
+    import torch
+    from device_ops_reference import RecordedGraph, RecordingOps
+
+    from pkv import ops
+
+    @contextlib.contextmanager
+    def graph(recorded, *args, **kwargs):
+        RecordedGraph.capturing = recorded.calls
+        try:
+            yield
+        finally:
+            RecordedGraph.capturing = None
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(ops, "load", RecordingOps)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Stream())
+
+
+@pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
+@pytest.mark.parametrize("merge", ["launch", "fused"])
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
+def test_routed_graphs_replay_fresh_lengths_on_the_cpu(recorded_graphs, planner, merge, page_lists):
+    """RoutedGraphStep end to end: one graph per bucket and split count, captured at the first
+    step of the bucket and replayed for others with padding rows (length 0, empty page lists),
+    against float64."""
+    import torch
+
+    from pkv.engines.routed_graphs import RoutedGraphStep
+    from pkv.measure.kv_data import make_kv_pages, make_queries
+    from pkv.pipeline.step import build_step
+    from pkv.policy.choose import PinnedRoutePolicy
+    from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=16)
+    pool, page, max_pages = 200, 16, 32
+    k, v = make_kv_pages(pool, shape, page, torch.float32, "cpu", seed=3)
+    routed = RoutedGraphStep(PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, 5, merge=merge)), shape, k, v,
+                             max_pages=max_pages, batch_buckets=(2, 4), planner=planner, page_lists=page_lists,
+                             debug_checks=True)
+    rng = np.random.default_rng(4)
+    for trial, lengths in enumerate(([300, 17], [1, 64, 33], [500, 1, 16, 40], [7], [200, 300, 2], [33, 512])):
+        counts = [-(-n // page) for n in lengths]
+        rows = np.split(rng.permutation(pool)[:sum(counts)].astype(np.int32), np.cumsum(counts)[:-1])
+        step = build_step(trial, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), rows, page)
+        q = make_queries(len(lengths), shape, torch.float32, "cpu", seed=10 + trial)
+        buffers = routed.buffers(len(lengths))
+        buffers.q.copy_(q)
+        if page_lists:
+            buffers.page_lists.indptr.copy_(torch.from_numpy(step.kv_indptr))
+            buffers.page_lists.indices[:step.kv_indices.size].copy_(torch.from_numpy(step.kv_indices))
+            host_table = (step.kv_indptr, step.kv_indices)
+        else:
+            buffers.block_table.zero_()
+            buffers.block_table[:, :step.block_table.shape[1]].copy_(torch.from_numpy(step.block_table))
+            host_table = step.block_table
+        buffers.seq_lens.copy_(torch.from_numpy(step.seq_lens))
+        buffers.out.fill_(float("nan"))
+        out = routed.run(step.seq_lens, host_table=host_table)
+        assert out.shape[0] == len(lengths)
+        torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)
+    graphed = routed._persistent[(5, merge)]
+    assert len(graphed._graphs) == 2  # one per bucket, replayed for every later step of it
+    with pytest.raises(ValueError, match="row 0 has length 600"):
+        routed.run(np.array([600]), host_table=host_table if not page_lists else (np.array([0, 2]), np.arange(2)))
