@@ -379,3 +379,36 @@ def test_routed_graphs_replay_fresh_lengths_on_the_cpu(recorded_graphs, planner,
     assert len(graphed._graphs) == 2  # one per bucket, replayed for every later step of it
     with pytest.raises(ValueError, match="row 0 has length 600"):
         routed.run(np.array([600]), host_table=host_table if not page_lists else (np.array([0, 2]), np.arange(2)))
+
+
+@pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
+def test_graphed_step_copies_each_step_into_its_own_buffers_on_the_cpu(recorded_graphs, page_lists):
+    """GraphedDecodeStep.run: one graph for the batch size, each step copied into its static
+    buffers (a block table narrower than the graph's, or page lists inside a longer flat buffer
+    of which only indptr's span is copied), against float64."""
+    import torch
+
+    from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
+    from pkv.measure.kv_data import make_kv_pages, make_queries
+    from pkv.page_table import PageLists
+    from pkv.pipeline.step import build_step
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=16)
+    pool, page = 120, 16
+    k, v = make_kv_pages(pool, shape, page, torch.float32, "cpu", seed=5)
+    graphed = GraphedDecodeStep(DeviceDecodeStep(shape, max_batch=3, num_splits=4, device="cpu"), k, v, 32)
+    rng = np.random.default_rng(6)
+    for trial, lengths in enumerate(([100, 1, 40], [512, 17, 16], [3, 3, 300])):
+        counts = [-(-n // page) for n in lengths]
+        rows = np.split(rng.permutation(pool)[:sum(counts)].astype(np.int32), np.cumsum(counts)[:-1])
+        step = build_step(trial, np.arange(3), np.asarray(lengths, dtype=np.int32), rows, page)
+        q = make_queries(3, shape, torch.float32, "cpu", seed=20 + trial)
+        if page_lists:  # a pool-sized flat buffer: more entries than the graph holds, the step's first
+            flat = np.concatenate((step.kv_indices, rng.integers(0, pool, size=200))).astype(np.int32)
+            page_table = PageLists(torch.from_numpy(step.kv_indptr), torch.from_numpy(flat), step.kv_indptr)
+        else:
+            page_table = torch.from_numpy(step.block_table)
+        out = graphed.run(q, page_table, torch.from_numpy(step.seq_lens))
+        torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)
+    assert list(graphed._graphs) == [(3, page_lists)]
