@@ -185,6 +185,9 @@ void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages
               "pkv: partial-state buffers hold ", part_m.size(0), " slots, the launch needs ",
               num_rows * args.num_kv_heads * num_splits);
   int32_t* counters = num_splits > 1 ? pair_counters_of(pair_counters, num_rows * args.num_kv_heads) : nullptr;
+  // The fused merge keeps a weight per (split, head) in shared memory, as the merge launch does.
+  TORCH_CHECK(counters == nullptr || num_splits <= pkv::kMaxMergeSlots, "pkv: the fused merge takes at most ",
+              pkv::kMaxMergeSlots, " splits, got num_splits=", num_splits);
   check_launch(pkv::launch_bucket_decode(args, row_indices.data_ptr<int32_t>(), static_cast<int>(num_rows),
                                          static_cast<int>(num_splits), counters, stream, live_splits_only),
                "bucket_decode");

@@ -297,6 +297,8 @@ def test_ring_depths_follow_the_gpus_shared_memory(monkeypatch):
         props = SimpleNamespace(shared_memory_per_block_optin=optin, shared_memory_per_multiprocessor=per_sm)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
         assert persistentkv.ring_stages_for("cuda") == depths
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace())
+    assert persistentkv.ring_stages_for("cuda") == (2, 3, 4)  # a torch that reports neither: all depths
     assert {stages for *_, stages in persistentkv_configs(8, 28, ring_stages=(2, 3))} == {2, 3}
     assert {stages for *_, stages in device_step_configs(1, ring_stages=(2, 3))} == {2, 3}
 

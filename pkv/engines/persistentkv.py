@@ -33,7 +33,11 @@ def ring_stages_for(device) -> tuple[int, ...]:
     L4, L40S)."""
     props = torch.cuda.get_device_properties(device)
     # A CTA may opt into the SM's shared memory less the 1 KB the driver keeps (Ampere and later).
-    limit = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_multiprocessor - 1024
+    limit = getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_multiprocessor", 0)
+    if not limit:  # a torch that reports neither: every depth, and the launch names any that fails
+        return RING_STAGES
+    if not getattr(props, "shared_memory_per_block_optin", 0):
+        limit -= 1024
     return tuple(s for s in RING_STAGES if s * RING_STAGE_SMEM_BYTES <= limit)
 MAX_MERGE_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
 # The route's merge kind as run_plan's merge_kind code (csrc/step_plan.h).
