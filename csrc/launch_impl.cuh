@@ -1,6 +1,8 @@
 // Typed launchers of one dtype and one G: grid shapes, the ring-depth dispatch and the dynamic
 // shared-memory opt-in.
 #pragma once
+#include <atomic>
+
 #include <cuda_runtime.h>
 
 #include "merge_states.cuh"
@@ -9,12 +11,27 @@
 
 namespace pkv {
 
-// Raises a decode kernel's dynamic shared-memory limit (48 KB is the default cap), once per
-// instantiation: the template parameter is the kernel itself, so each (dtype, G, route) has its own flag.
+// Sets a kernel's function attribute once per device: the template parameters are the kernel,
+// the attribute and its value, so each (dtype, G, route, attribute) has its own flags, and a
+// process that launches on several GPUs sets it on each (an attribute holds for the device that
+// was current when it was set).
+constexpr int kMaxAttributeDevices = 64;
+template <auto Kernel, cudaFuncAttribute Attribute, int Value>
+cudaError_t set_attribute_once() {
+  static std::atomic<bool> done[kMaxAttributeDevices];
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const bool tracked = device >= 0 && device < kMaxAttributeDevices;
+  if (tracked && done[device].load(std::memory_order_relaxed)) return cudaSuccess;
+  const cudaError_t status = cudaFuncSetAttribute(Kernel, Attribute, Value);
+  if (status == cudaSuccess && tracked) done[device].store(true, std::memory_order_relaxed);
+  return status;
+}
+
+// Raises a decode kernel's dynamic shared-memory limit (48 KB is the default cap).
 template <auto Kernel, int Bytes>
 cudaError_t allow_decode_smem() {
-  static const cudaError_t status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Bytes);
-  return status;
+  return set_attribute_once<Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Bytes>();
 }
 
 // The configuration of a launch that may start while the previous grid on its stream drains
@@ -62,8 +79,7 @@ cudaError_t bucket_decode_typed(const DecodeArgs& args, const int32_t* row_indic
 // Clusters of more than 8 CTAs are outside the portable size: each kernel opts in once.
 template <auto Kernel>
 cudaError_t allow_large_clusters() {
-  static const cudaError_t status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  return status;
+  return set_attribute_once<Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1>();
 }
 
 template <typename T, int G>
