@@ -66,10 +66,15 @@ def host_row_pages(table, where: str = "page_table") -> int | np.ndarray:
     Page lists whose indptr would send a row outside ``indices`` are refused, naming the row."""
     if not isinstance(table, PageLists):
         return int(table.shape[1])
-    indptr = np.asarray(table.host_indptr if table.host_indptr is not None else table.indptr.cpu().numpy(),
-                        dtype=np.int64)
+    indptr = table.host_indptr if table.host_indptr is not None else table.indptr.cpu().numpy()
+    return list_lengths(indptr, int(table.indices.shape[0]), where)
+
+
+def list_lengths(indptr, entries: int, where: str = "page_table") -> np.ndarray:
+    """Each row's page-list length from a host indptr over ``entries`` flat entries; an indptr that
+    would send a row outside them is refused, naming the row."""
+    indptr = np.asarray(indptr, dtype=np.int64)
     counts = np.diff(indptr)
-    entries = int(table.indices.shape[0])
     if indptr[0] < 0 or indptr[-1] > entries or (counts < 0).any():
         bad = np.flatnonzero((indptr[1:] < indptr[:-1]) | (indptr[1:] > entries) | (indptr[:-1] < 0))
         row = int(bad[0]) if bad.size else 0
@@ -77,6 +82,15 @@ def host_row_pages(table, where: str = "page_table") -> int | np.ndarray:
                          f"indices; row {row} spans indptr[{row}]={int(indptr[row])} .. "
                          f"indptr[{row + 1}]={int(indptr[row + 1])}")
     return counts
+
+
+def host_row_entries(host_table, row: int, count: int) -> np.ndarray:
+    """The first ``count`` page ids of a row from a host page table: a block table, or page lists
+    as the pair (indptr, indices)."""
+    if isinstance(host_table, tuple):
+        indptr, indices = host_table
+        return np.asarray(indices[int(indptr[row]):int(indptr[row]) + count], dtype=np.int32)
+    return np.asarray(host_table[row, :count], dtype=np.int32)
 
 
 def device_token_limits(table, page_size: int) -> torch.Tensor | int:

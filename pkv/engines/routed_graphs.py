@@ -30,7 +30,7 @@ import torch
 from pkv.engines.device_step import (DEFAULT_PLANNER, PLANNERS, DeviceDecodeStep, GraphedDecodeStep, check_lengths,
                                      device_merge)
 from pkv.engines.flashinfer import FlashInferGraphDecode
-from pkv.page_table import PageLists
+from pkv.page_table import PageLists, host_row_entries, list_lengths
 from pkv.policy.route import ROUTE_FLASHINFER
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -53,15 +53,6 @@ class ListStepBuffers(NamedTuple):
     page_lists: PageLists  # indptr int32 [bucket + 1], indices int32 [bucket * max_pages]
     seq_lens: torch.Tensor  # int32 [bucket]
     out: torch.Tensor  # [bucket, Hq, d]
-
-
-def _host_row_pages(host_table, row: int, count: int) -> np.ndarray:
-    """The first ``count`` pages of a row from the host page table: a block table, or (indptr,
-    indices) page lists."""
-    if isinstance(host_table, tuple):
-        indptr, indices = host_table
-        return np.asarray(indices[int(indptr[row]):int(indptr[row]) + count], dtype=np.int32)
-    return np.asarray(host_table[row, :count], dtype=np.int32)
 
 
 class _HostLengths:
@@ -90,7 +81,7 @@ class _FlashInferGraphPath:
         last = np.ones(self.bucket, dtype=np.int32)
         last[:batch] = np.where(lens > 0, lens - (pages[:batch] - 1) * page, 1)
         table = host_table if isinstance(host_table, tuple) else np.asarray(host_table)
-        indices = np.concatenate([_host_row_pages(table, row, int(pages[row])) for row in range(batch)]
+        indices = np.concatenate([host_row_entries(table, row, int(pages[row])) for row in range(batch)]
                                  + [np.zeros(self.bucket - batch, dtype=np.int32)])
         self.decode.plan(np.concatenate(([0], np.cumsum(pages))), indices, last, q_dtype, kv_dtype)
 
@@ -170,7 +161,8 @@ class RoutedGraphStep:
         if self.debug_checks:  # the host holds the lengths: no device check and no synchronization needed
             if self.page_lists and host_table is None:
                 raise ValueError("RoutedGraphStep.run: debug_checks with page lists need host_table=(indptr, indices)")
-            row_pages = np.diff(np.asarray(host_table[0], dtype=np.int64)) if self.page_lists else self.max_pages
+            row_pages = (list_lengths(host_table[0], len(host_table[1]), "RoutedGraphStep") if self.page_lists
+                         else self.max_pages)
             check_lengths(host_lens, row_pages, self.page_size, "RoutedGraphStep")
         if batch < self._last_batch[bucket]:
             full.seq_lens[batch:].zero_()  # padding rows: length 0, no task, output never read
