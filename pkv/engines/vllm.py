@@ -37,12 +37,6 @@ def _cuda_device(device, what: str) -> torch.device:
     return device
 
 
-def _check_auto_kv_dtype(q, k_pages, what: str) -> None:
-    # vLLM's kv_cache_dtype "auto": the cache holds the model's dtype, the query's (the paged
-    # kernels reinterpret the cache as q's dtype; the Triton kernel would cast it).
-    if q.dtype != k_pages.dtype:
-        raise ValueError(f"{what} reads the pages in q's dtype {q.dtype} (kv_cache_dtype 'auto'), "
-                         f"got {k_pages.dtype} pages")
 
 
 class _ConvertedCache:
@@ -86,7 +80,27 @@ def _triton_layout(k_pages, v_pages):
     return kv[..., :dim], kv[..., dim:]
 
 
-class VllmEngine(Engine):
+class _VllmEngine(Engine):
+    """What both vLLM rows share: vLLM's layout of the shared pages, made once per KV tensor
+    (``self._convert``, in ``prepare``, untimed), and the inputs of a step checked against it."""
+
+    _what: str  # the row's kernel, for error messages
+
+    def prepare(self, step, q, k_pages, v_pages) -> None:
+        self._convert(k_pages, v_pages)
+
+    def _caches(self, q, k_pages, v_pages, plan: EnginePlan):
+        """The step's inputs checked, then vLLM's (key, value) caches of these pages."""
+        check_decode_inputs(q, k_pages, v_pages, self.shape, plan.step.page_size)
+        # vLLM's kv_cache_dtype "auto": the cache holds the model's dtype, the query's (the paged
+        # kernels reinterpret the cache as q's dtype; the Triton kernel would cast it).
+        if q.dtype != k_pages.dtype:
+            raise ValueError(f"{self._what} reads the pages in q's dtype {q.dtype} (kv_cache_dtype 'auto'), "
+                             f"got {k_pages.dtype} pages")
+        return self._convert(k_pages, v_pages)
+
+
+class VllmEngine(_VllmEngine):
     """vLLM's paged decode, v1 or v2 chosen with vLLM's own rule for the step.
 
     The kernels are vLLM 0.22.1's csrc/attention/paged_attention_v{1,2}.cu, built here with the
@@ -109,6 +123,7 @@ class VllmEngine(Engine):
         self._ops = load_vllm_paged_attention()
         self._version = PAGED_ATTENTION.version
         self.name = "vllm"
+        self._what = "vllm paged attention"
         # v1 or v2 per step, by vLLM's rule (run), so the name is of both.
         self.implementation = f"vllm-{PAGED_ATTENTION.version}-paged_attention_v1_v2-own-build"
         self._convert = _ConvertedCache(_paged_layout)
@@ -121,17 +136,12 @@ class VllmEngine(Engine):
         tensors, max_seq_len = upload_block_table(step, self.device)
         return EnginePlan(route="vllm", step=step, tensors=tensors, extra={"max_seq_len": max_seq_len})
 
-    def prepare(self, step, q, k_pages, v_pages) -> None:
-        self._convert(k_pages, v_pages)
-
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
-        check_decode_inputs(q, k_pages, v_pages, self.shape, plan.step.page_size)
-        _check_auto_kv_dtype(q, k_pages, "vllm paged attention")
+        key_cache, value_cache = self._caches(q, k_pages, v_pages, plan)
         # The kernels take q's row stride alone (q + row * stride(0) + head * head_size) and write
         # out as packed [B, Hq, d]: a strided head axis would be misread.
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             raise ValueError(f"vllm paged attention needs q's heads packed, got strides {tuple(q.stride())}")
-        key_cache, value_cache = self._convert(k_pages, v_pages)
         shape = self.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         batch = q.shape[0]
@@ -154,7 +164,7 @@ class VllmEngine(Engine):
         return out
 
 
-class VllmTritonEngine(Engine):
+class VllmTritonEngine(_VllmEngine):
     """vLLM's Triton unified attention (the current release's decode path on every GPU), called as
     vLLM's Triton backend calls it for a decode batch: one query token per sequence as a ragged
     batch (cu_seqlens_q = 0..B), causal, no window, no softcap, the split-KV (3D) kernel below
@@ -175,6 +185,7 @@ class VllmTritonEngine(Engine):
         self._version = TRITON_ATTENTION.version
         self._attention = load_vllm_triton_unified_attention()
         self.name = "vllm_triton"
+        self._what = "vllm triton unified attention"
         self.implementation = f"vllm-{TRITON_ATTENTION.version}-triton_unified_attention"
         self._convert = _ConvertedCache(_triton_layout)
         # As vLLM's TritonAttentionMetadataBuilder sizes them: one scratch row per sequence up to
@@ -201,13 +212,8 @@ class VllmTritonEngine(Engine):
         tensors["descale"] = self._one.expand(batch, self.shape.num_kv_heads)
         return EnginePlan(route="vllm_triton", step=step, tensors=tensors, extra={"max_seq_len": max_seq_len})
 
-    def prepare(self, step, q, k_pages, v_pages) -> None:
-        self._convert(k_pages, v_pages)
-
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
-        check_decode_inputs(q, k_pages, v_pages, self.shape, plan.step.page_size)
-        _check_auto_kv_dtype(q, k_pages, "vllm triton unified attention")
-        key_cache, value_cache = self._convert(k_pages, v_pages)
+        key_cache, value_cache = self._caches(q, k_pages, v_pages, plan)
         out = torch.empty_like(q)
         tensors = plan.tensors
         self._attention(
