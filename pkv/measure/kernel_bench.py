@@ -112,23 +112,27 @@ def device_step_configs(batch: int, ring_stages=RING_STAGES):
                     yield f"{planner}+{merge}:S={s}:st{stages}", planner, merge, s, stages
 
 
-def sweep_device_step(name, step, q, k, v, shape, flusher, reps, errors) -> tuple[dict, str, object]:
-    """{label: median us} of the device-planned step, its fastest label and a callable running it."""
+def device_step_runs(step, q, k, v, shape):
+    """(label, run) of each device-planned configuration: run plans on the GPU and decodes."""
     table = torch.from_numpy(step.block_table).to(q.device)
     lens = torch.from_numpy(step.seq_lens).to(q.device)
-    sweep, best = {}, (None, None)
     for label, planner, merge, splits, stages in device_step_configs(step.batch_size, ring_stages_for(q.device)):
         workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, num_splits=splits, device=q.device,
                                      stages=stages, planner=planner, merge=merge)
         out = torch.empty_like(q)
+        yield label, (lambda workspace=workspace, out=out:
+                      workspace.run(q, k, v, table, lens, out, host_lens=step.seq_lens))
 
-        def run(workspace=workspace, out=out):
-            return workspace.run(q, k, v, table, lens, out, host_lens=step.seq_lens)
 
+def checked_sweep(name, runs, errors, dtype, reps, flusher) -> tuple[dict, str, object]:
+    """{label: median us} of each (label, run), every output checked against float64 before it is
+    timed (a fast wrong configuration must not win), the fastest label and its run."""
+    sweep, best = {}, (None, None)
+    for label, run in runs:
         rel_err = errors(run())["rel_err"]
-        if not rel_err < REF_REL_LIMIT[q.dtype]:
-            raise RuntimeError(f"kernel_bench {name}: device-planned {label} has relative error {rel_err:.3e} "
-                               f"against the float64 reference (limit {REF_REL_LIMIT[q.dtype]:.0e})")
+        if not rel_err < REF_REL_LIMIT[dtype]:
+            raise RuntimeError(f"kernel_bench {name}: {label} has relative error {rel_err:.3e} against the "
+                               f"float64 reference (limit {REF_REL_LIMIT[dtype]:.0e})")
         sweep[label] = time_device_us(run, reps=reps, warmup=3, flusher=flusher).median_us
         if best[0] is None or sweep[label] < sweep[best[0]]:
             best = (label, run)
@@ -212,26 +216,20 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layo
     # PersistentKV's pages: the baselines' HND pages, or the same pages stored NHD (vLLM's cache
     # layout) and read in place through a permuted view.
     pk, pv = (k, v) if kv_layout == "hnd" else (stored_nhd(k), stored_nhd(v))
-    sweep = {}
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     clusters = torch.cuda.get_device_capability(0)[0] >= 9
-    best_label, best_engine, best_plan = None, None, None
-    for label, route, stages in persistentkv_configs(len(seq_lens), num_sms, clusters, ring_stages_for(device)):
-        engine = _engine(shape, route, stages)
-        plan = engine.plan(step)
-        # Every configuration is checked before it is timed: a fast wrong one must not win.
-        rel_err = errors(engine.run(q, pk, pv, plan))["rel_err"]
-        if not rel_err < REF_REL_LIMIT[q.dtype]:
-            raise RuntimeError(f"kernel_bench {name}: {label} has relative error {rel_err:.3e} against the "
-                               f"float64 reference (limit {REF_REL_LIMIT[q.dtype]:.0e})")
-        stats = time_device_us(lambda: engine.run(q, pk, pv, plan), reps=reps, warmup=3, flusher=flusher)
-        sweep[label] = stats.median_us
-        if best_label is None or stats.median_us < sweep[best_label]:
-            best_label, best_engine, best_plan = label, engine, plan
-    out = best_engine.run(q, pk, pv, best_plan)
+
+    def host_planned_runs():
+        for label, route, stages in persistentkv_configs(len(seq_lens), num_sms, clusters, ring_stages_for(device)):
+            engine = _engine(shape, route, stages)
+            yield label, (lambda engine=engine, plan=engine.plan(step): engine.run(q, pk, pv, plan))
+
+    sweep, best_label, best_run = checked_sweep(name, host_planned_runs(), errors, q.dtype, reps, flusher)
+    out = best_run()
     torch.cuda.synchronize()
     rows["persistentkv"] = dict(median_us=sweep[best_label], config=best_label, **errors(out))
-    device_sweep, device_label, device_run = sweep_device_step(name, step, q, pk, pv, shape, flusher, reps, errors)
+    device_sweep, device_label, device_run = checked_sweep(name, device_step_runs(step, q, pk, pv, shape), errors,
+                                                           q.dtype, reps, flusher)
     rows["persistentkv_device_planned"] = dict(median_us=device_sweep[device_label], config=device_label,
                                                **errors(device_run()))
     breakdown = None
@@ -252,7 +250,7 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layo
     # configurations is biased low by its own noise, these round-by-round ratios are not.
     contenders = {"flashinfer": fi_label, "xqa": "xqa"} if "median_us" in rows["xqa"] else {"flashinfer": fi_label}
     timed = {role: (lambda r=baseline_runs[label]: r[0].run(q, k, v, r[1])) for role, label in contenders.items()}
-    timed["persistentkv"] = lambda: best_engine.run(q, pk, pv, best_plan)
+    timed["persistentkv"] = best_run
     timed["persistentkv_device_planned"] = device_run
     rounds = time_interleaved_us(timed, rounds=CONFIRM_ROUNDS, reps=max(reps // 3, 5), flusher=flusher)
     confirmed = dict(flashinfer=fi_label, persistentkv=best_label, persistentkv_device_planned=device_label,
