@@ -60,11 +60,8 @@ def test_step_with_the_reference_engine_matches_float64():
     assert not torch.allclose(out, _model().forward(x, table, lens, lambda layer, q: q), atol=1e-3)
 
 
-def test_each_layer_reads_only_its_own_pages():
-    step = _step([9, 14])
-    table, lens = _tensors(step)
-    model = _model()
-    x = model.hidden_input(step.batch_size, 1)
+def _recording(model, table, lens):
+    """Dense attention over the model's own pools, and the list of (layer, output) it fills."""
     seen = []
 
     def attend(layer, q):
@@ -72,18 +69,21 @@ def test_each_layer_reads_only_its_own_pages():
         seen.append((layer, out.clone()))
         return out
 
+    return attend, seen
+
+
+def test_each_layer_reads_only_its_own_pages():
+    step = _step([9, 14])
+    table, lens = _tensors(step)
+    model = _model()
+    x = model.hidden_input(step.batch_size, 1)
+    attend, seen = _recording(model, table, lens)
     clean = model.forward(x, table, lens, attend)
     # Poison layer 1's pool: layer 0's attention does not change, the step's output does (layer 1 reads it).
     poisoned = _model()
     poisoned.k_pages[1].fill_(float("nan"))
     poisoned.v_pages[1].fill_(float("nan"))
-    seen_poisoned = []
-
-    def attend_poisoned(layer, q):
-        out = dense_attend(poisoned, table, lens)(layer, q)
-        seen_poisoned.append((layer, out.clone()))
-        return out
-
+    attend_poisoned, seen_poisoned = _recording(poisoned, table, lens)
     out = poisoned.forward(x, table, lens, attend_poisoned)
     assert torch.equal(seen[0][1], seen_poisoned[0][1])
     assert torch.isfinite(clean).all() and torch.isnan(out).all()
