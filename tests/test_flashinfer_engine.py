@@ -209,3 +209,47 @@ def test_xqa_without_the_entry_point_says_which_flashinfer_has_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer.decode", flashinfer.decode)
     with pytest.raises(fi.EngineUnavailable, match=r"flashinfer 0\.5\.3 has no .*xqa.*>= 0\.7"):
         xqa._import_xqa()
+
+
+class _OverflowingHolistic(_Holistic):
+    """BatchAttention whose plan needs ``need`` bytes of float workspace and raises as FlashInfer
+    0.7.2's allocator does when it gets less."""
+
+    need = 5 * 1024
+
+    def __init__(self, kv_layout, device):
+        super().__init__(kv_layout, device)
+        self.float_workspace_buffer = torch.empty(1024, dtype=torch.uint8)
+
+    def plan(self, *args, **kwargs):
+        have = self.float_workspace_buffer.numel()
+        if have < self.need:
+            raise RuntimeError(f"Error in function 'aligned_alloc': Buffer overflow when allocating memory for "
+                               f"holistic_partial_o with size {self.need} and alignment 16, but only {have} bytes "
+                               f"available in AlignedAllocator")
+        super().plan(*args, **kwargs)
+
+
+def test_holistic_plan_grows_its_workspace_until_the_plan_fits(fake_flashinfer, make_step, monkeypatch):
+    monkeypatch.setattr(fake_flashinfer, "BatchAttention", _OverflowingHolistic)
+    engine = fi.FlashInferEngine(ModelShape(), paths=("holistic",), device="cuda")
+    q, k, v = _inputs()
+    engine.run(q, k, v, engine.plan(make_step([3000, 1000])))
+    wrapper = engine._paths["holistic"].wrapper
+    assert wrapper.plans == 1 and wrapper.float_workspace_buffer.numel() == 8 * 1024  # 1K doubled to cover 5K
+
+
+def test_holistic_plan_error_stands_past_the_workspace_limit_or_for_other_errors(fake_flashinfer, make_step,
+                                                                                monkeypatch):
+    monkeypatch.setattr(fake_flashinfer, "BatchAttention", _OverflowingHolistic)
+    monkeypatch.setattr(fi, "HOLISTIC_WORKSPACE_LIMIT", 4 * 1024)
+    engine = fi.FlashInferEngine(ModelShape(), paths=("holistic",), device="cuda")
+    q, k, v = _inputs()
+    with pytest.raises(RuntimeError, match="Buffer overflow"):
+        engine.run(q, k, v, engine.plan(make_step([3000, 1000])))
+    assert engine._paths["holistic"].wrapper.float_workspace_buffer.numel() == 4 * 1024
+
+    monkeypatch.setattr(_OverflowingHolistic, "plan", lambda self, *a, **k: (_ for _ in ()).throw(
+        RuntimeError("some other failure")))
+    with pytest.raises(RuntimeError, match="some other failure"):
+        engine.run(q, k, v, engine.plan(make_step([3000, 1000])))

@@ -18,6 +18,11 @@ import torch
 from pkv.engines.base import Engine, EnginePlan, EngineUnavailable
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+# BatchAttention allocates its own 384 MiB float workspace, which its plan overflows on large
+# batches (1.2 GB of partial outputs on a calibration probe on the H200). Its plan is retried with
+# the workspace doubled, up to this much; past it the plan's own error stands.
+HOLISTIC_WORKSPACE_LIMIT = 16 * 1024 ** 3
+_WORKSPACE_OVERFLOW = "Buffer overflow when allocating"
 # Timed repetitions per path when choosing the best path for a batch class.
 PROBE_REPS = 5
 # Paths whose probed decode times lie within this fraction of the fastest count as tied; the tie
@@ -139,11 +144,30 @@ class _HolisticPath:
         batch = tensors["seq_lens"].numel()
         # Its plan() reads the indptrs and lengths on the host and keeps kv_indices for run(),
         # so those go up here: the upload is part of this path's plan cost.
-        self.wrapper.plan(
-            torch.arange(batch + 1, dtype=torch.int32), tensors["indptr"],
-            _upload(tensors["indices"], self.device), tensors["seq_lens"],
-            shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim, page_size,
-            causal=False, sm_scale=shape.sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
+        args = (torch.arange(batch + 1, dtype=torch.int32), tensors["indptr"],
+                _upload(tensors["indices"], self.device), tensors["seq_lens"],
+                shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim, page_size)
+        kwargs = dict(causal=False, sm_scale=shape.sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
+        while True:
+            try:
+                return self.wrapper.plan(*args, **kwargs)
+            except RuntimeError as exc:
+                if not self._grow_workspace(exc):
+                    raise
+
+    def _grow_workspace(self, exc: RuntimeError) -> bool:
+        """Double the wrapper's float workspace after its plan overflowed it; False when the error
+        is another one or the workspace is at HOLISTIC_WORKSPACE_LIMIT already."""
+        current = getattr(self.wrapper, "float_workspace_buffer", None)
+        if _WORKSPACE_OVERFLOW not in str(exc) or current is None:
+            return False
+        size, device = 2 * current.numel(), current.device
+        if size > HOLISTIC_WORKSPACE_LIMIT:
+            return False
+        del current
+        self.wrapper.float_workspace_buffer = None  # the old buffer goes before the new one comes
+        self.wrapper.float_workspace_buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        return True
 
     def run(self, q, k_pages, v_pages):
         out, _lse = self.wrapper.run(q, (k_pages, v_pages))
