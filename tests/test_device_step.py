@@ -44,7 +44,7 @@ def test_routed_graph_buckets_and_buffers_on_any_device():
     lists = listed.buffers(3)
     assert lists.page_lists.indptr.shape == (4,) and lists.page_lists.indices.shape == (32,)
     assert lists.q.shape[0] == lists.seq_lens.shape[0] == lists.out.shape[0] == 3
-    with pytest.raises(ValueError, match=r"planner must be one of \('plan_kernel', 'in_decode'\), got 'host'"):
+    with pytest.raises(ValueError, match=r"planner must be None or one of \('plan_kernel', 'in_decode'\), got 'host'"):
         RoutedGraphStep(None, shape, k, k, max_pages=8, planner="host")
 
 
@@ -186,6 +186,15 @@ def test_the_in_decode_grid_covers_the_fixed_rules_tile_ranges():
                       if split_range(-(-int(lens[row]) // 32), splits, split)[0] < -(-int(lens[row]) // 32))
         plan = plan_workqueue_device_order(lens, 2, 4, splits)
         assert grid == sorted(map(tuple, plan.tasks.tolist())), trial
+
+
+def test_a_bucket_route_runs_the_in_decode_grid_and_every_other_route_the_plan_kernel():
+    from pkv.engines.device_step import DEFAULT_PLANNER, device_planner
+    from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE
+
+    assert device_planner(ROUTE_BUCKET) == "in_decode"
+    assert device_planner(ROUTE_WORKQUEUE) == DEFAULT_PLANNER == "plan_kernel"
+    assert device_planner(ROUTE_FLASHINFER) == DEFAULT_PLANNER
 
 
 def test_a_routes_merge_maps_to_the_device_steps():
@@ -336,24 +345,26 @@ def recorded_graphs(monkeypatch, reference_ops):
 
 @pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
 @pytest.mark.parametrize("merge", ["launch", "fused"])
-@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
-def test_routed_graphs_replay_fresh_lengths_on_the_cpu(recorded_graphs, planner, merge, page_lists):
+@pytest.mark.parametrize("route, planner", [("workqueue", "plan_kernel"), ("workqueue", "in_decode"),
+                                            ("workqueue", None), ("bucket", None)])
+def test_routed_graphs_replay_fresh_lengths_on_the_cpu(recorded_graphs, route, planner, merge, page_lists):
     """RoutedGraphStep end to end: one graph per bucket and split count, captured at the first
     step of the bucket and replayed for others with padding rows (length 0, empty page lists),
-    against float64."""
+    against float64. With no planner named, each route runs its own (device_planner)."""
     import torch
 
     from pkv.engines.routed_graphs import RoutedGraphStep
     from pkv.measure.kv_data import make_kv_pages, make_queries
     from pkv.pipeline.step import build_step
     from pkv.policy.choose import PinnedRoutePolicy
-    from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
+    from pkv.policy.route import ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
     from pkv.shape import ModelShape
 
     shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=16)
     pool, page, max_pages = 200, 16, 32
     k, v = make_kv_pages(pool, shape, page, torch.float32, "cpu", seed=3)
-    routed = RoutedGraphStep(PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, 5, merge=merge)), shape, k, v,
+    route_name = {"workqueue": ROUTE_WORKQUEUE, "bucket": ROUTE_BUCKET}[route]
+    routed = RoutedGraphStep(PinnedRoutePolicy(StepRoute(route_name, 5, merge=merge)), shape, k, v,
                              max_pages=max_pages, batch_buckets=(2, 4), planner=planner, page_lists=page_lists,
                              debug_checks=True)
     rng = np.random.default_rng(4)
@@ -377,7 +388,10 @@ def test_routed_graphs_replay_fresh_lengths_on_the_cpu(recorded_graphs, planner,
         out = routed.run(step.seq_lens, host_table=host_table)
         assert out.shape[0] == len(lengths)
         torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)
-    graphed = routed._persistent[(5, merge)]
+    ran = planner or {"workqueue": "plan_kernel", "bucket": "in_decode"}[route]
+    assert list(routed._persistent) == [(5, merge, ran)]
+    graphed = routed._persistent[(5, merge, ran)]
+    assert graphed.step.planner == ran
     assert len(graphed._graphs) == 2  # one per bucket, replayed for every later step of it
     with pytest.raises(ValueError, match="row 0 has length 600"):
         routed.run(np.array([600]), host_table=host_table if not page_lists else (np.array([0, 2]), np.arange(2)))

@@ -30,20 +30,27 @@ import torch
 from pkv import ops
 from pkv.engines.persistentkv import ring_stages_for
 from pkv.page_table import PageLists, check_page_table, device_token_limits, host_row_pages, kernel_operands
-from pkv.policy.route import MERGE_FUSED, MERGE_LAUNCH
+from pkv.policy.route import MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUCKET
 
 MAX_DEVICE_PLAN_ROWS = 1024  # kMaxDevicePlanRows in csrc/device_plan.h: one planner CTA, a thread per row
 MAX_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
 PLANNERS = ("plan_kernel", "in_decode")
-# The planner of every device step that does not name one (the routed graphs, the model step's
-# graphs): the one measured faster on the device (docs/performance.md, "Page lists, and a step
-# with no plan launch").
+# The planner of a device step that names none: the plan kernel's longest-first workqueue holds on
+# every batch the H200 measured, while the in-decode grid lost 15-20% on ragged ones
+# (docs/performance.md, "The device-planned step on the H200").
 DEFAULT_PLANNER = "plan_kernel"
 # What each planner's step is called in result records.
 PLANNER_LABELS = {"plan_kernel": "device-planned workqueue", "in_decode": "in-decode split grid"}
 MERGES = (MERGE_LAUNCH, MERGE_FUSED)
 # The merge of every device step that does not name one, measured like DEFAULT_PLANNER.
 DEFAULT_MERGE = MERGE_LAUNCH
+
+
+def device_planner(route_name: str) -> str:
+    """The planner a device step runs for a route: a bucket route's grid over every row is the
+    in-decode planner's grid, with no plan launch (on the H200 as fast as the host-planned bucket
+    launch at B1); every other route keeps the plan kernel's longest-first workqueue."""
+    return "in_decode" if route_name == ROUTE_BUCKET else DEFAULT_PLANNER
 
 
 def device_merge(route_merge: str) -> str:

@@ -27,8 +27,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pkv.engines.device_step import (DEFAULT_PLANNER, PLANNERS, DeviceDecodeStep, GraphedDecodeStep, check_lengths,
-                                     device_merge)
+from pkv.engines.device_step import (PLANNERS, DeviceDecodeStep, GraphedDecodeStep, check_lengths, device_merge,
+                                     device_planner)
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.page_table import PageLists, host_row_entries, list_lengths
 from pkv.policy.route import ROUTE_FLASHINFER
@@ -94,23 +94,25 @@ class RoutedGraphStep:
 
     def __init__(self, policy, shape, k_pages, v_pages, *, max_pages: int,
                  batch_buckets=DEFAULT_BATCH_BUCKETS, stages: int = 2, use_tensor_cores: bool = True,
-                 debug_checks: bool = False, planner: str = DEFAULT_PLANNER, page_lists: bool = False) -> None:
+                 debug_checks: bool = False, planner: str | None = None, page_lists: bool = False) -> None:
         buckets = sorted({int(b) for b in batch_buckets})
         if not buckets or buckets[0] < 1:
             raise ValueError(f"RoutedGraphStep: batch_buckets must be positive sizes, got {batch_buckets!r}")
-        if planner not in PLANNERS:
-            raise ValueError(f"RoutedGraphStep: planner must be one of {PLANNERS}, got {planner!r}")
+        if planner is not None and planner not in PLANNERS:
+            raise ValueError(f"RoutedGraphStep: planner must be None or one of {PLANNERS}, got {planner!r}")
         self.policy, self.shape = policy, shape
         self.k_pages, self.v_pages = k_pages, v_pages
         self.max_pages, self.page_size = int(max_pages), int(k_pages.shape[2])
         self.batch_buckets = tuple(buckets)
         self.stages, self.use_tensor_cores, self.debug_checks = int(stages), bool(use_tensor_cores), debug_checks
-        self.planner = planner  # how the PersistentKV graphs plan their splits (DeviceDecodeStep's PLANNERS)
+        # How the PersistentKV graphs plan their splits (DeviceDecodeStep's PLANNERS); None: each
+        # route's own (device_planner).
+        self.planner = planner
         self.page_lists = bool(page_lists)  # the page table's form in the buffers
         self.device = k_pages.device
         self._buffers: dict[int, StepBuffers | ListStepBuffers] = {}
         self._last_batch: dict[int, int] = {}
-        self._persistent: dict[tuple, GraphedDecodeStep] = {}  # (splits, merge) -> its graphs, one per bucket
+        self._persistent: dict[tuple, GraphedDecodeStep] = {}  # (splits, merge, planner) -> its graphs, one per bucket
         self._flashinfer: dict[int, tuple[_FlashInferGraphPath, torch.cuda.CUDAGraph | None]] = {}
         self.last_route = None
 
@@ -176,14 +178,15 @@ class RoutedGraphStep:
                 raise ValueError("RoutedGraphStep.run: this step routes to FlashInfer, whose plan needs host_table")
             self._replay_flashinfer(bucket, full, host_lens, host_table)
         else:
-            self._graphed(route.num_splits, device_merge(route.merge)).replay_static(full)
+            planner = self.planner or device_planner(route.name)
+            self._graphed(route.num_splits, device_merge(route.merge), planner).replay_static(full)
         return full.out[:batch]
 
-    def _graphed(self, num_splits: int, merge: str) -> GraphedDecodeStep:
-        key = (num_splits, merge)
+    def _graphed(self, num_splits: int, merge: str, planner: str) -> GraphedDecodeStep:
+        key = (num_splits, merge, planner)
         if key not in self._persistent:
             workspace = DeviceDecodeStep(self.shape, max_batch=self.batch_buckets[-1], num_splits=num_splits,
-                                         device=self.device, stages=self.stages, planner=self.planner, merge=merge)
+                                         device=self.device, stages=self.stages, planner=planner, merge=merge)
             self._persistent[key] = GraphedDecodeStep(workspace, self.k_pages, self.v_pages, self.max_pages)
         return self._persistent[key]
 

@@ -36,7 +36,7 @@ from pkv.page_table import PageLists
 from pkv.pipeline.pages import assign_pages
 from pkv.pipeline.step import build_step
 from pkv.policy.choose import PinnedRoutePolicy
-from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
+from pkv.policy.route import ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
 from pkv.provenance import collect_provenance
 from pkv.refusal import exit_on_refusal
 from pkv.shape import ModelShape
@@ -46,15 +46,16 @@ K = 1024
 PLANNER_ROWS = {"plan_kernel": "device_planned", "in_decode": "in_decode"}
 ROWS = ("host_planned", *(f"{PLANNER_ROWS[p]}{suffix}" for p in PLANNERS for suffix in ("", "_lists", "_graph")),
         "routed_graph", "flashinfer")
-# (lengths, split count): the calibrated operating points of the H200 for B1 and B8, and a full batch.
+# (lengths, split count, route of the routed graph): the calibrated operating points of the H200
+# for B1 (the bucket route) and B8, and full batches.
 CASES = {
-    "b1_32k": ([32 * K], 32),
-    "b1_128k": ([128 * K], 32),
-    "b8_bimodal": ([64 * K, 64 * K, 4 * K, 5632, 7 * K, 8704, 10 * K, 12 * K], 24),
-    "b64_4k": ([4 * K] * 64, 2),
-    "b256_2k": ([2 * K] * 256, 1),
+    "b1_32k": ([32 * K], 32, ROUTE_BUCKET),
+    "b1_128k": ([128 * K], 32, ROUTE_BUCKET),
+    "b8_bimodal": ([64 * K, 64 * K, 4 * K, 5632, 7 * K, 8704, 10 * K, 12 * K], 24, ROUTE_WORKQUEUE),
+    "b64_4k": ([4 * K] * 64, 2, ROUTE_WORKQUEUE),
+    "b256_2k": ([2 * K] * 256, 1, ROUTE_WORKQUEUE),
     # One long prompt among many short ones: the host planner's padded table grows with the longest row.
-    "skewed_b64": ([128 * K] + [100] * 63, 24),
+    "skewed_b64": ([128 * K] + [100] * 63, 24, ROUTE_WORKQUEUE),
 }
 
 
@@ -91,7 +92,7 @@ def _timed_row(fn, flusher, reps, *, out=None, reference=None, device_fn=None) -
     return row
 
 
-def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
+def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> dict:
     assignment = assign_pages(lengths, 16, 0.5, seed)
     step = build_step(0, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), assignment.pages, 16)
     k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, "float16", "cuda", seed)
@@ -125,9 +126,9 @@ def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
                                                             device_fn=graphed._graphs[(len(lengths), False)][0].replay)
 
     # The serving form: the caller has written the step into the bucket's buffers; the host asks
-    # the route and replays. The pinned policy keeps the route on this split count.
-    routed = RoutedGraphStep(PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, splits)), shape, k, v,
-                             max_pages=table.shape[1])
+    # the route and replays. The pinned policy keeps the case's route on this split count; the
+    # route's own planner plans it (device_planner).
+    routed = RoutedGraphStep(PinnedRoutePolicy(StepRoute(route, splits)), shape, k, v, max_pages=table.shape[1])
     buffers = routed.buffers(len(lengths))
     buffers.q.copy_(q)
     buffers.block_table.copy_(table)
@@ -152,14 +153,14 @@ def run_case(name, lengths, splits, shape, flusher, reps, seed, log) -> dict:
     rows["flashinfer"] = {"path": best[0], "device_us": best[1], "wall_us": best[2], "host_us": best[3]}
     log(f"{name:<11} S={splits:<3}" + "".join(
         f"{label:>22} {r['device_us']:7.1f} / {r['wall_us']:7.1f} / {r['host_us']:6.1f}" for label, r in rows.items()))
-    return {"seq_lens": list(map(int, lengths)), "num_splits": splits, "engines": rows}
+    return {"seq_lens": list(map(int, lengths)), "num_splits": splits, "routed_route": route, "engines": rows}
 
 
 def main(argv=None) -> int:
     args = bench_parser(__doc__, CASES, reps=30, seed=20260622).parse_args(argv)
     config = {"cases": args.cases, "reps": args.reps}
     if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/3", config, args.seed)
+        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/4", config, args.seed)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
     flusher = L2Flusher("cuda")
     cases = {name: run_case(name, *CASES[name], ModelShape(), flusher, args.reps, args.seed, log)
              for name in args.cases}
-    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/3", "cases": cases,
+    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/4", "cases": cases,
                                  "provenance": collect_provenance(config=config, seed=args.seed)})
     return 0
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 
 from pkv.engines.base import EngineUnavailable, upload_block_table
-from pkv.engines.device_step import DEFAULT_PLANNER, PLANNER_LABELS, DeviceDecodeStep, device_merge
+from pkv.engines.device_step import PLANNER_LABELS, DeviceDecodeStep, device_merge, device_planner
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.measure.model_step import ModelStep, skip_attend
-from pkv.policy.route import MERGE_LAUNCH, ROUTE_FLASHINFER
+from pkv.policy.route import MERGE_LAUNCH, ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE
 
 MODES = ("eager", "graph")
 
@@ -223,7 +223,8 @@ class AdaptiveGraphPath(GraphPath):
         self.flashinfer_path = flashinfer_path
         self._device_step = DeviceDecodeStep
         self._workspaces: dict[tuple, object] = {}
-        self.implementation = f"{PLANNER_LABELS[DEFAULT_PLANNER]}+cuda_graph | {flashinfer_path.implementation}"
+        planners = ", ".join(f"{r}: {PLANNER_LABELS[device_planner(r)]}" for r in (ROUTE_BUCKET, ROUTE_WORKQUEUE))
+        self.implementation = f"device step ({planners})+cuda_graph | {flashinfer_path.implementation}"
 
     def _route(self, step):
         return self.policy.choose(step).route
@@ -241,12 +242,13 @@ class AdaptiveGraphPath(GraphPath):
             super().prepare(step, x)
 
     def attend_for(self, key, static):
-        batch, _, splits, merge = key
-        ws = self._workspaces.get((splits, merge))
-        if ws is None:  # one workspace per split count and merge, shared by the graphs of every batch size
-            ws = self._workspaces[(splits, merge)] = self._device_step(
+        batch, route, splits, merge = key
+        planner = device_planner(route)
+        ws = self._workspaces.get((splits, merge, planner))
+        if ws is None:  # one workspace per split count, merge and planner, shared by the graphs of every batch size
+            ws = self._workspaces[(splits, merge, planner)] = self._device_step(
                 self.model.shape.attention, max_batch=self.max_batch, num_splits=splits, device=self.model.device,
-                merge=merge)
+                merge=merge, planner=planner)
         static.device_step = ws
         static.outs = [torch.empty(batch, self.model.shape.num_qo_heads, self.model.shape.head_dim,
                                    dtype=self.model.dtype, device=self.model.device)
