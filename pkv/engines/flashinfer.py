@@ -18,9 +18,11 @@ import torch
 from pkv.engines.base import Engine, EnginePlan, EngineUnavailable
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
-# BatchAttention allocates its own 384 MiB float workspace, which its plan overflows on large
-# batches (1.2 GB of partial outputs on a calibration probe on the H200). Its plan is retried with
-# the workspace doubled, up to this much; past it the plan's own error stands.
+# BatchAttention allocates its own 384 MiB float workspace. Its plan reserves partial outputs for a
+# fixed number of KV splits per KV head whatever the lengths (FlashInfer 0.7.2, scheduler.cuh:
+# 4 x 2 x SMs x 144 splits x head_dim x 2 bytes per KV head), which needs 1.2 GB for 32 KV heads at
+# d = 128 on the H200 (the calibration's G = 1 probe) and overflows. Its plan is retried with the
+# workspace doubled, up to this much; past it the plan's own error stands.
 HOLISTIC_WORKSPACE_LIMIT = 16 * 1024 ** 3
 _WORKSPACE_OVERFLOW = "Buffer overflow when allocating"
 # Timed repetitions per path when choosing the best path for a batch class.
