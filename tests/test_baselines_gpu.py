@@ -42,6 +42,22 @@ def test_baseline_matches_float64_at_edge_lengths(role, dtype):
     _check(out, _dense(step, q, k, v), dtype)
 
 
+@pytest.mark.parametrize("group_size", [1, 8])
+@pytest.mark.parametrize("role", ROLES)
+def test_baseline_matches_float64_at_other_group_sizes(role, group_size):
+    """G = 1 has 32 KV heads, for which the holistic plan overflows BatchAttention's own workspace
+    (the engine grows it); G = 8 packs the most query heads per KV head."""
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=32, num_kv_heads=32 // group_size)
+    engine = _build(role, shape)
+    step, q, k, v = _case([1, PAGE + 1, 3000], shape, torch.float16, seed=41)
+    engine.prepare(step, q, k, v)
+    out = engine.run(q, k, v, engine.plan(step))
+    torch.cuda.synchronize()
+    _check(out, _dense(step, q, k, v), torch.float16)
+
+
 @pytest.mark.parametrize("role", ROLES)
 def test_baseline_matches_float64_on_fresh_ragged_batches(role):
     import numpy as np
