@@ -253,3 +253,23 @@ def test_holistic_plan_error_stands_past_the_workspace_limit_or_for_other_errors
         RuntimeError("some other failure")))
     with pytest.raises(RuntimeError, match="some other failure"):
         engine.run(q, k, v, engine.plan(make_step([3000, 1000])))
+
+
+def test_a_path_that_cannot_plan_a_batch_is_left_out_of_the_pick_with_its_reason(fake_flashinfer, make_step,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(fake_flashinfer, "BatchAttention", _OverflowingHolistic)
+    monkeypatch.setattr(fi, "HOLISTIC_WORKSPACE_LIMIT", 2 * 1024)
+    monkeypatch.setattr(_Clock, "decode_us", {"tc": 10.0, "cc": 12.0, "holistic": 5.0, "fa3": 40.0})
+    engine = fi.FlashInferEngine(ModelShape(), device="cuda")
+    step = make_step([3000, 1000])
+    q, k, v = _inputs()
+    engine.prepare(step, q, k, v)
+    assert engine.path_for(step) == "tc"  # holistic would be fastest, but it could not plan
+    (probe,) = engine.path_record()["probed"]
+    assert "Buffer overflow" in probe["measured"]["holistic"]["error"]
+    assert set(probe["measured"]["tc"]) == {"device_us", "plan_us"}
+
+
+def test_no_path_that_can_plan_a_batch_is_an_error_naming_each_reason():
+    with pytest.raises(RuntimeError, match="no path ran this batch: holistic: too big; tc: too small"):
+        fi.pick_path({"holistic": {"error": "too big"}, "tc": {"error": "too small"}})

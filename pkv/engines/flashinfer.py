@@ -78,11 +78,16 @@ def probe_key(step) -> tuple[int, int]:
     return int(len(step.seq_lens)), 1 << max(0, (longest - 1).bit_length())
 
 
-def pick_path(measured: dict[str, dict[str, float]]) -> str:
-    """The fastest path by decode time; paths within TIE_FRACTION of it go to the cheaper plan."""
-    fastest = min(m["device_us"] for m in measured.values())
-    tied = [p for p, m in measured.items() if m["device_us"] <= fastest * (1 + TIE_FRACTION)]
-    return min(tied, key=lambda p: (measured[p]["plan_us"], measured[p]["device_us"]))
+def pick_path(measured: dict[str, dict]) -> str:
+    """The fastest path by decode time; paths within TIE_FRACTION of it go to the cheaper plan.
+    A path whose probe failed (an "error" entry instead of times) is never picked."""
+    timed = {p: m for p, m in measured.items() if "error" not in m}
+    if not timed:
+        raise RuntimeError("FlashInfer: no path ran this batch: "
+                           + "; ".join(f"{p}: {m['error']}" for p, m in measured.items()))
+    fastest = min(m["device_us"] for m in timed.values())
+    tied = [p for p, m in timed.items() if m["device_us"] <= fastest * (1 + TIE_FRACTION)]
+    return min(tied, key=lambda p: (timed[p]["plan_us"], timed[p]["device_us"]))
 
 
 def _plan_decode_wrapper(wrapper, indptr, indices, last_page_len, shape, page_size: int, q_dtype, kv_dtype) -> None:
@@ -278,7 +283,13 @@ class FlashInferEngine(Engine):
         measured = {}
         for path, runner in self._paths.items():
             plan = self.plan(step)
-            self._plan_path(path, plan, q.dtype, k_pages.dtype)  # first plan may JIT-compile: untimed
+            try:  # first plan may JIT-compile: untimed
+                self._plan_path(path, plan, q.dtype, k_pages.dtype)
+            except RuntimeError as exc:
+                # One path that cannot plan this batch (a workspace or shape limit of its own) leaves
+                # the pick to the others; the reason stands in the path record.
+                measured[path] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                continue
             host_start = time.perf_counter()
             self._plan_path(path, plan, q.dtype, k_pages.dtype)
             plan_us = (time.perf_counter() - host_start) * 1e6
