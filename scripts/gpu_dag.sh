@@ -44,10 +44,16 @@ fi
 if [ -n "${RESUME:-}" ]; then
   find Snakefile workflow config conf csrc pkv scripts traces -type f -exec touch -d 2000-01-01 {} +
 fi
-timeout "${DAG_TIMEOUT:-420}" python3 -m snakemake ${DAG_TARGETS:-} --cores 16 --scheduler greedy \
+# --keep-going: a failed job stops only what depends on it; the rest of a part's device time still
+# yields results, and the failure is in dag.log and the job's log.
+timeout "${DAG_TIMEOUT:-420}" python3 -m snakemake ${DAG_TARGETS:-} --cores 16 --scheduler greedy --keep-going \
   --configfile "$DAG_CONFIG" --config gpu="$GPU_NAME" > "$OUT/dag.log" 2>&1
 echo "dag rc=$?"
 tar czf "$OUT/artifacts.tgz" "artifacts/$GPU_NAME" 2>/dev/null
 [ -d "$PKV_CACHE_DIR" ] && tar czf "$OUT/build_cache.tgz" -C "$PKV_CACHE_DIR" .
 grep -E "Finished jobid|Error in rule|steps done" "$OUT/dag.log" | tail -12
+# Each failed job's own log, where the reason is.
+for log in $(grep -A12 "^Error in rule" "$OUT/dag.log" | grep -o "log: [^ ]*" | cut -d' ' -f2 | sort -u); do
+  echo "== $log"; tail -5 "$log" 2>/dev/null | cut -c1-300
+done
 for t in 2 4 5; do head -30 "artifacts/$GPU_NAME/tables/table$t.md" 2>/dev/null; done
