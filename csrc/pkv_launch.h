@@ -35,7 +35,10 @@ struct DecodeArgs {
   // Element strides of k_pages and v_pages (the same for both), viewed as [num_pages, Hkv, P, d]
   // with d contiguous: kv_stride_token is d for HND pages and Hkv * d for NHD pages
   // ([num_pages, P, Hkv, d], vLLM's and FlashAttention's layout), which are read in place.
-  int64_t kv_stride_page, kv_stride_head, kv_stride_token;
+  // A token's offset inside a page fits 32 bits (the binding checks it), so the copy loop
+  // computes it in 32-bit registers: a 64-bit stride there cost the stages = 2 kernels spills.
+  int64_t kv_stride_page, kv_stride_head;
+  int kv_stride_token;
   float sm_scale;
   KvDtype dtype;
   int stages;  // cp.async ring depth per warp: 2, 3 or 4

@@ -77,7 +77,10 @@ pkv::DecodeArgs make_core_args(const Tensor& q, const Tensor& k_pages, const Ten
   a.out_stride_head = out.stride(1);
   a.kv_stride_page = k_pages.stride(0);
   a.kv_stride_head = k_pages.stride(1);
-  a.kv_stride_token = k_pages.stride(2);
+  // A token's offset inside a page is computed in 32 bits (DecodeArgs::kv_stride_token).
+  TORCH_CHECK(k_pages.stride(2) >= 0 && (k_pages.size(2) - 1) * k_pages.stride(2) + k_pages.size(3) <= INT32_MAX,
+              "pkv: k_pages' token stride ", k_pages.stride(2), " puts a page's last token past 2^31 elements");
+  a.kv_stride_token = static_cast<int>(k_pages.stride(2));
   a.sm_scale = static_cast<float>(sm_scale);
   a.dtype = dtype == at::kHalf ? pkv::KvDtype::kFloat16 : pkv::KvDtype::kBFloat16;
   a.stages = static_cast<int>(stages);
@@ -98,8 +101,10 @@ void set_page_table(pkv::DecodeArgs& a, const Tensor& block_table, const std::op
   if (page_indptr.has_value()) {
     check_page_indptr(*page_indptr, batch);
     check_cuda_tensor(block_table, "page_indices", at::kInt);
-    TORCH_CHECK(block_table.dim() == 1 && block_table.is_contiguous() && block_table.numel() <= INT32_MAX,
-                "pkv: with page_indptr the page table must be the contiguous page lists [num_entries], got ",
+    // At least one entry: a row with an empty list looks entry 0 up (split_decode.cuh, CtaDecoder).
+    TORCH_CHECK(block_table.dim() == 1 && block_table.is_contiguous() && block_table.numel() >= 1 &&
+                    block_table.numel() <= INT32_MAX,
+                "pkv: with page_indptr the page table must be the contiguous page lists [num_entries >= 1], got ",
                 block_table.sizes());
     a.page_indptr = page_indptr->data_ptr<int32_t>();
     a.block_table_stride = 0;

@@ -66,7 +66,7 @@ struct CtaDecoder {
   const T* k_head;
   const T* v_head;
   const int32_t* pages;  // this row's page table entries
-  int last_page;         // the last entry of `pages` a lookup may read (-1: none)
+  int last_page;         // the last entry of `pages` a lookup may read
 
   __device__ CtaDecoder(const DecodeArgs& args, int row_, int kvh_, int seq_len_, int tb, int te, char* smem)
       : a(args), row(row_), kvh(kvh_), seq_len(seq_len_), tile_begin(tb), num_chunks((te - tb) * kChunksPerTile),
@@ -78,9 +78,12 @@ struct CtaDecoder {
       pages = a.block_table + static_cast<int64_t>(row) * a.block_table_stride;
       last_page = a.block_table_width - 1;
     } else {
+      // A row with no entries looks entry 0 of the flat list up (the binding requires one); its
+      // length clamps to 0, so nothing it reads is used. This keeps the lookup free of a check.
       const int first = __ldg(a.page_indptr + row);
-      pages = a.block_table + first;
-      last_page = __ldg(a.page_indptr + row + 1) - first - 1;
+      const int count = __ldg(a.page_indptr + row + 1) - first;
+      pages = a.block_table + (count > 0 ? first : 0);
+      last_page = max(count, 1) - 1;
     }
   }
 
@@ -91,12 +94,10 @@ struct CtaDecoder {
 
   // Lane r (< 16) looks up the physical page of token r of chunk j (-1 past the split or row).
   // The read is clamped into the row instead of predicated on seq_len, so at a split's start the
-  // page-table read does not wait for the seq_lens read: one dependent round trip less. A row
-  // with no entries (page lists of a row the caller left empty) reads nothing.
+  // page-table read does not wait for the seq_lens read: one dependent round trip less.
   __device__ __forceinline__ int lookup(int j) const {
     const int tok = chunk_token(j) + (lane & 15);
-    const int entry = min(tok >> a.page_shift, last_page);
-    const int page = entry >= 0 ? __ldg(pages + entry) : -1;
+    const int page = __ldg(pages + min(tok >> a.page_shift, last_page));
     const bool valid = warp + kWarps * j < num_chunks && tok < seq_len;
     return valid ? page : -1;
   }
@@ -112,9 +113,8 @@ struct CtaDecoder {
       const int r = (lane >> 4) + 2 * i;
       const int pg = __shfl_sync(0xffffffffu, page_of_lane, r);
       const bool valid = pg >= 0;
-      const int64_t off = valid ? static_cast<int64_t>(pg) * a.kv_stride_page +
-                                      static_cast<int64_t>((tok0 + r) & page_mask) * a.kv_stride_token + piece * 8
-                                : 0;
+      const int in_page = ((tok0 + r) & page_mask) * a.kv_stride_token + piece * 8;
+      const int64_t off = valid ? static_cast<int64_t>(pg) * a.kv_stride_page + in_page : 0;
       cp_async_16(sk + swizzled(r, piece), k_head + off, valid);  // invalid rows: zero-filled, not read
       cp_async_16(sv + swizzled(r, piece), v_head + off, valid);
     }
@@ -347,9 +347,17 @@ __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
     bucket_decode_kernel(DecodeArgs a, const int32_t* row_indices, int num_splits, int32_t* pair_counters,
                          bool live_splits_only) {
   extern __shared__ __align__(128) char smem[];
-  const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
-  const BucketSplit b(a, row_indices[r], split, num_splits);
-  const int pair = r * a.num_kv_heads + kvh;
+  {
+    const BucketSplit b(a, row_indices[blockIdx.x], blockIdx.z, num_splits);
+    if (!b.empty())  // row-local bounds leave a split empty: no Q load, no staging
+      CtaDecoder<T, G, Stages>(a, b.row, blockIdx.y, b.seq_len, b.tile_begin, b.tile_end, smem).run(smem);
+  }
+  // What follows the decode is derived again from the grid indices and the row's (cached) index
+  // and length instead of being held through the decode loop: at stages = 2 the kernel is at its
+  // register cap, and values held through the loop spill there.
+  const int kvh = blockIdx.y, split = blockIdx.z;
+  const BucketSplit b(a, row_indices[blockIdx.x], split, num_splits);
+  const int pair = blockIdx.x * a.num_kv_heads + kvh;
   const int slot = pair * num_splits + split;
   // live_splits_only (fused merge only): a pair merges just the splits that own tiles, so an
   // empty split writes nothing and a pair with one live split writes `out` directly. Otherwise
@@ -357,10 +365,9 @@ __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
   const bool fused = pair_counters != nullptr && num_splits > 1;
   const bool live_only = fused && live_splits_only;
   const int merged = live_only ? b.live_splits() : num_splits;
-  if (b.empty()) {  // row-local bounds leave this split empty: no Q load, no staging
+  if (b.empty()) {
     if (!live_only) write_neutral<G>(a, slot);
   } else {
-    CtaDecoder<T, G, Stages>(a, b.row, kvh, b.seq_len, b.tile_begin, b.tile_end, smem).run(smem);
     finish_split<T, G>(a, smem, b.row, kvh, merged == 1, slot);
   }
   allow_dependent_launch();
@@ -434,11 +441,15 @@ template <typename T, int G, int Stages>
 __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
     bucket_cluster_decode_kernel(DecodeArgs a, const int32_t* row_indices, int num_splits) {
   extern __shared__ __align__(128) char smem[];
+  {
+    // An empty split (row-local bounds) loads no Q and stages nothing; its state is neutral.
+    const BucketSplit b(a, row_indices[blockIdx.x], blockIdx.z, num_splits);
+    if (!b.empty()) CtaDecoder<T, G, Stages>(a, b.row, blockIdx.y, b.seq_len, b.tile_begin, b.tile_end, smem).run(smem);
+  }
+  // Derived again after the decode, as in bucket_decode_kernel: not held through its loop.
   const int kvh = blockIdx.y, split = blockIdx.z;  // split is the CTA's cluster rank
   const BucketSplit b(a, row_indices[blockIdx.x], split, num_splits);
   const int row = b.row;
-  // An empty split (row-local bounds) loads no Q and stages nothing; its state is neutral.
-  if (!b.empty()) CtaDecoder<T, G, Stages>(a, row, kvh, b.seq_len, b.tile_begin, b.tile_end, smem).run(smem);
   keep_split_state<G>(smem, b.empty());
   cluster_sync();
   const SplitState<G> state(smem);
@@ -480,12 +491,16 @@ __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
   }
   extern __shared__ __align__(128) char smem[];
   const int32_t* task = tasks + blockIdx.x * 5;
-  const int row = task[0], kvh = task[1], split = task[2], tb = task[3], te = task[4];
+  {
+    const int row = task[0];
+    CtaDecoder<T, G, Stages>(a, row, task[1], row_length(a, row), task[3], task[4], smem).run(smem);
+  }
+  // The task is read again (cached) after the decode instead of being held through its loop,
+  // where at stages = 2 the kernel is at its register cap and held values spill.
+  const int row = task[0], kvh = task[1], split = task[2];
   const int pair = row * a.num_kv_heads + kvh;
   const int slot_begin = split_offsets[pair];
   const int num_slots = split_offsets[pair + 1] - slot_begin;
-  const int seq_len = row_length(a, row);
-  CtaDecoder<T, G, Stages>(a, row, kvh, seq_len, tb, te, smem).run(smem);
   finish_split<T, G>(a, smem, row, kvh, num_slots == 1, slot_begin + split);
   allow_dependent_launch();
   if (pair_counters != nullptr && num_slots > 1)

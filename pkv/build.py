@@ -176,16 +176,23 @@ def check_compile(arches: tuple[str, ...] = CHECK_ARCHES) -> list[str]:
     (a launcher declared in one file and instantiated in none would otherwise fail only when the
     GPU machine loads the extension)."""
     nvcc = nvcc_path()
-    done = []
+    done, spilling = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for source in sorted(CSRC.glob("*.cu")):
             for arch in arches:
                 cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xcompiler", "-fPIC",
-                       "-c", str(source), "-o", str(Path(tmp) / f"{source.stem}.{arch}.o")]
+                       "-Xptxas", "-v", "-c", str(source), "-o", str(Path(tmp) / f"{source.stem}.{arch}.o")]
                 result = subprocess.run(cmd, capture_output=True, text=True)
                 if result.returncode != 0:
                     raise RuntimeError(f"nvcc failed on {source.name} for sm_{arch}:\n{result.stderr}")
+                spilling += [f"{source.name}:sm_{arch}: {kernel} ({stores} bytes stored, {loads} loaded)"
+                             for kernel, stores, loads in kernel_spills(result.stderr)]
                 done.append(f"{source.name}:sm_{arch}")
+        if spilling:
+            raise RuntimeError("kernels spill registers to local memory (the decode loop is at its register cap "
+                               "at stages = 2; see docs/performance.md, \"Register spills at stages = 2\"):\n"
+                               + "\n".join(spilling))
+        done.append("no register spills")
         library = Path(tmp) / "kernels.so"
         objects = sorted(str(o) for o in Path(tmp).glob(f"*.{arches[0]}.o"))
         result = subprocess.run([nvcc, "-shared", "-o", str(library), *objects], capture_output=True, text=True)
@@ -197,6 +204,25 @@ def check_compile(arches: tuple[str, ...] = CHECK_ARCHES) -> list[str]:
             raise RuntimeError("the kernel objects leave project symbols undefined:\n" + "\n".join(undefined))
         done.append(f"kernels linked:sm_{arches[0]}")
     return done
+
+
+_PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def kernel_spills(ptxas_log: str) -> list[tuple[str, int, int]]:
+    """(function, spill store bytes, spill load bytes) of every function that spills, from the
+    output of ``nvcc -Xptxas -v``."""
+    found, function = [], None
+    for line in ptxas_log.splitlines():
+        named = _PTXAS_FUNCTION.search(line)
+        if named:
+            function = named.group(1)
+            continue
+        spills = _PTXAS_SPILLS.search(line)
+        if spills and function is not None and (int(spills.group(1)) or int(spills.group(2))):
+            found.append((function, int(spills.group(1)), int(spills.group(2))))
+    return found
 
 
 def check_binding_syntax() -> str:

@@ -46,8 +46,10 @@ def check_page_table(table, batch: int, device, where: str) -> None:
                 or indptr.device != device):
             raise ValueError(f"{where}: page_table.indptr must be int32 [{batch + 1}] on {device}, got "
                              f"{indptr.dtype} {tuple(indptr.shape)} on {indptr.device}")
-        if indices.dim() != 1 or indices.dtype != torch.int32 or indices.device != device:
-            raise ValueError(f"{where}: page_table.indices must be int32 [num_entries] on {device}, got "
+        # At least one entry: a row with an empty list looks entry 0 up and discards it, so the
+        # kernels' page lookup needs no check of its own.
+        if indices.dim() != 1 or indices.shape[0] < 1 or indices.dtype != torch.int32 or indices.device != device:
+            raise ValueError(f"{where}: page_table.indices must be int32 [num_entries >= 1] on {device}, got "
                              f"{indices.dtype} {tuple(indices.shape)} on {indices.device}")
         if table.host_indptr is not None and np.shape(table.host_indptr) != (batch + 1,):
             raise ValueError(f"{where}: page_table.host_indptr must have {batch + 1} entries, got "

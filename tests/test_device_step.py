@@ -156,6 +156,10 @@ def test_page_table_forms_are_checked_and_read_on_any_device():
         check_page_table(PageLists(lists.indptr[:3], lists.indices), 3, torch.device("cpu"), "here")
     with pytest.raises(ValueError, match=r"here: page_table.indices must be int32"):
         check_page_table(PageLists(lists.indptr, lists.indices.long()), 3, torch.device("cpu"), "here")
+    # Every row empty still needs one entry: an empty row's lookup reads entry 0 and discards it.
+    empty = PageLists(torch.zeros(4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"here: page_table.indices must be int32 \[num_entries >= 1\].*\(0,\)"):
+        check_page_table(empty, 3, torch.device("cpu"), "here")
     with pytest.raises(ValueError, match=r"here: block_table must be int32 \[2, max_pages\]"):
         check_page_table(table, 2, torch.device("cpu"), "here")
     with pytest.raises(ValueError, match="must be a block table tensor or PageLists, got list"):
