@@ -9,7 +9,8 @@ replay over static buffers the caller writes); FlashInfer's fastest decode path 
 Device time is CUDA events with an L2 flush before each call (median); wall time is a
 synchronized step with the host work it needs (plan and run; for the graph, copying the step's
 inputs and the replay); host time is how long the host takes to return from that work, with the
-device idle before each call (what a serving engine's step pays on the CPU).
+device idle before each call (what a serving engine's step pays on the CPU); for the graphs,
+replay_host_us is the same for the bare ``graph.replay()``, so the rest of host_us is Python.
 
     python -m pkv.measure.device_step_bench --out device_step.json
 """
@@ -87,6 +88,8 @@ def _timed_row(fn, flusher, reps, *, out=None, reference=None, device_fn=None) -
     torch.cuda.synchronize()
     row = {"device_us": time_device_us(device_fn or fn, flusher=flusher, reps=reps).median_us,
            "wall_us": _wall_us(fn, reps), "host_us": _host_us(fn, reps)}
+    if device_fn is not None:  # a graph's replay alone: what of the host time is the launch itself
+        row["replay_host_us"] = _host_us(device_fn, reps)
     if out is not None:
         row["max_abs_diff_vs_host"] = float((out.float() - reference.float()).abs().max())
     return row
@@ -135,10 +138,13 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
     buffers.seq_lens.copy_(lens)
     routed_out = routed.run(host_lens).clone()
     torch.cuda.synchronize()
+    (graphed,) = routed._persistent.values()
+    (replayed,) = graphed._graphs.values()
     rows["routed_graph"] = {
         "device_us": time_device_us(lambda: routed.run(host_lens), flusher=flusher, reps=reps).median_us,
         "wall_us": _wall_us(lambda: routed.run(host_lens), reps),
         "host_us": _host_us(lambda: routed.run(host_lens), reps),
+        "replay_host_us": _host_us(replayed[0].replay, reps),
         "max_abs_diff_vs_host": float((routed_out.float() - reference.float()).abs().max())}
 
     best = None
@@ -160,7 +166,7 @@ def main(argv=None) -> int:
     args = bench_parser(__doc__, CASES, reps=30, seed=20260622).parse_args(argv)
     config = {"cases": args.cases, "reps": args.reps}
     if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/4", config, args.seed)
+        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/5", config, args.seed)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -169,7 +175,7 @@ def main(argv=None) -> int:
     flusher = L2Flusher("cuda")
     cases = {name: run_case(name, *CASES[name], ModelShape(), flusher, args.reps, args.seed, log)
              for name in args.cases}
-    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/4", "cases": cases,
+    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/5", "cases": cases,
                                  "provenance": collect_provenance(config=config, seed=args.seed)})
     return 0
 
