@@ -230,6 +230,38 @@ def test_paged_attention_files_are_the_include_closure():
     assert {p.resolve() for p in reached} == extracted  # closed, and nothing extracted that is not needed
 
 
+def test_the_build_trims_vllms_launchers_to_the_built_sizes_and_nothing_else():
+    import difflib
+
+    root = _fetched(vs.PAGED_ATTENTION)
+    for rel in vs.PAGED_KERNEL_SOURCES:
+        text = (root / rel).read_text()
+        trimmed = vb.trim_launcher(text, rel, head_sizes=(128,), block_sizes=(16,))
+        cases = [line.split()[1].rstrip(":") for line in trimmed.splitlines() if line.strip().startswith("case ")]
+        assert cases == ["128", "16"], rel
+        # Every removed line is a case of another size, its launch and its break; nothing is added.
+        diff = [d for d in difflib.ndiff(text.splitlines(), trimmed.splitlines()) if d[:2] in ("- ", "+ ")]
+        assert all(d.startswith("- ") for d in diff)
+        removed = [d[2:].strip().rstrip("\\").strip() for d in diff]
+        assert all(r.startswith(("case ", "LAUNCH_PAGED_ATTENTION", "CALL_V", "break;")) for r in removed), rel
+        assert len(removed) == 3 * (8 + 2)  # 8 head sizes and 2 block sizes dropped, 3 lines each
+        # Two sizes of each kind, as a user who adds one to BUILT_* would have them.
+        both = vb.trim_launcher(text, rel, head_sizes=(64, 128), block_sizes=(16, 32))
+        assert [line.split()[1].rstrip(":") for line in both.splitlines()
+                if line.strip().startswith("case ")] == ["64", "128", "16", "32"]
+
+
+def test_trimming_refuses_a_size_the_launcher_lacks_or_a_case_it_cannot_read():
+    launcher = "\n".join(["  switch (head_size) {", "    case 128:", "      LAUNCH(128);", "      break;",
+                           "    default:", "      break;", "  }"])
+    with pytest.raises(vs.VllmSourcesError, match=r"v9.cu: field 'head_size' = no case for \[96\]"):
+        vb.trim_launcher(launcher, "v9.cu", head_sizes=(96,), block_sizes=())
+    unended = launcher.replace("      break;\n    default", "      LAUNCH(1);\n      LAUNCH(2);\n      LAUNCH(3);\n"
+                               "      LAUNCH(4);\n      LAUNCH(5);\n    default")
+    with pytest.raises(vs.VllmSourcesError, match=r"v9.cu: field 'case 128' = no break within 5 lines"):
+        vb.trim_launcher(unended, "v9.cu", head_sizes=(128,), block_sizes=())
+
+
 def test_triton_kernel_imports_resolve_inside_the_fetched_tree():
     root = _fetched(vs.TRITON_ATTENTION)
     for rel in vs.TRITON_ATTENTION.files[1:]:
@@ -343,6 +375,12 @@ def test_engines_match_float64(name, page, group, dtype):
                [9000],  # one long row: vLLM's partitioned v2 kernel / Triton's split-KV kernel
                # many rows: v1 where rows x query heads > 512 / Triton's 2D kernel
                [int(x) for x in rng.integers(1, 3000, size=40)]]
+    if name == "vllm" and page not in vb.BUILT_BLOCK_SIZES:
+        # The build instantiates vLLM's launchers for these block sizes only.
+        step, *_ = _gpu_case(batches[0], shape, dtype, seed=0, page=page)
+        with pytest.raises(EngineUnavailable, match=r"instantiates block sizes \(16,\)"):
+            engine.plan(step)
+        return
     if name == "vllm_triton" and page % 16:
         # vLLM's Triton backend takes only block sizes that are multiples of 16.
         step, *_ = _gpu_case(batches[0], shape, dtype, seed=0, page=page)

@@ -13,9 +13,6 @@ from pkv.engines.base import Engine, EnginePlan, EngineUnavailable, check_decode
 
 # vLLM's v2 kernel partitions each sequence into chunks of this many tokens.
 PARTITION_SIZE = 512
-# What vLLM's paged_attention_v{1,2}.cu instantiate (its launchers refuse the rest).
-PAGED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
-PAGED_BLOCK_SIZES = (8, 16, 32)
 # vLLM's _custom_ops defaults for the arguments the decode path never sets: no tensor-parallel
 # rank offset, no block sparsity.
 _TP_RANK, _BS_LOCAL_BLOCKS, _BS_VERT_STRIDE, _BS_BLOCK_SIZE, _BS_HEAD_SLIDING_STEP = 0, 0, 0, 64, 0
@@ -114,12 +111,13 @@ class VllmEngine(_VllmEngine):
         self.device = _cuda_device(device, "vllm paged attention")
         # Imported here, not at the top: pkv.engines imports this module, and
         # `python -m pkv.engines.vllm_build` must not find its own module imported before it runs.
-        from pkv.engines.vllm_build import load_vllm_paged_attention
+        from pkv.engines.vllm_build import BUILT_BLOCK_SIZES, BUILT_HEAD_SIZES, load_vllm_paged_attention
         from pkv.engines.vllm_sources import PAGED_ATTENTION
 
-        if shape.head_dim not in PAGED_HEAD_SIZES:
-            raise EngineUnavailable(f"vllm paged attention has no kernel for head_dim {shape.head_dim} "
-                                    f"(vLLM {PAGED_ATTENTION.version} builds {PAGED_HEAD_SIZES})")
+        if shape.head_dim not in BUILT_HEAD_SIZES:
+            raise EngineUnavailable(f"vllm paged attention has no kernel for head_dim {shape.head_dim}: the build "
+                                    f"instantiates head sizes {BUILT_HEAD_SIZES} (pkv.engines.vllm_build.BUILT_HEAD_SIZES)")
+        self._block_sizes = BUILT_BLOCK_SIZES
         self._ops = load_vllm_paged_attention()
         self._version = PAGED_ATTENTION.version
         self.name = "vllm"
@@ -130,9 +128,10 @@ class VllmEngine(_VllmEngine):
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
 
     def plan(self, step) -> EnginePlan:
-        if step.page_size not in PAGED_BLOCK_SIZES:
-            raise EngineUnavailable(f"vllm paged attention has no kernel for page_size {step.page_size} "
-                                    f"(vLLM {self._version} builds block sizes {PAGED_BLOCK_SIZES})")
+        if step.page_size not in self._block_sizes:
+            raise EngineUnavailable(f"vllm paged attention has no kernel for page_size {step.page_size}: the build "
+                                    f"instantiates block sizes {self._block_sizes} "
+                                    f"(pkv.engines.vllm_build.BUILT_BLOCK_SIZES)")
         tensors, max_seq_len = upload_block_table(step, self.device)
         return EnginePlan(route="vllm", step=step, tensors=tensors, extra={"max_seq_len": max_seq_len})
 

@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -70,19 +71,80 @@ VLLM_NVCC_FLAGS = (
 )
 
 
+# The head sizes and block sizes the build instantiates. vLLM's launchers instantiate every
+# kernel for 9 head sizes x 3 block sizes (x dtypes x cache dtypes x block sparsity), which took
+# 309 s of nvcc on the H200 machine, on the critical path of every fresh run; the project's shape
+# (d = 128, pages of 16 tokens) needs one of each. The build compiles copies of the two launcher
+# files whose head-size and block-size switches keep only these cases (vLLM trims them the same
+# way, "to reduce the compilation time"); the kernels and the rest of the launchers are vLLM's as
+# fetched. Add a size here to run vLLM's rows on another shape.
+BUILT_HEAD_SIZES = (128,)
+BUILT_BLOCK_SIZES = (16,)
+_SWITCH = re.compile(r"switch\s*\(\s*(head_size|block_size)\s*\)")
+_CASE = re.compile(r"^\s*case\s+(\d+)\s*:\s*\\?\s*$")
+_BREAK = re.compile(r"^\s*break;\s*\\?\s*$")
+
+
+def trim_launcher(text: str, name: str, head_sizes=BUILT_HEAD_SIZES, block_sizes=BUILT_BLOCK_SIZES) -> str:
+    """vLLM's launcher source with the cases of its head_size and block_size switches that are not
+    in the kept sizes removed (each case through its ``break;``). Refused, naming the file, when a
+    kept size has no case there or a case does not end in a break: the fetched file is not the
+    launcher this reads."""
+    kept = {"head_size": {int(h) for h in head_sizes}, "block_size": {int(b) for b in block_sizes}}
+    lines, out, switch, found = text.split("\n"), [], None, {"head_size": set(), "block_size": set()}
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        opened = _SWITCH.search(line)
+        if opened:
+            switch = opened.group(1)
+        case = _CASE.match(line) if switch else None
+        if case:
+            end = next((j for j in range(i + 1, min(i + 6, len(lines))) if _BREAK.match(lines[j])), None)
+            if end is None:
+                raise VllmSourcesError(f"{name}: field 'case {case.group(1)}' = no break within 5 lines: "
+                                       "not the vLLM launcher this build trims")
+            size = int(case.group(1))
+            if size in kept[switch]:
+                found[switch].add(size)
+                out.extend(lines[i:end + 1])
+            i = end + 1
+            continue
+        out.append(line)
+        i += 1
+    for switch, sizes in kept.items():
+        if sizes - found[switch]:
+            raise VllmSourcesError(f"{name}: field '{switch}' = no case for {sorted(sizes - found[switch])}: "
+                                   f"this vLLM launcher does not instantiate them")
+    return "\n".join(out)
+
+
+def write_trimmed_launchers(root: Path, into: Path) -> list[Path]:
+    """The two launcher files trimmed to the built sizes, written under ``into``."""
+    into.mkdir(parents=True, exist_ok=True)
+    written = []
+    for rel in PAGED_KERNEL_SOURCES:
+        source = root / rel
+        target = into / source.name
+        target.write_text(trim_launcher(source.read_text(), str(source)))
+        written.append(target)
+    return written
+
+
 def paged_nvcc_flags() -> list[str]:
     """The project's nvcc flags, vLLM's language standard in place of the project's, and vLLM's."""
     return [*(f for f in NVCC_FLAGS if not f.startswith("-std=")), *VLLM_NVCC_FLAGS]
 
 
-def _paged_sources(root: Path) -> list[Path]:
-    return [BINDING_SOURCE, *(root / rel for rel in PAGED_KERNEL_SOURCES)]
+def _paged_sources(root: Path, trimmed_into: Path) -> list[Path]:
+    return [BINDING_SOURCE, *write_trimmed_launchers(root, trimmed_into)]
 
 
 def _paged_includes(root: Path) -> list[str]:
     # The shim first, so it stands in for torch's ATen/cuda/CUDAContext.h; csrc/ because vLLM's
-    # attention/dtype_fp8.cuh includes "torch_utils.h" from there.
-    return [str(SHIM_INCLUDE), str(root / "csrc")]
+    # attention/dtype_fp8.cuh includes "torch_utils.h" from there; csrc/attention/ for the
+    # trimmed launchers' includes, which vLLM writes relative to that folder.
+    return [str(SHIM_INCLUDE), str(root / "csrc"), str(root / "csrc" / "attention")]
 
 
 def paged_build_key(root: Path, capability: tuple[int, int]) -> str:
@@ -93,7 +155,8 @@ def paged_build_key(root: Path, capability: tuple[int, int]) -> str:
         digest.update(path.read_bytes())
     # The flags too, so a library compiled with other flags is not reused from the cache.
     parts = [digest.hexdigest(), f"sm{capability[0]}{capability[1]}", torch.__version__, str(torch.version.cuda),
-             " ".join(LINK_FLAGS_VERSION), " ".join(paged_nvcc_flags())]
+             " ".join(LINK_FLAGS_VERSION), " ".join(paged_nvcc_flags()),
+             f"heads {BUILT_HEAD_SIZES} blocks {BUILT_BLOCK_SIZES}"]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -113,12 +176,11 @@ def load_vllm_paged_attention(dest: str | os.PathLike = DEFAULT_DEST, verbose: b
     with _PAGED_LOCK:
         if key not in _PAGED_LOADED:
             # compile_library joins each source to csrc/, which keeps an absolute path as it is.
-            sources = [str(p) for p in _paged_sources(root)]
             try:
                 load_cached(cache_root() / f"vllm-{key}", LIBRARY_NAME,
                              lambda target: compile_library(
-                                 target, LIBRARY_NAME, sources, verbose,
-                                 extra_include_paths=_paged_includes(root),
+                                 target, LIBRARY_NAME, [str(p) for p in _paged_sources(root, target / "sources")],
+                                 verbose, extra_include_paths=_paged_includes(root),
                                  extra_cuda_cflags=[*paged_nvcc_flags(), gencode_for(capability)]))
             except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
                 lines = [line for line in str(exc).splitlines() if line.strip()]
@@ -146,7 +208,7 @@ def check_compile(dest: str | os.PathLike = DEFAULT_DEST, arch: str = "90a") -> 
         defines.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
     done = []
     with tempfile.TemporaryDirectory() as tmp:
-        for source in _paged_sources(root):
+        for source in _paged_sources(root, Path(tmp) / "sources"):
             if source.suffix == ".cu":
                 # torch.utils.cpp_extension's order: its COMMON_NVCC_FLAGS, then the extra flags.
                 cmd = [nvcc_path(), *COMMON_NVCC_FLAGS, *paged_nvcc_flags(),
@@ -236,6 +298,8 @@ def write_record(path: Path, dest: Path, local: dict[str, Path] | None = None) -
                 record[role] = {"built": True, "seconds": round(time.perf_counter() - start, 2)}
             except EngineUnavailable as exc:
                 record[role] = {"built": False, "reason": f"not available: {exc.reason}"}
+        if "paged_attention" in record:  # what the trimmed launchers instantiate
+            record["paged_attention"].update(head_sizes=list(BUILT_HEAD_SIZES), block_sizes=list(BUILT_BLOCK_SIZES))
     record["provenance"] = collect_provenance()
     write_json_atomic(path, record)
     return record
