@@ -22,6 +22,7 @@ merging it (``merge="fused"``, completion counters that are zero again after eve
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -317,11 +318,17 @@ class GraphedDecodeStep:
     def replay_static(self, buffers) -> torch.Tensor:
         """Replay the graph of these caller-owned (q, page_table, seq_lens, out) buffers, capturing
         it on first use; the caller has written the step into them. Returns ``out``."""
+        return self.static_replay(buffers)()
+
+    def static_replay(self, buffers):
+        """A callable that replays the graph of these caller-owned buffers (captured now, if this
+        is their first use) and returns ``out``: a caller that replays the same buffers every step
+        holds it and pays no lookup per step."""
         key = ("static", buffers[0].data_ptr(), buffers[0].shape[0])
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(key, tuple(buffers))
-        return self._replay(entry)
+        return functools.partial(self._replay, entry)
 
 
 def _first_out_of_range(lens: torch.Tensor, limits) -> torch.Tensor:
