@@ -227,3 +227,11 @@ def test_an_array_of_lengths_counts_as_the_same_integers_as_a_list(route):
         array = lens.astype(np.int32)
         assert est.counts(array, route) == est.counts(array.tolist(), route), (trial, batch)
         assert est.total_us(array, route) == est.total_us(array.tolist(), route)
+
+
+def test_the_fixed_rules_table_grows_for_longer_rows_and_counts_as_the_loop_does():
+    est = estimator()
+    for lengths in ([100, 4000], [5000, 1], [1 << 20, 17], [3, 3, 3], [(1 << 20) + 1, 16 * 20 + 1, 16 * 20]):
+        array = np.asarray(lengths, dtype=np.int32)
+        assert est.counts(array, WORKQUEUE20) == est.counts(list(lengths), WORKQUEUE20), lengths
+    assert est._fixed_tables[20].shape[0] == 1 << 21  # covers the longest row seen, to the next power of two

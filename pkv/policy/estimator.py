@@ -34,6 +34,9 @@ from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, St
 VECTOR_MIN_ROWS = 32
 
 
+_LOW_32 = (1 << 32) - 1
+
+
 def total_tokens(lens) -> int:
     return int(lens.sum(dtype=np.int64)) if isinstance(lens, np.ndarray) else sum(lens)
 
@@ -73,6 +76,7 @@ class Estimator:
         self._us_per_token = self._bytes_per_token / self._bytes_per_us
         self._us_per_slot = self._bytes_per_slot / self._bytes_per_us
         self._occupancy_ctas = calib.c_min * calib.num_sms
+        self._fixed_tables: dict[int, np.ndarray] = {}  # split count -> per-length table (_fixed_rule_table)
 
     # ---- counts --------------------------------------------------------------------------------
     def counts(self, lens: list[int], route: StepRoute) -> tuple[int, int, int]:
@@ -111,13 +115,15 @@ class Estimator:
             tiles = (lens + (TILE_TOKENS - 1)) // TILE_TOKENS
             policy = route.split_policy
             if policy.kind == "fixed":
-                # The fixed rule in fewer array operations (each costs about a microsecond at any
-                # length, and this runs on every decode step): a row of n tiles gets
-                # ceil(n / ceil(n / S)) splits, which is n where n <= S, as min(n, S) gives.
-                per_split = (tiles + (policy.num_splits - 1)) // policy.num_splits
-                splits = (tiles + (per_split - 1)) // per_split
-                total = int(splits.sum())
-                merged_rows = total - int(np.count_nonzero(splits == 1))  # single-split rows need no merge
+                # Two array operations (each costs about a microsecond at any length, and this runs
+                # on every decode step): a gather from a table by length, then one sum of its
+                # packed (splits, single-split row) counts.
+                try:
+                    packed = int(self._fixed_rule_table(policy.num_splits, 0)[lens].sum())
+                except IndexError:  # a row longer than the table: grow it to cover the longest
+                    packed = int(self._fixed_rule_table(policy.num_splits, int(lens.max()))[lens].sum())
+                total, single = packed & _LOW_32, packed >> 32
+                merged_rows = total - single  # single-split rows need no merge
                 return hkv * total, 2 if merged_rows else 1, hkv * merged_rows
             target = policy.target_ctas or len(tiles) * hkv * policy.num_splits
             per_task = max(policy.min_tiles_per_split, -(-int(tiles.sum()) * hkv // target))
@@ -126,6 +132,21 @@ class Estimator:
             merged_rows = int(splits[splits > 1].sum())
             return hkv * int(splits.sum()), 2 if merged_rows else 1, hkv * merged_rows
         raise ValueError(f"Estimator: unknown route {route.name!r}")
+
+    def _fixed_rule_table(self, num_splits: int, longest: int) -> np.ndarray:
+        """Per length 0..N: the fixed rule's split count of a row of that length, plus 2**32 if
+        it is one split, so one sum over a step's rows gives both the splits and the rows that need
+        no merge. A row of n tiles gets ceil(n / ceil(n / S)) splits (n where n <= S). Built for
+        lengths up to a power of two above ``longest``, and rebuilt larger when a row outgrows it."""
+        table = self._fixed_tables.get(num_splits)
+        if table is None or table.shape[0] <= longest:
+            lengths = np.arange(1 << max(12, int(longest).bit_length()), dtype=np.int64)
+            tiles = (lengths + (TILE_TOKENS - 1)) // TILE_TOKENS
+            per_split = (tiles + (num_splits - 1)) // num_splits
+            with np.errstate(divide="ignore", invalid="ignore"):  # length 0: no tiles, no splits
+                splits = np.where(per_split > 0, (tiles + (per_split - 1)) // np.maximum(per_split, 1), 0)
+            table = self._fixed_tables[num_splits] = splits + ((splits == 1).astype(np.int64) << 32)
+        return table
 
     def _workqueue_splits(self, lens: list[int], route: StepRoute) -> list[int]:
         """Non-empty splits per row (pkv.pipeline.schedule.row_splits, from ints)."""
