@@ -37,10 +37,16 @@ if [ -n "${vllm_build:-}" ]; then
   wait "$vllm_build"; echo "vllm build rc=$? $(grep -o '"built": [a-z]*' "$OUT/vllm_build.json" 2>/dev/null | tr '\n' ' ')"
   save_builds
 fi
-# Every GPU test (kernels, device-planned step and routed graphs, the baselines, vLLM's rows where
-# third_party/vllm was carried, the model step); GPU_TESTS narrows it, e.g. tests/test_kernels_gpu.py.
-python3 -X faulthandler -m pytest -v -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/} > "$OUT/tests.log" 2>&1
+# Every GPU test, the project's kernels first (a run stopped at its time limit has checked what
+# matters most): kernels, device-planned step and routed graphs, the model step, the baselines,
+# vLLM's rows where third_party/vllm was carried. GPU_TESTS narrows it, e.g. tests/test_kernels_gpu.py.
+# $OUT/test_times.tsv: each test's seconds as it ends (tests/conftest.py), there even when the
+# run is stopped at its time limit; the slowest are printed.
+PKV_TEST_TIMES="$OUT/test_times.tsv" python3 -X faulthandler -m pytest -v -p no:cacheprovider -m gpu \
+  ${GPU_TESTS:-tests/test_kernels_gpu.py tests/test_device_step_gpu.py tests/test_model_step.py tests/test_baselines_gpu.py tests/test_vllm_engines.py} \
+  > "$OUT/tests.log" 2>&1
 grep -E "FAILED|ERROR|passed|failed|Fatal|^E  " "$OUT/tests.log" | tail -30
+sort -t$'\t' -k3 -rn "$OUT/test_times.tsv" 2>/dev/null | head -8 | cut -c1-160
 for tool in $([ -z "${SKIP_SANITIZE:-}" ] && echo memcheck racecheck); do
   compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/sanitize_cases.py > "$OUT/$tool.log" 2>&1
   echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"

@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """PKV_TEST_TIMES=<file>: each test phase's seconds appended as it ends (node id, phase,
+    seconds, outcome), so a GPU run stopped at its time limit still says where its time went."""
+    path = os.environ.get("PKV_TEST_TIMES")
+    if path and (report.when == "call" or report.duration >= 0.5):
+        with open(path, "a") as times:
+            times.write(f"{report.nodeid}\t{report.when}\t{report.duration:.2f}\t{report.outcome}\n")
 
 
 def _build_step(seq_lens, page_size=16, *, hole_fraction=None, seed=0, reverse_pages=False):
