@@ -355,9 +355,9 @@ __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
   // What follows the decode is derived again from the grid indices and the row's (cached) index
   // and length instead of being held through the decode loop: at stages = 2 the kernel is at its
   // register cap, and values held through the loop spill there.
-  const int kvh = blockIdx.y, split = blockIdx.z;
-  const BucketSplit b(a, row_indices[blockIdx.x], split, num_splits);
-  const int pair = blockIdx.x * a.num_kv_heads + kvh;
+  const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  const BucketSplit b(a, row_indices[r], split, num_splits);
+  const int pair = r * a.num_kv_heads + kvh;
   const int slot = pair * num_splits + split;
   // live_splits_only (fused merge only): a pair merges just the splits that own tiles, so an
   // empty split writes nothing and a pair with one live split writes `out` directly. Otherwise
