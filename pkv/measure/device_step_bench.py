@@ -53,6 +53,10 @@ CASES = {
     "b1_32k": ([32 * K], 32, ROUTE_BUCKET),
     "b1_128k": ([128 * K], 32, ROUTE_BUCKET),
     "b8_bimodal": ([64 * K, 64 * K, 4 * K, 5632, 7 * K, 8704, 10 * K, 12 * K], 24, ROUTE_WORKQUEUE),
+    # The same with a ninth, short row: the in-decode grid's CTAs of one row lie B apart in launch
+    # order, which is a multiple of the GPU's 8 GPCs at B8 and not at B9 (docs/performance.md, "The
+    # device-planned step on the H200": the in-decode grid's loss at B8 bimodal).
+    "b9_bimodal": ([64 * K, 64 * K, 4 * K, 5632, 7 * K, 8704, 10 * K, 12 * K, 6 * K], 24, ROUTE_WORKQUEUE),
     "b64_4k": ([4 * K] * 64, 2, ROUTE_WORKQUEUE),
     "b256_2k": ([2 * K] * 256, 1, ROUTE_WORKQUEUE),
     # One long prompt among many short ones: the host planner's padded table grows with the longest row.
