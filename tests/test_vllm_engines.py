@@ -415,3 +415,18 @@ class _Recording:
     def __getattr__(self, name):
         self._called.append(name)
         return getattr(self._ops, name)
+
+
+def test_trimming_keeps_the_built_cases_of_both_switches_in_vllms_two_styles():
+    # vLLM's shapes: a head_size switch in the launcher's body and a block_size switch inside a
+    # macro, its lines ending in backslashes.
+    launcher = "\n".join([
+        "  switch (head_size) {", "    case 64:", "      LAUNCH(64);", "      break;", "    case 128:",
+        "      LAUNCH(128);", "      break;", "    default:", "      TORCH_CHECK(false);", "      break;", "  }",
+        "#define BY_BLOCK(T)      \\", "  switch (block_size) { \\", "    case 8:          \\", "      CALL(T, 8); \\",
+        "      break;           \\", "    case 16:         \\", "      CALL(T, 16); \\", "      break;           \\",
+        "    default:          \\", "      break;           \\", "  }"])
+    trimmed = vb.trim_launcher(launcher, "v9.cu", head_sizes=(128,), block_sizes=(16,))
+    assert "LAUNCH(64)" not in trimmed and "CALL(T, 8)" not in trimmed
+    assert "LAUNCH(128)" in trimmed and "CALL(T, 16)" in trimmed and trimmed.count("default:") == 2
+    assert len(launcher.splitlines()) - len(trimmed.splitlines()) == 6
