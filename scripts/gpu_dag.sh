@@ -24,6 +24,19 @@ set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 GPU_NAME=${GPU_NAME:-h200}
 DAG_CONFIG=${DAG_CONFIG:-config/gpu_smoke.yaml}
+# DAG_TREE=<dir>: run in an exported tree of one commit instead of the working tree, so the parts of
+# a full run that spans several device runs all run that commit, whatever the working tree holds by then:
+#   mkdir -p .device/dag && git archive <rev> | tar -x -C .device/dag \
+#     && python -m pkv.provenance --stamp .device/dag/.device/source_stamp.json   # with <rev> checked out
+# The wheels and vLLM's sources come from the working tree; carried tarballs are named from it too.
+if [ -n "${DAG_TREE:-}" ]; then
+  for carried in BUILD_CACHE_FROM RESUME_FROM; do
+    [ -n "${!carried:-}" ] && export "$carried=$(realpath "${!carried}")"
+  done
+  ln -sfn "$PWD/.whl" "$DAG_TREE/.whl" || exit 1
+  if [ -d third_party/vllm ]; then mkdir -p "$DAG_TREE/third_party" && ln -sfn "$PWD/third_party/vllm" "$DAG_TREE/third_party/vllm"; fi
+  cd "$DAG_TREE" || exit 1
+fi
 source scripts/device_site.sh || exit 1
 export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
 [ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
