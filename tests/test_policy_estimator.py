@@ -235,3 +235,13 @@ def test_the_fixed_rules_table_grows_for_longer_rows_and_counts_as_the_loop_does
         array = np.asarray(lengths, dtype=np.int32)
         assert est.counts(array, WORKQUEUE20) == est.counts(list(lengths), WORKQUEUE20), lengths
     assert est._fixed_tables[20].shape[0] == 1 << 21  # covers the longest row seen, to the next power of two
+
+
+def test_rows_past_the_tables_reach_are_counted_without_it(monkeypatch):
+    from pkv.policy import estimator as est_module
+
+    monkeypatch.setattr(est_module, "FIXED_TABLE_MAX_TOKENS", 1 << 13)
+    est = estimator()
+    lengths = [1 << 14, 100, 16 * 20]
+    assert est.counts(np.asarray(lengths, dtype=np.int32), WORKQUEUE20) == est.counts(lengths, WORKQUEUE20)
+    assert est._fixed_tables[20].shape[0] < 1 << 14  # not grown to the long row

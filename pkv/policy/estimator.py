@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pkv.pipeline.counters import PARTIAL_STATE_BYTES
-from pkv.pipeline.schedule import TILE_TOKENS
+from pkv.pipeline.schedule import TILE_TOKENS, nonempty_splits, row_tiles
 from pkv.policy.calibration import Calibration
 from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, StepRoute
 
@@ -35,6 +35,8 @@ VECTOR_MIN_ROWS = 32
 
 
 _LOW_32 = (1 << 32) - 1
+# The fixed rule's per-length table stops here (32 MiB); steps with longer rows are counted without it.
+FIXED_TABLE_MAX_TOKENS = 1 << 22
 
 
 def total_tokens(lens) -> int:
@@ -112,7 +114,6 @@ class Estimator:
             return (int(hkv * (rows * s).sum()), int(len(lengths) + split.sum()),
                     int(hkv * (rows * s)[split].sum()))
         if route.name == ROUTE_WORKQUEUE:
-            tiles = (lens + (TILE_TOKENS - 1)) // TILE_TOKENS
             policy = route.split_policy
             if policy.kind == "fixed":
                 # Two array operations (each costs about a microsecond at any length, and this runs
@@ -121,10 +122,16 @@ class Estimator:
                 try:
                     packed = int(self._fixed_rule_table(policy.num_splits, 0)[lens].sum())
                 except IndexError:  # a row longer than the table: grow it to cover the longest
-                    packed = int(self._fixed_rule_table(policy.num_splits, int(lens.max()))[lens].sum())
+                    longest = int(lens.max())
+                    if longest < FIXED_TABLE_MAX_TOKENS:
+                        packed = int(self._fixed_rule_table(policy.num_splits, longest)[lens].sum())
+                    else:  # past the table's reach: count these rows without it
+                        splits = nonempty_splits(row_tiles(lens), policy.num_splits)
+                        packed = int(splits.sum()) + (int(np.count_nonzero(splits == 1)) << 32)
                 total, single = packed & _LOW_32, packed >> 32
                 merged_rows = total - single  # single-split rows need no merge
                 return hkv * total, 2 if merged_rows else 1, hkv * merged_rows
+            tiles = (lens + (TILE_TOKENS - 1)) // TILE_TOKENS
             target = policy.target_ctas or len(tiles) * hkv * policy.num_splits
             per_task = max(policy.min_tiles_per_split, -(-int(tiles.sum()) * hkv // target))
             requested = np.minimum(np.maximum(-(-tiles // per_task), 1), policy.max_splits)
@@ -137,15 +144,13 @@ class Estimator:
         """Per length 0..N: the fixed rule's split count of a row of that length, plus 2**32 if
         it is one split, so one sum over a step's rows gives both the splits and the rows that need
         no merge. A row of n tiles gets ceil(n / ceil(n / S)) splits (n where n <= S). Built for
-        lengths up to a power of two above ``longest``, and rebuilt larger when a row outgrows it."""
+        lengths up to a power of two above ``longest`` (below FIXED_TABLE_MAX_TOKENS: 8 bytes a
+        token), and rebuilt larger when a row outgrows it."""
         table = self._fixed_tables.get(num_splits)
         if table is None or table.shape[0] <= longest:
-            lengths = np.arange(1 << max(12, int(longest).bit_length()), dtype=np.int64)
-            tiles = (lengths + (TILE_TOKENS - 1)) // TILE_TOKENS
-            per_split = (tiles + (num_splits - 1)) // num_splits
-            with np.errstate(divide="ignore", invalid="ignore"):  # length 0: no tiles, no splits
-                splits = np.where(per_split > 0, (tiles + (per_split - 1)) // np.maximum(per_split, 1), 0)
-            table = self._fixed_tables[num_splits] = splits + ((splits == 1).astype(np.int64) << 32)
+            splits = nonempty_splits(row_tiles(np.arange(1 << max(12, int(longest).bit_length()))), num_splits)
+            table = splits.astype(np.int64) + ((splits == 1).astype(np.int64) << 32)
+            self._fixed_tables[num_splits] = table
         return table
 
     def _workqueue_splits(self, lens: list[int], route: StepRoute) -> list[int]:
