@@ -85,15 +85,16 @@ def _wall_us(fn, reps: int) -> float:
     return statistics.median(samples)
 
 
-def _timed_row(fn, flusher, reps, *, out=None, reference=None, device_fn=None) -> dict:
+def _timed_row(fn, flusher, reps, *, out=None, reference=None, device_fn=None, replay=None) -> dict:
     """Device (of ``device_fn``, else ``fn``), wall and host time of one form of the step, after a
-    first untimed call; with ``out``, its largest difference from the host-planned output."""
+    first untimed call; with ``out``, its largest difference from the host-planned output; with
+    ``replay`` (a graph's bare replay), that replay's host time, what of host_us is the launch."""
     fn()
     torch.cuda.synchronize()
     row = {"device_us": time_device_us(device_fn or fn, flusher=flusher, reps=reps).median_us,
            "wall_us": _wall_us(fn, reps), "host_us": _host_us(fn, reps)}
-    if device_fn is not None:  # a graph's replay alone: what of the host time is the launch itself
-        row["replay_host_us"] = _host_us(device_fn, reps)
+    if replay is not None:
+        row["replay_host_us"] = _host_us(replay, reps)
     if out is not None:
         row["max_abs_diff_vs_host"] = float((out.float() - reference.float()).abs().max())
     return row
@@ -129,8 +130,9 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
                 out=out, reference=reference)
         graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
         graphed.run(q, table, lens)
+        replay = graphed._graphs[(len(lengths), False)][0].replay
         rows[PLANNER_ROWS[planner] + "_graph"] = _timed_row(lambda: graphed.run(q, table, lens), flusher, reps,
-                                                            device_fn=graphed._graphs[(len(lengths), False)][0].replay)
+                                                            device_fn=replay, replay=replay)
 
     # The serving form: the caller has written the step into the bucket's buffers; the host asks
     # the route and replays. The pinned policy keeps the case's route on this split count; the
@@ -140,16 +142,11 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
     buffers.q.copy_(q)
     buffers.block_table.copy_(table)
     buffers.seq_lens.copy_(lens)
-    routed_out = routed.run(host_lens).clone()
-    torch.cuda.synchronize()
+    routed.run(host_lens)  # captures the route's graph
     (graphed,) = routed._persistent.values()
     (replayed,) = graphed._graphs.values()
-    rows["routed_graph"] = {
-        "device_us": time_device_us(lambda: routed.run(host_lens), flusher=flusher, reps=reps).median_us,
-        "wall_us": _wall_us(lambda: routed.run(host_lens), reps),
-        "host_us": _host_us(lambda: routed.run(host_lens), reps),
-        "replay_host_us": _host_us(replayed[0].replay, reps),
-        "max_abs_diff_vs_host": float((routed_out.float() - reference.float()).abs().max())}
+    rows["routed_graph"] = _timed_row(lambda: routed.run(host_lens), flusher, reps, out=buffers.out,
+                                      reference=reference, replay=replayed[0].replay)
 
     best = None
     for label in BEST_OF_ROLES:
