@@ -60,6 +60,20 @@ def device_merge(route_merge: str) -> str:
     return route_merge if route_merge in MERGES else MERGE_LAUNCH
 
 
+class DeviceStepConfig(NamedTuple):
+    """What a DeviceDecodeStep is built with for one PersistentKV route (its keyword arguments)."""
+
+    num_splits: int
+    merge: str
+    planner: str
+
+
+def device_step_config(route, planner: str | None = None) -> DeviceStepConfig:
+    """The device step of a PersistentKV route: its split count, its merge (device_merge) and its
+    planner (device_planner, unless ``planner`` pins one for every route)."""
+    return DeviceStepConfig(int(route.num_splits), device_merge(route.merge), planner or device_planner(route.name))
+
+
 def check_lengths(host_lens, row_pages, page_size: int, where: str = "DeviceDecodeStep") -> None:
     """Refuse, before any launch, a length the page table cannot address: the error names the row,
     its length and the limit. ``row_pages`` is a block table's width, or each row's page-list

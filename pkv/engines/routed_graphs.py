@@ -27,8 +27,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pkv.engines.device_step import (PLANNERS, DeviceDecodeStep, GraphedDecodeStep, check_lengths, device_merge,
-                                     device_planner)
+from pkv.engines.device_step import (PLANNERS, DeviceDecodeStep, DeviceStepConfig, GraphedDecodeStep, check_lengths,
+                                     device_step_config)
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.page_table import PageLists, host_row_entries, list_lengths
 from pkv.policy.route import ROUTE_FLASHINFER
@@ -112,7 +112,7 @@ class RoutedGraphStep:
         self.device = k_pages.device
         self._buffers: dict[int, StepBuffers | ListStepBuffers] = {}
         self._last_batch: dict[int, int] = {}
-        self._persistent: dict[tuple, GraphedDecodeStep] = {}  # (splits, merge, planner) -> its graphs, one per bucket
+        self._persistent: dict[DeviceStepConfig, GraphedDecodeStep] = {}  # its graphs, one per bucket
         # What a step replays and returns, held per (bucket, route) and (bucket, batch): the host's
         # share of a step is the route check and the replay, with no lookups besides these two.
         self._replays: dict[tuple, object] = {}
@@ -185,22 +185,19 @@ class RoutedGraphStep:
             key = (bucket, route.name, route.num_splits, route.merge)
             replay = self._replays.get(key)
             if replay is None:
-                planner = self.planner or device_planner(route.name)
-                graphed = self._graphed(route.num_splits, device_merge(route.merge), planner)
-                replay = self._replays[key] = graphed.static_replay(full)
+                replay = self._replays[key] = self._graphed(device_step_config(route, self.planner)).static_replay(full)
             replay()
         rows = self._out_rows.get((bucket, batch))
         if rows is None:
             rows = self._out_rows[(bucket, batch)] = full.out[:batch]
         return rows
 
-    def _graphed(self, num_splits: int, merge: str, planner: str) -> GraphedDecodeStep:
-        key = (num_splits, merge, planner)
-        if key not in self._persistent:
-            workspace = DeviceDecodeStep(self.shape, max_batch=self.batch_buckets[-1], num_splits=num_splits,
-                                         device=self.device, stages=self.stages, planner=planner, merge=merge)
-            self._persistent[key] = GraphedDecodeStep(workspace, self.k_pages, self.v_pages, self.max_pages)
-        return self._persistent[key]
+    def _graphed(self, config: DeviceStepConfig) -> GraphedDecodeStep:
+        if config not in self._persistent:
+            workspace = DeviceDecodeStep(self.shape, max_batch=self.batch_buckets[-1], device=self.device,
+                                         stages=self.stages, **config._asdict())
+            self._persistent[config] = GraphedDecodeStep(workspace, self.k_pages, self.v_pages, self.max_pages)
+        return self._persistent[config]
 
     def _replay_flashinfer(self, bucket: int, full, host_lens, host_table) -> None:
         path, graph = self._flashinfer.get(bucket, (None, None))

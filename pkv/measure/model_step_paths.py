@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 
 from pkv.engines.base import EngineUnavailable, upload_block_table
-from pkv.engines.device_step import PLANNER_LABELS, DeviceDecodeStep, device_merge, device_planner
+from pkv.engines.device_step import PLANNER_LABELS, DeviceDecodeStep, device_planner, device_step_config
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.measure.model_step import ModelStep, skip_attend
-from pkv.policy.route import MERGE_LAUNCH, ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE
+from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE
 
 MODES = ("eager", "graph")
 
@@ -230,10 +230,8 @@ class AdaptiveGraphPath(GraphPath):
         return self.policy.choose(step).route
 
     def key(self, step):
-        route = self._route(step)
-        if route.name == ROUTE_FLASHINFER:
-            return (step.batch_size, route.name, 0, MERGE_LAUNCH)
-        return (step.batch_size, route.name, int(route.num_splits), device_merge(route.merge))
+        # Only PersistentKV steps get here: prepare() and plan() hand FlashInfer's to its own path.
+        return (step.batch_size, device_step_config(self._route(step)))
 
     def prepare(self, step, x) -> None:
         if self._route(step).name == ROUTE_FLASHINFER:
@@ -242,13 +240,11 @@ class AdaptiveGraphPath(GraphPath):
             super().prepare(step, x)
 
     def attend_for(self, key, static):
-        batch, route, splits, merge = key
-        planner = device_planner(route)
-        ws = self._workspaces.get((splits, merge, planner))
-        if ws is None:  # one workspace per split count, merge and planner, shared by the graphs of every batch size
-            ws = self._workspaces[(splits, merge, planner)] = self._device_step(
-                self.model.shape.attention, max_batch=self.max_batch, num_splits=splits, device=self.model.device,
-                merge=merge, planner=planner)
+        batch, config = key
+        ws = self._workspaces.get(config)
+        if ws is None:  # one workspace per device-step config, shared by the graphs of every batch size
+            ws = self._workspaces[config] = self._device_step(
+                self.model.shape.attention, max_batch=self.max_batch, device=self.model.device, **config._asdict())
         static.device_step = ws
         static.outs = [torch.empty(batch, self.model.shape.num_qo_heads, self.model.shape.head_dim,
                                    dtype=self.model.dtype, device=self.model.device)
