@@ -432,3 +432,39 @@ def test_graphed_step_copies_each_step_into_its_own_buffers_on_the_cpu(recorded_
         out = graphed.run(q, page_table, torch.from_numpy(step.seq_lens))
         torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)
     assert list(graphed._graphs) == [(3, page_lists)]
+
+
+def test_flashinfer_graph_plan_keeps_each_row_to_its_own_pages():
+    """A length past a row's own pages attends over the pages it has on the FlashInfer route too,
+    as the PersistentKV routes' kernels clamp it: never into the next row's pages."""
+    from pkv.engines.routed_graphs import _FlashInferGraphPath
+
+    class Recording:
+        def plan(self, indptr, indices, last, q_dtype, kv_dtype):
+            self.planned = (list(indptr), list(indices), list(last))
+
+    path = _FlashInferGraphPath.__new__(_FlashInferGraphPath)
+    path.bucket, path.page_size, path.decode = 4, 16, Recording()
+    lists = (np.array([0, 2, 4]), np.array([10, 11, 20, 21]))
+    path.plan(np.array([40, 17]), lists, None, None)  # row 0 asks for 3 pages, has 2
+    indptr, indices, last = path.decode.planned
+    assert indices[:4] == [10, 11, 20, 21] and indptr[:3] == [0, 2, 4] and last[:2] == [16, 1]
+    path.plan(np.array([40, 17]), np.array([[10, 11], [20, 21]]), None, None)  # block table of width 2
+    assert path.decode.planned == (indptr, indices, last)
+
+
+def test_routed_debug_check_names_a_host_indptr_of_the_wrong_length(recorded_graphs):
+    import torch
+
+    from pkv.engines.routed_graphs import RoutedGraphStep
+    from pkv.policy.choose import PinnedRoutePolicy
+    from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
+    from pkv.shape import ModelShape
+
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=16)
+    k = torch.zeros(8, 2, 16, 16)
+    routed = RoutedGraphStep(PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, 2)), shape, k, k, max_pages=4,
+                             batch_buckets=(4,), page_lists=True, debug_checks=True)
+    routed.buffers(2)
+    with pytest.raises(ValueError, match=r"host_table's indptr must have 3 entries .*got \(5,\)"):
+        routed.run(np.array([16, 16]), host_table=(np.array([0, 1, 2, 2, 2]), np.arange(8)))

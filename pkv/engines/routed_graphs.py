@@ -5,10 +5,10 @@ The host's whole share of a step is to ask the calibrated route policy with the 
 scheduler already holds (``RoutePolicy.choose`` reads nothing else of a step) and to replay the
 graph captured for that route and the step's batch-size bucket:
 
-- a PersistentKV route replays a ``DeviceDecodeStep`` graph with the route's split count and
-  merge (a cluster merge, which the device step does not have, runs as a merge launch): the
-  split ranges are planned on the GPU inside the graph, so one graph serves any lengths. A
-  single-row bucket route runs as the one-row workqueue, which splits the row the same way;
+- a PersistentKV route replays a ``DeviceDecodeStep`` graph of the route's device-step config
+  (``device_step_config``: its split count, its merge, a cluster merge running as a merge launch,
+  and its planner: the in-decode grid for a bucket route, the plan kernel's workqueue for the
+  others): the split ranges are found on the GPU inside the graph, so one graph serves any lengths;
 - a FlashInfer step replays FlashInfer's CUDA-graph decode wrapper. FlashInfer plans on the host
   (on Hopper it has no device-side plan), so its plan() runs every such step, outside the graph,
   from the host lengths and page table, as serving engines that use it do.
@@ -75,12 +75,17 @@ class _FlashInferGraphPath:
     def plan(self, host_lens, host_table, q_dtype, kv_dtype) -> None:
         lens = np.asarray(host_lens, dtype=np.int64)
         batch, page = len(lens), self.page_size
+        table = host_table if isinstance(host_table, tuple) else np.asarray(host_table)
+        # A length past the row's own pages attends over the pages it has, as the PersistentKV
+        # routes' kernels clamp it (split_decode.cuh, row_length): never into another row's pages.
+        row_pages = list_lengths(table[0], len(table[1]), "RoutedGraphStep host_table") if isinstance(
+            table, tuple) else table.shape[1]
+        lens = np.minimum(lens, np.asarray(row_pages, dtype=np.int64) * page)
         # The bucket's padding rows read one token of page 0: their output rows are never read.
         pages = np.ones(self.bucket, dtype=np.int64)
         pages[:batch] = np.maximum(-(-lens // page), 1)
         last = np.ones(self.bucket, dtype=np.int32)
         last[:batch] = np.where(lens > 0, lens - (pages[:batch] - 1) * page, 1)
-        table = host_table if isinstance(host_table, tuple) else np.asarray(host_table)
         indices = np.concatenate([host_row_entries(table, row, int(pages[row])) for row in range(batch)]
                                  + [np.zeros(self.bucket - batch, dtype=np.int32)])
         self.decode.plan(np.concatenate(([0], np.cumsum(pages))), indices, last, q_dtype, kv_dtype)
@@ -167,14 +172,14 @@ class RoutedGraphStep:
         if self.debug_checks:  # the host holds the lengths: no device check and no synchronization needed
             if self.page_lists and host_table is None:
                 raise ValueError("RoutedGraphStep.run: debug_checks with page lists need host_table=(indptr, indices)")
-            row_pages = (list_lengths(host_table[0], len(host_table[1]), "RoutedGraphStep") if self.page_lists
-                         else self.max_pages)
+            if self.page_lists and np.shape(host_table[0]) != (batch + 1,):
+                raise ValueError(f"RoutedGraphStep.run: host_table's indptr must have {batch + 1} entries "
+                                 f"(the batch's rows + 1), got {np.shape(host_table[0])}")
+            row_pages = (list_lengths(host_table[0], len(host_table[1]), "RoutedGraphStep host_table")
+                         if self.page_lists else self.max_pages)
             check_lengths(host_lens, row_pages, self.page_size, "RoutedGraphStep")
         if batch < self._last_batch[bucket]:
             full.seq_lens[batch:].zero_()  # padding rows: length 0, no task, output never read
-        if self.page_lists and batch < bucket:
-            indptr = full.page_lists.indptr  # padding rows: empty lists after the batch's last entry
-            indptr[batch + 1:].copy_(indptr[batch].expand(bucket - batch))
         self._last_batch[bucket] = batch
         route = self.last_route = self.route(host_lens)
         if route.name == ROUTE_FLASHINFER:
@@ -185,6 +190,12 @@ class RoutedGraphStep:
             key = (bucket, route.name, route.num_splits, route.merge)
             replay = self._replays.get(key)
             if replay is None:
+                if self.page_lists and batch < bucket:
+                    # Capture runs the step once eagerly, whose host check reads every row's list:
+                    # the padding rows get empty ones. Replays need none (a row of length 0 reads
+                    # no entry whatever its indptr), so later steps skip this copy.
+                    indptr = full.page_lists.indptr
+                    indptr[batch + 1:].copy_(indptr[batch].expand(bucket - batch))
                 replay = self._replays[key] = self._graphed(device_step_config(route, self.planner)).static_replay(full)
             replay()
         rows = self._out_rows.get((bucket, batch))
