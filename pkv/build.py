@@ -176,6 +176,12 @@ def check_compile(arches: tuple[str, ...] = CHECK_ARCHES) -> list[str]:
     (a launcher declared in one file and instantiated in none would otherwise fail only when the
     GPU machine loads the extension)."""
     nvcc = nvcc_path()
+    # The build compiles KERNEL_SOURCES: a .cu file outside that list would pass this check and be
+    # missing from the library the GPU machine loads.
+    on_disk = {p.name for p in CSRC.glob("*.cu")}
+    if on_disk != set(KERNEL_SOURCES):
+        raise RuntimeError(f"pkv/build.py: field 'KERNEL_SOURCES' = {sorted(KERNEL_SOURCES)}; csrc/ holds "
+                           f"{sorted(on_disk)}")
     done, spilling = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for source in sorted(CSRC.glob("*.cu")):

@@ -119,7 +119,6 @@ class VllmEngine(_VllmEngine):
                                     f"instantiates head sizes {BUILT_HEAD_SIZES} (pkv.engines.vllm_build.BUILT_HEAD_SIZES)")
         self._block_sizes = BUILT_BLOCK_SIZES
         self._ops = load_vllm_paged_attention()
-        self._version = PAGED_ATTENTION.version
         self.name = "vllm"
         self._what = "vllm paged attention"
         # v1 or v2 per step, by vLLM's rule (run), so the name is of both.

@@ -150,13 +150,15 @@ def _paged_includes(root: Path) -> list[str]:
 def paged_build_key(root: Path, capability: tuple[int, int]) -> str:
     digest = hashlib.sha256()
     ours = [(str(p.relative_to(REPO_ROOT)), p) for p in (BINDING_SOURCE, *sorted(SHIM_INCLUDE.rglob("*.h")))]
+    trimmed = {str(Path(rel)) for rel in PAGED_KERNEL_SOURCES}
     for name, path in ours + [(rel, root / rel) for rel in PAGED_ATTENTION.files]:
         digest.update(name.encode())
-        digest.update(path.read_bytes())
+        # The launchers as the build compiles them: trimmed to the built sizes by this module's code.
+        digest.update(trim_launcher(path.read_text(), str(path)).encode() if str(Path(name)) in trimmed
+                      else path.read_bytes())
     # The flags too, so a library compiled with other flags is not reused from the cache.
     parts = [digest.hexdigest(), f"sm{capability[0]}{capability[1]}", torch.__version__, str(torch.version.cuda),
-             " ".join(LINK_FLAGS_VERSION), " ".join(paged_nvcc_flags()),
-             f"heads {BUILT_HEAD_SIZES} blocks {BUILT_BLOCK_SIZES}"]
+             " ".join(LINK_FLAGS_VERSION), " ".join(paged_nvcc_flags())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -298,8 +300,8 @@ def write_record(path: Path, dest: Path, local: dict[str, Path] | None = None) -
                 record[role] = {"built": True, "seconds": round(time.perf_counter() - start, 2)}
             except EngineUnavailable as exc:
                 record[role] = {"built": False, "reason": f"not available: {exc.reason}"}
-        if "paged_attention" in record:  # what the trimmed launchers instantiate
-            record["paged_attention"].update(head_sizes=list(BUILT_HEAD_SIZES), block_sizes=list(BUILT_BLOCK_SIZES))
+        # What the trimmed launchers instantiate.
+        record["paged_attention"].update(head_sizes=list(BUILT_HEAD_SIZES), block_sizes=list(BUILT_BLOCK_SIZES))
     record["provenance"] = collect_provenance()
     write_json_atomic(path, record)
     return record
