@@ -14,15 +14,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 source scripts/device_site.sh || exit 1
 export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
-if [ -n "${BUILD_CACHE_FROM:-}" ]; then
-  for cache in $BUILD_CACHE_FROM; do mkdir -p "$PKV_CACHE_DIR" && tar xzf "$cache" -C "$PKV_CACHE_DIR" || exit 1; done
-fi
-# The builds, for the next run (each file that comes back is at most 16 MiB): after the build and on exit.
-save_builds() {
-  [ -d "$PKV_CACHE_DIR" ] || return 0
-  (cd "$PKV_CACHE_DIR" && tar czf "$OUT/build_cache.tgz" --exclude='vllm-*' --exclude='*/build-*' . \
-     && { ls -d vllm-* >/dev/null 2>&1 && tar czf "$OUT/vllm_build_cache.tgz" --exclude='*/build-*' vllm-* || true; })
-}
+restore_builds
+# The builds, for the next run (scripts/device_site.sh): after the build and on exit.
 trap save_builds EXIT
 [ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -31,7 +24,10 @@ if [ -d third_party/vllm ]; then
   python3 -m pkv.engines.vllm_build record --record "$OUT/vllm_build.json" > "$OUT/vllm_build.log" 2>&1 &
   vllm_build=$!
 fi
-python3 -m pkv.build --record "$OUT/build.json" 2>&1 | tail -5 || exit 1
+if ! python3 -m pkv.build --record "$OUT/build.json" 2>&1 | tail -5; then
+  [ -n "${vllm_build:-}" ] && kill "$vllm_build" 2>/dev/null
+  exit 1
+fi
 save_builds  # now too: a run stopped at its time limit runs no exit trap
 if [ -n "${vllm_build:-}" ]; then
   wait "$vllm_build"; echo "vllm build rc=$? $(grep -o '"built": [a-z]*' "$OUT/vllm_build.json" 2>/dev/null | tr '\n' ' ')"

@@ -15,3 +15,26 @@ for slim in .whl/flashinfer-*-slim.tgz; do
 done
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null || echo "flashinfer: not importable"
+
+# The extensions' build cache travels between runs as tarballs in $OUT (each file that comes back
+# is at most 16 MiB): the project's and vLLM's apart, each written whole or not at all.
+#   restore_builds: unpacks $BUILD_CACHE_FROM (tarballs of earlier runs of the same sources, space
+#     separated); one that does not unpack is dropped with a warning and the build runs instead.
+restore_builds() {
+  local cache
+  for cache in ${BUILD_CACHE_FROM:-}; do
+    mkdir -p "$PKV_CACHE_DIR" && tar xzf "$cache" -C "$PKV_CACHE_DIR" && continue
+    echo "build cache $cache does not unpack: building instead" >&2
+    rm -rf "$PKV_CACHE_DIR"; return 0
+  done
+}
+save_builds() {
+  [ -d "$PKV_CACHE_DIR" ] || return 0
+  (cd "$PKV_CACHE_DIR" || exit 0
+   tar czf "$OUT/.build_cache.tgz.part" --exclude='vllm-*' --exclude='*/build-*' . \
+     && mv "$OUT/.build_cache.tgz.part" "$OUT/build_cache.tgz"
+   if ls -d vllm-* >/dev/null 2>&1; then
+     tar czf "$OUT/.vllm_build_cache.tgz.part" --exclude='*/build-*' vllm-* \
+       && mv "$OUT/.vllm_build_cache.tgz.part" "$OUT/vllm_build_cache.tgz"
+   fi)
+}

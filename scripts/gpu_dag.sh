@@ -30,19 +30,19 @@ DAG_CONFIG=${DAG_CONFIG:-config/gpu_smoke.yaml}
 #     && python -m pkv.provenance --stamp .device/dag/.device/source_stamp.json   # with <rev> checked out
 # The wheels and vLLM's sources come from the working tree; carried tarballs are named from it too.
 if [ -n "${DAG_TREE:-}" ]; then
-  for carried in BUILD_CACHE_FROM RESUME_FROM; do
-    [ -n "${!carried:-}" ] && export "$carried=$(realpath "${!carried}")"
+  for carried in BUILD_CACHE_FROM RESUME_FROM PKV_SOURCE_STAMP; do
+    # shellcheck disable=SC2046  # each word a path
+    [ -n "${!carried:-}" ] && export "$carried=$(realpath ${!carried} | tr '\n' ' ' | sed 's/ $//')"
   done
   ln -sfn "$PWD/.whl" "$DAG_TREE/.whl" || exit 1
   if [ -d third_party/vllm ]; then mkdir -p "$DAG_TREE/third_party" && ln -sfn "$PWD/third_party/vllm" "$DAG_TREE/third_party/vllm"; fi
+  site="$PWD/scripts/device_site.sh"  # this tree's, which the exported one may predate
   cd "$DAG_TREE" || exit 1
 fi
-source scripts/device_site.sh || exit 1
+source "${site:-scripts/device_site.sh}" || exit 1
 export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
 [ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
-if [ -n "${BUILD_CACHE_FROM:-}" ]; then
-  mkdir -p "$PKV_CACHE_DIR" && tar xzf "$BUILD_CACHE_FROM" -C "$PKV_CACHE_DIR" || exit 1
-fi
+restore_builds
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/tests.log" 2>&1; tail -2 "$OUT/tests.log"
@@ -63,7 +63,7 @@ timeout "${DAG_TIMEOUT:-420}" python3 -m snakemake ${DAG_TARGETS:-} --cores 16 -
   --configfile "$DAG_CONFIG" --config gpu="$GPU_NAME" > "$OUT/dag.log" 2>&1
 echo "dag rc=$?"
 tar czf "$OUT/artifacts.tgz" "artifacts/$GPU_NAME" 2>/dev/null
-[ -d "$PKV_CACHE_DIR" ] && tar czf "$OUT/build_cache.tgz" -C "$PKV_CACHE_DIR" .
+save_builds
 grep -E "Finished jobid|Error in rule|steps done" "$OUT/dag.log" | tail -12
 # Each failed job's own log, where the reason is.
 for log in $(grep -A12 "^Error in rule" "$OUT/dag.log" | grep -o "log: [^ ]*" | cut -d' ' -f2 | sort -u); do
