@@ -468,3 +468,11 @@ def test_routed_debug_check_names_a_host_indptr_of_the_wrong_length(recorded_gra
     routed.buffers(2)
     with pytest.raises(ValueError, match=r"host_table's indptr must have 3 entries .*got \(5,\)"):
         routed.run(np.array([16, 16]), host_table=(np.array([0, 1, 2, 2, 2]), np.arange(8)))
+
+
+def test_a_ring_depth_the_kernels_lack_is_refused_as_such():
+    from pkv.engines.device_step import DeviceDecodeStep
+    from pkv.shape import ModelShape
+
+    with pytest.raises(ValueError, match=r"DeviceDecodeStep: stages must be one of \(2, 3, 4\), got 5"):
+        DeviceDecodeStep(ModelShape(), max_batch=2, num_splits=2, device="cpu", stages=5)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from pkv import ops
-from pkv.engines.persistentkv import ring_stages_for
+from pkv.engines.persistentkv import check_ring_stages
 from pkv.page_table import PageLists, check_page_table, device_token_limits, host_row_pages, kernel_operands
 from pkv.policy.route import MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUCKET
 
@@ -105,10 +105,7 @@ class DeviceDecodeStep:
             raise ValueError(f"DeviceDecodeStep: max_batch must be in 1..{MAX_DEVICE_PLAN_ROWS}, got {max_batch!r}")
         if not 1 <= int(num_splits) <= MAX_SPLITS:
             raise ValueError(f"DeviceDecodeStep: num_splits must be in 1..{MAX_SPLITS}, got {num_splits!r}")
-        resolved = torch.device(device)
-        if resolved.type == "cuda" and int(stages) not in ring_stages_for(resolved):
-            raise ValueError(f"DeviceDecodeStep: stages={stages} needs more shared memory a CTA than this GPU allows; "
-                             f"it takes ring depths {ring_stages_for(resolved)}")
+        check_ring_stages(stages, device, "DeviceDecodeStep")
         self.shape = shape
         self.max_batch = int(max_batch)
         self.num_splits = int(num_splits)

@@ -39,6 +39,16 @@ def ring_stages_for(device) -> tuple[int, ...]:
     if not getattr(props, "shared_memory_per_block_optin", 0):
         limit -= 1024
     return tuple(s for s in RING_STAGES if s * RING_STAGE_SMEM_BYTES <= limit)
+
+
+def check_ring_stages(stages, device, where: str) -> None:
+    """Refuse a ring depth the kernels lack, or one whose shared memory this GPU cannot give a CTA."""
+    if stages not in RING_STAGES:
+        raise ValueError(f"{where}: stages must be one of {RING_STAGES}, got {stages!r}")
+    device = torch.device(device)
+    if device.type == "cuda" and stages not in ring_stages_for(device):
+        raise ValueError(f"{where}: stages={stages} needs {stages * RING_STAGE_SMEM_BYTES // 1024} KB of shared "
+                         f"memory a CTA; this GPU allows ring depths {ring_stages_for(device)}")
 MAX_MERGE_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
 # The route's merge kind as run_plan's merge_kind code (csrc/step_plan.h).
 _MERGE_CODES = {MERGE_LAUNCH: ops.MERGE_LAUNCH, MERGE_FUSED: ops.MERGE_FUSED, MERGE_CLUSTER: ops.MERGE_CLUSTER}
@@ -164,12 +174,8 @@ class PersistentKVEngine(Engine):
                  planner: str = "native"):
         if planner not in PLANNERS:
             raise ValueError(f"persistentkv planner must be one of {PLANNERS}, got {planner!r}")
-        if stages not in RING_STAGES:
-            raise ValueError(f"persistentkv stages must be one of {RING_STAGES}, got {stages!r}")
+        check_ring_stages(stages, device, "persistentkv")
         self.device = torch.device(device)
-        if self.device.type == "cuda" and stages not in ring_stages_for(self.device):
-            raise ValueError(f"persistentkv stages={stages} needs {stages * RING_STAGE_SMEM_BYTES // 1024} KB of "
-                             f"shared memory a CTA; this GPU allows ring depths {ring_stages_for(self.device)}")
         # On the CPU the engine plans (tests read its packed plans back) but cannot run.
         self.ops = ops.load() if self.device.type == "cuda" else ops.load_planner()
         self.shape = shape
