@@ -1,6 +1,6 @@
 // The workqueue plan on the GPU (device_plan.h): one CTA, a thread per row.
-#include "decode_constants.h"
 #include "device_plan.h"
+#include "split_rule.h"
 
 namespace pkv {
 namespace {
@@ -50,18 +50,13 @@ __global__ void __launch_bounds__(kPlanThreads)
   const int tid = threadIdx.x;
   int tiles = 0, splits = 0;
   if (tid < batch) {
-    int len = min(max(seq_lens[tid], 0), max_tokens);
-    if (page_indptr != nullptr) {
-      const long long row_tokens =
-          static_cast<long long>(page_indptr[tid + 1] - page_indptr[tid]) * static_cast<long long>(page_size);
-      len = static_cast<int>(max(0LL, min(static_cast<long long>(len), row_tokens)));
-    }
-    tiles = (len + kTileTokens - 1) / kTileTokens;
-    splits = min(num_splits, tiles);
-    if (splits > 0) {
-      const int per_split = (tiles + splits - 1) / splits;
-      splits = (tiles + per_split - 1) / per_split;  // splits past this would own no tile
-    }
+    // A block table addresses max_tokens a row, page lists each row's own entries (row_length in
+    // split_decode.cuh clamps the same way).
+    const int64_t limit = page_indptr == nullptr
+                              ? max_tokens
+                              : (static_cast<int64_t>(page_indptr[tid + 1]) - page_indptr[tid]) * page_size;
+    tiles = static_cast<int>(row_tiles(clamped_length(seq_lens[tid], limit)));
+    splits = static_cast<int>(nonempty_splits(tiles, num_splits));
   }
   tiles_of[tid] = tiles;
   splits_of[tid] = splits;

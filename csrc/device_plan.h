@@ -17,9 +17,10 @@ constexpr int kMaxDevicePlanRows = 1024;
 //   tasks[live, 5]                  (row, kvh, split, tile_begin, tile_end), rows longest first
 //   counts[2]                       (live task count, most splits of a row)
 // `tasks` must hold batch * Hkv * num_splits rows (the capacity the decode grid is launched with).
-// Lengths are clamped to what the page table addresses: max_tokens (a block table's width times
-// the page size) and, with page lists (page_indptr non-null, [batch + 1]), each row's own entries
-// times page_size. A row of length 0 gets no task and its output is not written.
+// Lengths are clamped to what the page table addresses (split_rule.h, clamped_length): a block
+// table's max_tokens (its width times the page size) or, with page lists (page_indptr non-null,
+// [batch + 1]), each row's own entries times page_size, as the decode kernels clamp them. A row of
+// length 0 gets no task and its output is not written.
 cudaError_t launch_plan_workqueue_on_device(const int32_t* seq_lens, const int32_t* page_indptr, int batch,
                                             int num_kv_heads, int num_splits, int max_tokens, int page_size,
                                             int32_t* tasks, int32_t* split_offsets, int32_t* counts,

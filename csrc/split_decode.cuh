@@ -15,6 +15,7 @@
 #include "mma.cuh"
 #include "pkv_launch.h"
 #include "softmax_state.cuh"
+#include "split_rule.h"
 
 namespace pkv {
 
@@ -50,11 +51,10 @@ __device__ __forceinline__ int swizzled(int row, int piece) { return row * kHead
 // address (a block table's width, or the row's own page list), as the device planner clamps it,
 // so a length past its pages never reads or attends past them. Valid input is unchanged.
 __device__ __forceinline__ int row_length(const DecodeArgs& a, int row) {
-  const long long entries = a.page_indptr == nullptr
-                                ? static_cast<long long>(a.block_table_width)
-                                : static_cast<long long>(__ldg(a.page_indptr + row + 1)) - __ldg(a.page_indptr + row);
-  const long long limit = max(0LL, entries) << a.page_shift;
-  return static_cast<int>(max(0LL, min(static_cast<long long>(a.seq_lens[row]), limit)));
+  const int64_t entries = a.page_indptr == nullptr
+                              ? static_cast<int64_t>(a.block_table_width)
+                              : static_cast<int64_t>(__ldg(a.page_indptr + row + 1)) - __ldg(a.page_indptr + row);
+  return clamped_length(a.seq_lens[row], entries > 0 ? entries << a.page_shift : 0);
 }
 
 template <typename T, int G, int kStages>
@@ -329,17 +329,19 @@ __device__ void merge_if_last(const DecodeArgs& a, int32_t* counter, int slot_be
 // The tile range [tile_begin, tile_end) of split `split` of a bucket launch's row: the row's
 // tiles in num_splits equal, row-local ranges. Trailing splits of a short row own no tiles.
 struct BucketSplit {
-  int row, seq_len, n_tiles, per_split, tile_begin, tile_end;
+  int row, seq_len, tile_begin, tile_end;
   __device__ BucketSplit(const DecodeArgs& a, int row_, int split, int num_splits)
       : row(row_), seq_len(row_length(a, row_)) {
-    n_tiles = (seq_len + kTileTokens - 1) / kTileTokens;
-    per_split = (n_tiles + num_splits - 1) / num_splits;
+    const int n_tiles = static_cast<int>(row_tiles(seq_len));
+    const int per_split = static_cast<int>(ceil_div(n_tiles, num_splits));
     tile_begin = split * per_split;
     tile_end = min(tile_begin + per_split, n_tiles);
   }
   __device__ bool empty() const { return tile_begin >= tile_end; }
-  // Splits of the row that own tiles: the first ones, 0 .. live_splits() - 1.
-  __device__ int live_splits() const { return per_split == 0 ? 0 : (n_tiles + per_split - 1) / per_split; }
+  // Splits of the row that own tiles (of num_splits): the first ones, 0 .. live_splits() - 1.
+  __device__ int live_splits(int num_splits) const {
+    return static_cast<int>(nonempty_splits(row_tiles(seq_len), num_splits));
+  }
 };
 
 template <typename T, int G, int Stages>
@@ -364,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
   // every split of the grid holds a state (empty ones the neutral state) and all are merged.
   const bool fused = pair_counters != nullptr && num_splits > 1;
   const bool live_only = fused && live_splits_only;
-  const int merged = live_only ? b.live_splits() : num_splits;
+  const int merged = live_only ? b.live_splits(num_splits) : num_splits;
   if (b.empty()) {
     if (!live_only) write_neutral<G>(a, slot);
   } else {

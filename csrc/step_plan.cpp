@@ -4,21 +4,9 @@
 #include <algorithm>
 #include <numeric>
 
-#include "decode_constants.h"
+#include "split_rule.h"
 
 namespace pkv {
-namespace {
-
-int64_t ceil_div(int64_t a, int64_t b) { return b == 0 ? 0 : (a + b - 1) / b; }
-
-int64_t row_tiles(int32_t seq_len) { return ceil_div(seq_len, kTileTokens); }
-
-// Requested splits past ceil(n / ceil(n / S)) would own no tiles; keep only the others.
-int64_t nonempty_splits(int64_t n_tiles, int64_t requested) {
-  return ceil_div(n_tiles, ceil_div(n_tiles, std::max<int64_t>(requested, 1)));
-}
-
-}  // namespace
 
 int64_t workqueue_row_splits(const int32_t* seq_lens, int64_t batch, int64_t num_kv_heads,
                              const SplitPolicyArgs& policy, int32_t* row_splits) {

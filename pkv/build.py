@@ -39,7 +39,7 @@ LIBRARY_NAME = "pkv_ext"
 # The step planner: part of the CUDA extension, and on its own a CPU-only library where there is
 # no GPU (its ops are the same torch.ops.pkv.plan_* either way; never load both in one process).
 HOST_SOURCES = ("host_ops.cpp", "step_plan.cpp")
-HOST_HEADERS = ("step_plan.h", "decode_constants.h")
+HOST_HEADERS = ("step_plan.h", "decode_constants.h", "split_rule.h")
 HOST_LIBRARY_NAME = "pkv_host"
 
 

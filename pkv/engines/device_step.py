@@ -200,11 +200,11 @@ class DeviceDecodeStep:
     def _launch_plan(self, views: "_BatchViews", table, page_indptr, seq_lens, page_size: int) -> None:
         if self.planner == "in_decode":
             return  # the decode CTAs plan their own splits
-        # A block table clamps every row to its width; page lists clamp each row to its own list.
-        width_tokens = 2**31 - 1 if page_indptr is not None else table.shape[1] * int(page_size)
-        self.ops.plan_workqueue_on_device(seq_lens, self.shape.num_kv_heads, self.num_splits,
-                                          min(width_tokens, 2**31 - 1), views.tasks, views.split_offsets,
-                                          self.counts, page_indptr, int(page_size))
+        # A block table clamps every row to its width (max_tokens); page lists clamp each row to its
+        # own list, and the planner reads no max_tokens for them.
+        max_tokens = 2**31 - 1 if page_indptr is not None else min(table.shape[1] * int(page_size), 2**31 - 1)
+        self.ops.plan_workqueue_on_device(seq_lens, self.shape.num_kv_heads, self.num_splits, max_tokens,
+                                          views.tasks, views.split_offsets, self.counts, page_indptr, int(page_size))
 
     def _launch_decode(self, views: "_BatchViews", q, k_pages, v_pages, table, page_indptr, seq_lens,
                        out) -> torch.Tensor:
