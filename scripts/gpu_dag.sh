@@ -66,7 +66,7 @@ tar czf "$OUT/artifacts.tgz" "artifacts/$GPU_NAME" 2>/dev/null
 save_builds
 grep -E "Finished jobid|Error in rule|steps done" "$OUT/dag.log" | tail -12
 # Each failed job's own log, where the reason is.
-for log in $(grep -A12 "^Error in rule" "$OUT/dag.log" | grep -o "log: [^ ]*" | cut -d' ' -f2 | sort -u); do
+for log in $(grep -A12 "^Error in rule" "$OUT/dag.log" | grep -o "log: [^ ,]*" | cut -d' ' -f2 | sort -u); do
   echo "== $log"; tail -5 "$log" 2>/dev/null | cut -c1-300
 done
 for t in 2 4 5; do head -30 "artifacts/$GPU_NAME/tables/table$t.md" 2>/dev/null; done

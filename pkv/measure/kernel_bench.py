@@ -304,7 +304,8 @@ def main(argv=None) -> int:
               "hole_fraction": 0.5, "reps": args.reps, "flush": args.flush, "kv_layout": args.kv_layout,
               "seconds": time.time() - start, "cases": cases,
               "command": "python -m pkv.measure.kernel_bench " + " ".join(argv or sys.argv[1:]),
-              "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps}, seed=args.seed)}
+              "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps, "flush": args.flush,
+                                                       "kv_layout": args.kv_layout}, seed=args.seed)}
     write_json_atomic(args.out, record)
     columns = (("FI cc", "flashinfer_cc"), ("FI tc", "flashinfer_tc"), ("FI hol", "flashinfer_holistic"),
                ("FI fa3", "flashinfer_fa3"), ("XQA", "xqa"), ("vLLM", "vllm"), ("vLLM tr", "vllm_triton"),
