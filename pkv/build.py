@@ -231,23 +231,36 @@ def kernel_spills(ptxas_log: str) -> list[tuple[str, int, int]]:
     return found
 
 
-def check_binding_syntax() -> str:
-    """Parse the torch binding with the host C++ compiler against torch's and CUDA's headers, so a
-    binding that would not build on the GPU machine fails CI. A CPU build of torch ships the
-    c10/cuda headers but not the one CMake writes for a CUDA build; torch's own switch
-    (C10_CUDA_NO_CMAKE_CONFIGURE_FILE) leaves it out."""
+def torch_compile_flags() -> list[str]:
+    """What a compiler line needs to read torch's headers outside torch.utils.cpp_extension (the
+    compile checks, which build nothing): torch's C++ ABI, its include folders, and on a CPU-only
+    torch the switch that leaves out the c10/cuda header only torch's CUDA build writes (it only
+    marks c10_cuda a shared library, which matters for Windows exports)."""
     from torch.utils.cpp_extension import include_paths
 
+    folders = include_paths()
+    flags = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    if not any((Path(p) / "c10/cuda/impl/cuda_cmake_macros.h").is_file() for p in folders):
+        flags.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
+    return flags + [a for p in folders for a in ("-isystem", p)]
+
+
+def nvcc_include_folders() -> list[str]:
+    """The CUDA include folders nvcc passes its host compiler (it may be a wrapper script outside
+    the toolkit, so they are read from its dry run rather than guessed)."""
     with tempfile.TemporaryDirectory() as tmp:
-        # nvcc names its own include folders (it may be a wrapper script outside the toolkit).
         probe = Path(tmp) / "probe.cu"
         probe.touch()
         dryrun = subprocess.run([nvcc_path(), "--dryrun", "-c", str(probe), "-o", str(probe.with_suffix(".o"))],
                                 capture_output=True, text=True)
-    cuda_includes = re.findall(r"-I(\S+?)\"?\s", dryrun.stdout + dryrun.stderr)
-    includes = [*include_paths(), *dict.fromkeys(cuda_includes), str(CSRC)]
-    cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-w", "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
-           *(f"-I{d}" for d in includes), str(CSRC / BINDING_SOURCE)]
+    return list(dict.fromkeys(re.findall(r"-I(\S+?)\"?\s", dryrun.stdout + dryrun.stderr)))
+
+
+def check_binding_syntax() -> str:
+    """Parse the torch binding with the host C++ compiler against torch's and CUDA's headers, so a
+    binding that would not build on the GPU machine fails CI."""
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-w", *torch_compile_flags(),
+           *(f"-I{d}" for d in (*nvcc_include_folders(), CSRC)), str(CSRC / BINDING_SOURCE)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"the binding {BINDING_SOURCE} does not compile:\n{result.stderr}")

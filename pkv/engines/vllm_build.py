@@ -22,10 +22,19 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
 from pkv.atomic_io import write_json_atomic
-from pkv.build import LINK_FLAGS_VERSION, NVCC_FLAGS, cache_root, compile_library, gencode_for, load_cached, nvcc_path
+from pkv.build import (
+    LINK_FLAGS_VERSION,
+    NVCC_FLAGS,
+    cache_root,
+    compile_library,
+    gencode_for,
+    load_cached,
+    nvcc_path,
+    torch_compile_flags,
+)
 from pkv.engines.base import EngineUnavailable
 from pkv.engines.vllm_sources import (
     BINDING_SOURCE,
@@ -47,12 +56,6 @@ from pkv.refusal import exit_on_refusal
 
 # ---------------------------------------------------------------------------------------------
 # the PagedAttention build
-
-
-def _include_paths() -> list[str]:
-    """torch's header folders. The CUDA ones are left to nvcc, which knows its own toolkit:
-    torch's CUDA variant of this list needs CUDA_HOME, which a CPU-only torch cannot find."""
-    return include_paths()
 
 
 # How vLLM's CMake compiles its CUDA sources (cmake/utils.cmake, get_torch_gpu_compiler_flags, and
@@ -201,23 +204,19 @@ def check_compile(dest: str | os.PathLike = DEFAULT_DEST, arch: str = "90a") -> 
         root = fetched_root(PAGED_ATTENTION, dest)
     except EngineUnavailable as exc:
         raise VllmSourcesError(f"{dest / MANIFEST}: field 'sources.paged_attention' = missing: {exc}") from None
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    includes = [f"-I{p}" for p in _paged_includes(root)] + [a for p in _include_paths() for a in ("-isystem", p)]
-    defines = [abi]
-    if not any((Path(p) / "c10/cuda/impl/cuda_cmake_macros.h").is_file() for p in _include_paths()):
-        # A CPU-only torch ships c10/cuda's headers without the header its CUDA build generates;
-        # that header only marks c10_cuda a shared library, which matters for Windows exports.
-        defines.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
+    # torch's CUDA include list needs CUDA_HOME, which a CPU-only torch cannot find: the CUDA
+    # folders are left to nvcc, which knows its own toolkit.
+    flags = [f"-I{p}" for p in _paged_includes(root)] + torch_compile_flags()
     done = []
     with tempfile.TemporaryDirectory() as tmp:
         for source in _paged_sources(root, Path(tmp) / "sources"):
             if source.suffix == ".cu":
                 # torch.utils.cpp_extension's order: its COMMON_NVCC_FLAGS, then the extra flags.
                 cmd = [nvcc_path(), *COMMON_NVCC_FLAGS, *paged_nvcc_flags(),
-                       f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xcompiler", "-fPIC", *defines, *includes]
+                       f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xcompiler", "-fPIC", *flags]
                 label = f"{source.name}:sm_{arch}"
             else:
-                cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-fPIC", *defines, *includes]
+                cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-fPIC", *flags]
                 label = source.name
             cmd += ["-c", str(source), "-o", str(Path(tmp) / f"{source.name}.o")]
             start = time.perf_counter()
