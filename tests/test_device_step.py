@@ -396,7 +396,8 @@ def test_routed_graphs_replay_fresh_lengths_on_the_cpu(recorded_graphs, route, p
     assert list(routed._persistent) == [(5, merge, ran)]
     graphed = routed._persistent[(5, merge, ran)]
     assert graphed.step.planner == ran
-    assert len(graphed._graphs) == 2  # one per bucket, replayed for every later step of it
+    assert len(graphed.captured_graphs()) == 2  # one per bucket, replayed for every later step of it
+    assert routed.captured_graphs() == graphed.captured_graphs()
     with pytest.raises(ValueError, match="row 0 has length 600"):
         routed.run(np.array([600]), host_table=host_table if not page_lists else (np.array([0, 2]), np.arange(2)))
 

@@ -256,6 +256,11 @@ class GraphedDecodeStep:
         self.debug_checks = bool(debug_checks)
         self._graphs: dict[object, tuple] = {}  # key -> (graph, q, page table, lens, out, debug record)
 
+    def captured_graphs(self) -> list:
+        """The CUDA graphs captured so far, in capture order (a benchmark replays one bare to time
+        the launch apart from the copies and checks around it)."""
+        return [entry[0] for entry in self._graphs.values()]
+
     def _capture(self, key, static) -> tuple:
         static_q, static_table, static_lens, static_out = static
         side = torch.cuda.Stream()

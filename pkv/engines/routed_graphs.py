@@ -203,6 +203,11 @@ class RoutedGraphStep:
             rows = self._out_rows[(bucket, batch)] = full.out[:batch]
         return rows
 
+    def captured_graphs(self) -> list:
+        """The CUDA graphs captured so far: every PersistentKV route's, then FlashInfer's."""
+        return ([graph for graphed in self._persistent.values() for graph in graphed.captured_graphs()]
+                + [graph for _, graph in self._flashinfer.values() if graph is not None])
+
     def _graphed(self, config: DeviceStepConfig) -> GraphedDecodeStep:
         if config not in self._persistent:
             workspace = DeviceDecodeStep(self.shape, max_batch=self.batch_buckets[-1], device=self.device,

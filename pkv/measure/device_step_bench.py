@@ -17,9 +17,7 @@ replay_host_us is the same for the bare ``graph.replay()``, so the rest of host_
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -32,7 +30,7 @@ from pkv.engines.persistentkv import PersistentKVEngine
 from pkv.engines.routed_graphs import RoutedGraphStep
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.kv_data import make_kv_pages, make_queries
-from pkv.measure.timing import L2Flusher, WallTimer, time_device_us
+from pkv.measure.timing import L2Flusher, time_device_us, time_host_us, time_wall_us
 from pkv.page_table import PageLists
 from pkv.pipeline.pages import assign_pages
 from pkv.pipeline.step import build_step
@@ -64,27 +62,6 @@ CASES = {
 }
 
 
-def _host_us(fn, reps: int) -> float:
-    """Median host time to return from ``fn`` (its launches queued, not finished), device idle before."""
-    samples = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
-
-
-def _wall_us(fn, reps: int) -> float:
-    samples = []
-    for _ in range(reps):
-        with WallTimer("cuda") as wall:
-            fn()
-        samples.append(wall.elapsed_us)
-    return statistics.median(samples)
-
-
 def _timed_row(fn, flusher, reps, *, out=None, reference=None, device_fn=None, replay=None) -> dict:
     """Device (of ``device_fn``, else ``fn``), wall and host time of one form of the step, after a
     first untimed call; with ``out``, its largest difference from the host-planned output; with
@@ -92,9 +69,9 @@ def _timed_row(fn, flusher, reps, *, out=None, reference=None, device_fn=None, r
     fn()
     torch.cuda.synchronize()
     row = {"device_us": time_device_us(device_fn or fn, flusher=flusher, reps=reps).median_us,
-           "wall_us": _wall_us(fn, reps), "host_us": _host_us(fn, reps)}
+           "wall_us": time_wall_us(fn, reps=reps), "host_us": time_host_us(fn, reps=reps)}
     if replay is not None:
-        row["replay_host_us"] = _host_us(replay, reps)
+        row["replay_host_us"] = time_host_us(replay, reps=reps)
     if out is not None:
         row["max_abs_diff_vs_host"] = float((out.float() - reference.float()).abs().max())
     return row
@@ -130,7 +107,8 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
                 out=out, reference=reference)
         graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
         graphed.run(q, table, lens)
-        replay = graphed._graphs[(len(lengths), False)][0].replay
+        (graph,) = graphed.captured_graphs()
+        replay = graph.replay
         rows[PLANNER_ROWS[planner] + "_graph"] = _timed_row(lambda: graphed.run(q, table, lens), flusher, reps,
                                                             device_fn=replay, replay=replay)
 
@@ -143,10 +121,9 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
     buffers.block_table.copy_(table)
     buffers.seq_lens.copy_(lens)
     routed.run(host_lens)  # captures the route's graph
-    (graphed,) = routed._persistent.values()
-    (replayed,) = graphed._graphs.values()
+    (graph,) = routed.captured_graphs()
     rows["routed_graph"] = _timed_row(lambda: routed.run(host_lens), flusher, reps, out=buffers.out,
-                                      reference=reference, replay=replayed[0].replay)
+                                      reference=reference, replay=graph.replay)
 
     best = None
     for label in BEST_OF_ROLES:
@@ -155,8 +132,8 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
         fi_plan = engine.plan(step)
         device_us = time_device_us(lambda: engine.run(q, k, v, fi_plan), flusher=flusher, reps=reps).median_us
         if best is None or device_us < best[1]:
-            best = (label, device_us, _wall_us(lambda: engine.run(q, k, v, engine.plan(step)), reps),
-                    _host_us(lambda: engine.run(q, k, v, engine.plan(step)), reps))
+            best = (label, device_us, time_wall_us(lambda: engine.run(q, k, v, engine.plan(step)), reps=reps),
+                    time_host_us(lambda: engine.run(q, k, v, engine.plan(step)), reps=reps))
     rows["flashinfer"] = {"path": best[0], "device_us": best[1], "wall_us": best[2], "host_us": best[3]}
     log(f"{name:<11} S={splits:<3}" + "".join(
         f"{label:>22} {r['device_us']:7.1f} / {r['wall_us']:7.1f} / {r['host_us']:6.1f}" for label, r in rows.items()))

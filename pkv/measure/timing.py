@@ -171,6 +171,29 @@ def time_interleaved_us(fns, *, rounds: int = 5, reps: int = 10, flusher: L2Flus
     return medians
 
 
+def time_host_us(fn, *, reps: int, device="cuda") -> float:
+    """Median host time to return from ``fn`` (its launches queued, not finished), with the
+    device idle before each call: what a serving engine's step pays on the CPU."""
+    samples = []
+    for _ in range(reps):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    synchronize(device)
+    return statistics.median(samples)
+
+
+def time_wall_us(fn, *, reps: int, device="cuda") -> float:
+    """Median synchronized wall time of ``fn`` (WallTimer around each call)."""
+    samples = []
+    for _ in range(reps):
+        with WallTimer(device) as wall:
+            fn()
+        samples.append(wall.elapsed_us)
+    return statistics.median(samples)
+
+
 class WallTimer:
     """Synchronized host wall time of a block: sync, start, block, sync, stop.
 
