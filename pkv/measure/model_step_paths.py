@@ -130,12 +130,16 @@ class GraphPath:
         self._static[key] = static
 
     def prepare(self, step, x) -> None:
-        key = self.key(step)
+        self._prepare_key(self.key(step), step, x)
+
+    def _prepare_key(self, key, step, x) -> None:
         if key not in self._static:
             self._capture(key, step, x)
 
     def plan(self, step, x) -> None:
-        key = self.key(step)
+        self._plan_key(self.key(step), step, x)
+
+    def _plan_key(self, key, step, x) -> None:
         static = self._static[key]
         static.load(step, x)
         self.host_plan(step, static)
@@ -230,14 +234,20 @@ class AdaptiveGraphPath(GraphPath):
         return self.policy.choose(step).route
 
     def key(self, step):
-        # Only PersistentKV steps get here: prepare() and plan() hand FlashInfer's to its own path.
-        return (step.batch_size, device_step_config(self._route(step)))
+        return self._key(step, self._route(step))
 
+    @staticmethod
+    def _key(step, route):
+        # Only PersistentKV routes have one: prepare() and plan() hand FlashInfer's steps to its own path.
+        return (step.batch_size, device_step_config(route))
+
+    # prepare() and plan() ask the policy once and key the step by the route they got.
     def prepare(self, step, x) -> None:
-        if self._route(step).name == ROUTE_FLASHINFER:
+        route = self._route(step)
+        if route.name == ROUTE_FLASHINFER:
             self.flashinfer_path.prepare(step, x)
         else:
-            super().prepare(step, x)
+            self._prepare_key(self._key(step, route), step, x)
 
     def attend_for(self, key, static):
         batch, config = key
@@ -263,7 +273,7 @@ class AdaptiveGraphPath(GraphPath):
             self.flashinfer_path.plan(step, x)
             self._current = None
         else:
-            super().plan(step, x)
+            self._plan_key(self._key(step, route), step, x)
 
     def issue(self) -> torch.Tensor:
         if self._current is None:
