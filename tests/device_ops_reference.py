@@ -52,10 +52,12 @@ class ReferenceOps:
     """torch.ops.pkv's device-step ops, run in torch on any device."""
 
     def plan_workqueue_on_device(self, seq_lens, num_kv_heads, num_splits, max_tokens, tasks, split_offsets,
-                                 counts, page_indptr=None, page_size=1):
+                                 counts, page_indptr=None, page_size=0):
         lens = seq_lens.cpu().numpy()
         row_tokens = None
         if page_indptr is not None:
+            if not 1 <= page_size <= 2**31 - 1:
+                raise RuntimeError(f"pkv: with page_indptr, page_size (tokens a page) must be given, got {page_size}")
             row_tokens = np.diff(page_indptr.cpu().numpy().astype(np.int64)) * int(page_size)
         plan = plan_workqueue_device_order(lens, num_kv_heads, 1, num_splits, max_tokens, row_tokens=row_tokens)
         tasks[:plan.tasks.shape[0]] = torch.from_numpy(plan.tasks)

@@ -174,6 +174,12 @@ def test_bad_input_is_refused_before_any_launch():
     with pytest.raises(RuntimeError, match="tasks must be contiguous"):
         workspace.ops.plan_workqueue_on_device(torch.ones(2, dtype=torch.int32, device="cuda"), 8, 8, 64,
                                                workspace.tasks[:3], workspace.split_offsets[:17], workspace.counts)
+    # Page lists count entries, not tokens: the op has no page size to assume for them.
+    with pytest.raises(RuntimeError, match="page_size \\(tokens a page\\) must be given"):
+        workspace.ops.plan_workqueue_on_device(torch.ones(2, dtype=torch.int32, device="cuda"), 8, 8, 64,
+                                               workspace.tasks[:2 * 8 * 8], workspace.split_offsets[:17],
+                                               workspace.counts, torch.tensor([0, 1, 2], dtype=torch.int32,
+                                                                              device="cuda"))
     with pytest.raises(ValueError, match="max_batch"):
         DeviceDecodeStep(shape, max_batch=2000, num_splits=8)
 
