@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
 
 from pkv.atomic_io import write_json_atomic
 from pkv.provenance import collect_provenance
@@ -137,6 +136,10 @@ def _loaded_libstdcxx() -> str | None:
 
 
 def compile_library(target: Path, name: str, sources: list[str], verbose: bool, **options) -> None:
+    # Imported here: torch.utils.cpp_extension looks for a CUDA toolkit on import, and with a CUDA
+    # build of torch on a machine without a GPU it prints a line on every command that loads pkv.build.
+    from torch.utils.cpp_extension import load
+
     libstdcxx = _loaded_libstdcxx()
 
     work = Path(tempfile.mkdtemp(prefix="build-", dir=target))

@@ -107,13 +107,23 @@ def test_every_step_routes_and_plans_as_recorded(recorded):
     assert not mismatches, f"{len(mismatches)} steps differ; first: {mismatches[:3]}"
 
 
+# The sum of the recording's first K pages (make_kv_pages, 2 pages, seed 20260624) as torch 2.13 draws
+# them. Other torch releases may draw other bits (2.5 does for exponential_, the needle strengths):
+# their inputs, and with them the outputs, are not the recorded ones.
+RECORDED_KEYS_SUM = 3.5176990595259667
+
+
 def test_outputs_equal_the_recorded_ones(recorded):
+    shape = ModelShape(num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    keys_sum = float(make_kv_pages(2, shape, 16, torch.float64, "cpu", 20260624)[0].sum())
+    if keys_sum != pytest.approx(RECORDED_KEYS_SUM, rel=1e-12):
+        pytest.skip(f"torch {torch.__version__} draws other random K pages than the recording's "
+                    f"(key sum {keys_sum!r}, recorded {RECORDED_KEYS_SUM!r}): the outputs cannot be compared")
     calib = load_calibration(REFERENCE / "calibration.json")
     # Every gate open, so short CPU-scale steps reach both PersistentKV routes.
     calib = Calibration.from_mapping({**calib.to_json_dict(), "supported_group_sizes": [4]}, "open gates")
     for regime in ("single_row", "few_rows", "many_rows"):
         calib = calib.with_regime(regime, min_context_tokens=0)
-    shape = ModelShape(num_qo_heads=32, num_kv_heads=8, head_dim=128)
     outputs = iter(recorded["outputs"])
     for options in ("default", "allow_b4", "masked"):
         engine = _adaptive(calib, shape, OPTION_SETS[options])

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
 from pkv.atomic_io import write_json_atomic
 from pkv.build import (
@@ -206,6 +205,8 @@ def check_compile(dest: str | os.PathLike = DEFAULT_DEST, arch: str = "90a") -> 
         raise VllmSourcesError(f"{dest / MANIFEST}: field 'sources.paged_attention' = missing: {exc}") from None
     # torch's CUDA include list needs CUDA_HOME, which a CPU-only torch cannot find: the CUDA
     # folders are left to nvcc, which knows its own toolkit.
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # here: see pkv.build.compile_library
+
     flags = [f"-I{p}" for p in _paged_includes(root)] + torch_compile_flags()
     done = []
     with tempfile.TemporaryDirectory() as tmp:
