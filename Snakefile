@@ -33,3 +33,13 @@ rule all:
     input:
         TABLES,
         RESULTS,
+
+
+# Said once before the first job, so a run's console says what its numbers are.
+onstart:
+    if ON_GPU:
+        print(f"PersistentKV: GPU profile, conf/gpu/{GPU}.yaml; results under {ROOT}/", file=sys.stderr)
+    else:
+        print(f"PersistentKV: CPU profile, conf/gpu/{GPU}.yaml; results under {ROOT}/. It checks the pipeline "
+              "end to end with small inputs and reference engines: its times are not a performance result.",
+              file=sys.stderr)

@@ -96,8 +96,12 @@ def profile_note(record: dict) -> str | None:
     source = str((record.get("calibration") or {}).get("source", ""))
     if measured.get("performance_result") is not False and "profile cpu" not in source:
         return None
+    # The conf/gpu file the run started from: cpu.yaml, or a GPU's file tried through the CPU profile.
+    gpu = (((record.get("provenance") or {}).get("config") or {}).get("gpu") or {})
+    name = gpu.get("gpu") if isinstance(gpu, dict) else None
+    starting = f"conf/gpu/{name}.yaml's" if name else "the run's conf/gpu file's"
     return ("CPU profile (not a performance model): the routes, context gates and group sizes in use are "
-            "conf/gpu/cpu.yaml's; what the CPU timings fit is recorded below as 'not applied', because "
+            f"{starting}; what the CPU timings fit is recorded below as 'not applied', because "
             "CPU times decide nothing. The split counts and constants are fitted as on a GPU.")
 
 
