@@ -161,7 +161,8 @@ def test_cpu_profile_keeps_the_attention_and_shrinks_the_rest(tmp_path):
 # ----------------------------------------------------------------------- Table 9
 
 
-def _write_run(root, trace, seed, ratio_adaptive, skipped_reason="not available: CUDA graphs need a CUDA device"):
+def _write_run(root, trace, seed, ratio_adaptive, skipped_reason="not available: CUDA graphs need a CUDA device",
+               adaptive_routes=None):
     run_id = uuid.uuid4().hex
     prov = {"git_commit": "a" * 40, "gpu_name": "FAKE-GPU"}
     model = {"name": "llama3_8b", "layers_run": 32, "layers_model": 32, "dtype": "float16"}
@@ -169,6 +170,8 @@ def _write_run(root, trace, seed, ratio_adaptive, skipped_reason="not available:
         metrics = {"cuda_ms_per_step": step_ms, "wall_ms_per_step": step_ms + 0.5, "cuda_tok_s": 8e3 / step_ms,
                    "host_ms_per_step": 0.4, "attention_share": 0.3, "floor_step_ms_per_step": 9.0,
                    "layers_run": 32, "layers_model": 32, "model": model}
+        if label == "adaptive_eager" and adaptive_routes:
+            metrics["routes"] = adaptive_routes
         rec = result_envelope("model_step", {"name": trace}, label, baseline_engine="flashinfer_eager", run_id=run_id,
                               performance_result=True, metrics=metrics, provenance=prov)
         write_json_atomic(root / "model_step" / trace / f"seed{seed}" / f"{label}.json", rec)
@@ -197,6 +200,27 @@ def test_table9_renders_ratios_ceiling_and_captured_fraction(tmp_path):
     tex = tables.render_table(9, root, "tex")
     assert r"\begin{table}" in tex and r"$1.060{\pm}0.014\times$" in tex
     json.dumps(table9(root)["blocks"], default=str)
+
+
+def test_table9_names_rows_that_ran_flashinfer_and_one_reason_once(tmp_path):
+    root = tmp_path / "artifacts"
+    for trace, routes in (("bimodal_b8", {"persistentkv_workqueue": 5, "flashinfer": 1}),
+                          ("bucketed_b1", {"flashinfer": 6})):
+        for seed in (20260623, 20260624):
+            _write_run(root, trace, seed, 1.02, adaptive_routes=routes)
+    ctx = table9(root)
+    rows = {(b["trace"], r["label"]): r for b in ctx["blocks"] for r in b["rows"]}
+    # Every step on FlashInfer's route: no gain to capture, and the row says why.
+    gated = rows[("bucketed_b1", "adaptive_eager")]
+    assert gated["captured"] is None and gated["cuda"].mean == pytest.approx(1.02)
+    (mark,) = gated["marks"]
+    assert "every step took FlashInfer's route" in dict(ctx["notes"])[mark]
+    assert rows[("bimodal_b8", "adaptive_eager")]["captured"] is not None
+    assert not rows[("bimodal_b8", "adaptive_eager")]["marks"]
+    # The same skip reason on every trace and seed is one footnote, said once.
+    graph_notes = {rows[(t, "adaptive_graph")]["cuda"].note for t in ("bimodal_b8", "bucketed_b1")}
+    assert len(graph_notes) == 1
+    assert dict(ctx["notes"])[graph_notes.pop()] == "not available: CUDA graphs need a CUDA device"
 
 
 # ----------------------------------------------------------------------- GPU: graphs against eager
