@@ -36,7 +36,7 @@ def test_fixture_verdicts_follow_the_tolerances():
     assert rows["Uniform B8: wall gain"]["verdict"] == f"{claims.NOT_APPLICABLE}: evaluate/uniform_b8: not run"
     # vLLM was skipped in the fixture: nothing to compare.
     assert rows["Isolated B1: PersistentKV over vLLM time"]["verdict"] == \
-        f"{claims.NOT_APPLICABLE}: vllm: fixture: vllm not installed"
+        f"{claims.NOT_APPLICABLE}: vLLM PagedAttention v2: fixture: vllm not installed"
 
 
 def _cpu_run(root: Path) -> None:

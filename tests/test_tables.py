@@ -253,14 +253,21 @@ def test_table1_skip_footnote_names_the_method_once_and_stand_ins_are_named(tmp_
     methods = {"flashinfer": {"median_us": 200.0, "fraction_of_floor": 0.1, "rel_err": 1e-7, "implementation": "sdpa"},
                "persistentkv": {"median_us": 100.0, "fraction_of_floor": 0.2, "rel_err": 1e-7,
                                 "implementation": "reference:workqueue"},
-               "vllm": {"skipped": "vllm: vllm paged attention needs a CUDA device, got cpu"}}
+               "vllm": {"skipped": "vLLM PagedAttention v2 needs a CUDA device, got cpu"},
+               "xqa": {"skipped": "no build for this GPU"},
+               "sdpa": {"median_us": 300.0, "fraction_of_floor": 0.05, "rel_err": 1e-7, "implementation": "sdpa",
+                        "selected": "sdpa"}}
     record = {"schema": "pkv.result/1", "performance_result": False, "provenance": prov,
               "metrics": {"methods": methods}}
     write_json_atomic(root / "isolated" / "ctx8192.json", record)
     ctx = table_data.table1(root)
     notes = [reason for _, reason in ctx["notes"]]
-    assert "vllm: vllm paged attention needs a CUDA device, got cpu" in notes
-    assert not any("vllm: vllm:" in n for n in notes) and not any("no relative error" in n for n in notes)
+    # A reason that names its library stands as it is; one that does not gets the method's label.
+    assert "vLLM PagedAttention v2 needs a CUDA device, got cpu" in notes
+    assert "TensorRT-LLM XQA (via FlashInfer): no build for this GPU" in notes
+    assert not any("vllm: " in n for n in notes) and not any("no relative error" in n for n in notes)
+    # A method that ran as itself, its one engine, needs no note of what ran.
+    assert _row(ctx["rows"], "method", "sdpa")["marks"] == []
     fi = _row(ctx["rows"], "method", "flashinfer")
     assert "repack + PyTorch SDPA" in dict(ctx["notes"])[fi["marks"][0]]
     pk = _row(ctx["rows"], "method", "persistentkv")

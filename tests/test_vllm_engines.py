@@ -87,8 +87,8 @@ def test_engine_unavailable_reason_prints_as_a_table_note(monkeypatch, tmp_path)
 
     with pytest.raises(EngineUnavailable) as info:
         VllmTritonEngine(SHAPE, device="cpu")
-    assert f"not available: {info.value.reason}" == "not available: vllm triton unified attention needs a CUDA " \
-                                                    "device, got cpu"
+    assert f"not available: {info.value.reason}" == "not available: vLLM's Triton unified attention needs a " \
+                                                    "CUDA device, got cpu"
 
 
 # ---------------------------------------------------------------------------------------------

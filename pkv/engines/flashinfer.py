@@ -223,7 +223,7 @@ class FlashInferEngine(Engine):
             raise ValueError(f"FlashInferEngine paths {list(paths)}: known paths are "
                              f"{list(PATHS + MEASURED_ONLY_PATHS)}")
         if self.device.type != "cuda":
-            raise EngineUnavailable(f"flashinfer needs a CUDA device, got {self.device}")
+            raise EngineUnavailable(f"FlashInfer needs a CUDA device, got {self.device}")
         flashinfer = _import_flashinfer()
         self.version = getattr(flashinfer, "__version__", "unknown")
         self._paths, self.missing_paths = {}, {}

@@ -27,6 +27,11 @@ TRITON_BLOCK_SIZE_MULTIPLE = 16
 TRITON_MIN_HEAD_SIZE = 32
 
 
+# How the two kernels name themselves in errors and "not available" reasons.
+PAGED_NAME = "vLLM PagedAttention v2"
+TRITON_NAME = "vLLM's Triton unified attention"
+
+
 def _cuda_device(device, what: str) -> torch.device:
     device = torch.device(device)
     if device.type != "cuda":
@@ -108,19 +113,19 @@ class VllmEngine(_VllmEngine):
 
     def __init__(self, shape, device="cuda") -> None:
         self.shape = shape
-        self.device = _cuda_device(device, "vllm paged attention")
+        self.device = _cuda_device(device, PAGED_NAME)
         # Imported here, not at the top: pkv.engines imports this module, and
         # `python -m pkv.engines.vllm_build` must not find its own module imported before it runs.
         from pkv.engines.vllm_build import BUILT_BLOCK_SIZES, BUILT_HEAD_SIZES, load_vllm_paged_attention
         from pkv.engines.vllm_sources import PAGED_ATTENTION
 
         if shape.head_dim not in BUILT_HEAD_SIZES:
-            raise EngineUnavailable(f"vllm paged attention has no kernel for head_dim {shape.head_dim}: the build "
+            raise EngineUnavailable(f"{PAGED_NAME} has no kernel for head_dim {shape.head_dim}: the build "
                                     f"instantiates head sizes {BUILT_HEAD_SIZES} (pkv.engines.vllm_build.BUILT_HEAD_SIZES)")
         self._block_sizes = BUILT_BLOCK_SIZES
         self._ops = load_vllm_paged_attention()
         self.name = "vllm"
-        self._what = "vllm paged attention"
+        self._what = PAGED_NAME
         # v1 or v2 per step, by vLLM's rule (run), so the name is of both.
         self.implementation = f"vllm-{PAGED_ATTENTION.version}-paged_attention_v1_v2-own-build"
         self._convert = _ConvertedCache(_paged_layout)
@@ -128,7 +133,7 @@ class VllmEngine(_VllmEngine):
 
     def plan(self, step) -> EnginePlan:
         if step.page_size not in self._block_sizes:
-            raise EngineUnavailable(f"vllm paged attention has no kernel for page_size {step.page_size}: the build "
+            raise EngineUnavailable(f"{PAGED_NAME} has no kernel for page_size {step.page_size}: the build "
                                     f"instantiates block sizes {self._block_sizes} "
                                     f"(pkv.engines.vllm_build.BUILT_BLOCK_SIZES)")
         tensors, max_seq_len = upload_block_table(step, self.device)
@@ -139,7 +144,7 @@ class VllmEngine(_VllmEngine):
         # The kernels take q's row stride alone (q + row * stride(0) + head * head_size) and write
         # out as packed [B, Hq, d]: a strided head axis would be misread.
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-            raise ValueError(f"vllm paged attention needs q's heads packed, got strides {tuple(q.stride())}")
+            raise ValueError(f"{PAGED_NAME} needs q's heads packed, got strides {tuple(q.stride())}")
         shape = self.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         batch = q.shape[0]
@@ -173,17 +178,17 @@ class VllmTritonEngine(_VllmEngine):
 
     def __init__(self, shape, device="cuda") -> None:
         self.shape = shape
-        self.device = _cuda_device(device, "vllm triton unified attention")
+        self.device = _cuda_device(device, TRITON_NAME)
         from pkv.engines.vllm_build import load_vllm_triton_unified_attention
         from pkv.engines.vllm_sources import TRITON_ATTENTION
 
         if shape.head_dim < TRITON_MIN_HEAD_SIZE:
-            raise EngineUnavailable(f"vllm triton unified attention takes head_dim >= {TRITON_MIN_HEAD_SIZE} "
+            raise EngineUnavailable(f"{TRITON_NAME} takes head_dim >= {TRITON_MIN_HEAD_SIZE} "
                                     f"(vLLM {TRITON_ATTENTION.version}'s Triton backend), got {shape.head_dim}")
         self._version = TRITON_ATTENTION.version
         self._attention = load_vllm_triton_unified_attention()
         self.name = "vllm_triton"
-        self._what = "vllm triton unified attention"
+        self._what = TRITON_NAME
         self.implementation = f"vllm-{TRITON_ATTENTION.version}-triton_unified_attention"
         self._convert = _ConvertedCache(_triton_layout)
         # As vLLM's TritonAttentionMetadataBuilder sizes them: one scratch row per sequence up to
@@ -200,7 +205,7 @@ class VllmTritonEngine(_VllmEngine):
 
     def plan(self, step) -> EnginePlan:
         if step.page_size % TRITON_BLOCK_SIZE_MULTIPLE:
-            raise EngineUnavailable(f"vllm triton unified attention takes page sizes that are multiples of "
+            raise EngineUnavailable(f"{TRITON_NAME} takes page sizes that are multiples of "
                                     f"{TRITON_BLOCK_SIZE_MULTIPLE} (vLLM {self._version}'s Triton backend), "
                                     f"got {step.page_size}")
         tensors, max_seq_len = upload_block_table(step, self.device)

@@ -58,6 +58,8 @@ def _best(method: str, results: dict, skipped: dict) -> dict:
     timed = {label: r for label, r in results.items() if "median_us" in r}
     if not timed:
         reasons = {**skipped, **{label: r.get("skipped") for label, r in results.items()}}
+        if list(reasons) == [method]:  # the method's one engine: its reason names it already
+            return {"skipped": str(reasons[method])}
         return {"skipped": "; ".join(f"{label}: {why}" for label, why in reasons.items()) or "no engine"}
     label = min(timed, key=lambda k: timed[k]["median_us"])
     entry = {**timed[label], "selected": label,

@@ -20,8 +20,12 @@ from pkv.report.table_data.labels import (
 
 
 def _skip_reason(method: str, skipped: str) -> str:
-    """'<method>: <why>', where the benchmark's own reason may already begin with the method's name."""
-    return skipped if skipped.startswith(f"{method}: ") else f"{method}: {skipped}"
+    """Why a method did not run, naming it once: the engine's own reason where it begins with the
+    library's name ("XQA needs a CUDA device"), else '<method's label>: <why>'."""
+    library = method.split("_", 1)[0]
+    if skipped.lower().startswith(library):
+        return skipped
+    return f"{METHOD_LABELS.get(method, method)}: {skipped}"
 
 
 def _stand_in_note(method: str, implementation: object) -> str | None:
@@ -87,9 +91,11 @@ def table1(root: Path) -> dict[str, Any]:
             stand_in = _stand_in_note(name, entry.get("implementation"))
             if stand_in is not None and notes.number(stand_in) not in marks:
                 marks.append(notes.number(stand_in))
-            if stand_in is None and entry.get("implementation"):
-                ran.setdefault(str(entry["implementation"]), []).append(
-                    f"{context_label(ctx)} {entry['selected']}" if entry.get("selected") else context_label(ctx))
+            # A method's own one engine (implementation and selection its own name) needs no note.
+            implementation, selected = str(entry.get("implementation") or ""), entry.get("selected")
+            if stand_in is None and implementation and implementation != name:
+                ran.setdefault(implementation, []).append(
+                    f"{context_label(ctx)} {selected}" if selected and selected != name else context_label(ctx))
             median_us = entry.get("median_us")
             if not isinstance(median_us, (int, float)):
                 raise ResultFileError(f"{base / f'ctx{ctx}.json'}: methods.{name}.median_us = {median_us!r}")
