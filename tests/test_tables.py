@@ -8,7 +8,7 @@ from pkv.policy import Calibration, RegimeParams, save_calibration
 from pkv.policy.calibration import LEGACY_SCHEMA
 from pkv.provenance import collect_provenance
 from pkv.refusal import exit_on_refusal
-from pkv.report import evidence, table_data, tables
+from pkv.report import claims, evidence, table_data, tables
 from pkv.report.results import result_envelope, write_json_atomic
 from pkv.report.table_data import Inputs, MeanStd, Missing, NotApplicable, Num, Sci, Text
 
@@ -162,11 +162,14 @@ def test_status_thresholds(ratio, status):
 # ---------------------------------------------------------------- CPU profile marker
 
 
-def _write_run(root, trace, seed, run_id, adaptive_wall, baseline_wall, performance_result, prov, stage="evaluate"):
+def _write_run(root, trace, seed, run_id, adaptive_wall, baseline_wall, performance_result, prov, stage="evaluate",
+               adaptive_routes=None):
     for engine, wall in (("adaptive", adaptive_wall), ("flashinfer", baseline_wall)):
         metrics = {"cuda_tok_s": wall, "wall_tok_s": wall, "max_abs_err": 1e-6, "mean_abs_err": 1e-7,
                    "selected_route": "persistentkv_workqueue" if engine == "adaptive" else "flashinfer",
                    "num_splits": 4}
+        if engine == "adaptive" and adaptive_routes:
+            metrics["routes"] = adaptive_routes
         rec = result_envelope("evaluate", {"name": trace, "seed": seed}, engine, baseline_engine="flashinfer",
                               run_id=run_id, performance_result=performance_result, metrics=metrics,
                               provenance=prov)
@@ -310,6 +313,21 @@ def test_table7_names_the_seeds_of_each_row(tmp_path):
     md = tables.render_table(7, tmp_path, "md")
     assert "| Bimodal B8 (policy with fixed split count) | 20260623 | 16 / 20 |" in md
     assert "seeds 20260623–20260625. Ratios" not in md  # no seed range over the whole table
+
+
+def test_table7_and_the_claims_check_name_a_sweep_that_never_left_flashinfer(tmp_path):
+    prov = collect_provenance({"profile": "gpu"}, 0)
+    for variant, routes in (("splits=32", {"flashinfer": 6}), ("splits=36", {"flashinfer": 4, "persistentkv_bucket": 2})):
+        _write_run(tmp_path / "ablate" / "splits", "bucketed_b1", 20260623, variant, 1.0, 1.0, True, prov,
+                   stage=variant, adaptive_routes=routes)
+    t7 = table_data.table7(tmp_path)
+    (row,) = t7["rows"]
+    gated, mixed = row["points"]
+    assert gated["baseline_route_only"] and not mixed["baseline_route_only"]
+    assert "the split count was never applied" in dict(t7["notes"])[gated["marks"][-1]] and not mixed["marks"]
+    (claim,) = [r for r in claims.claims_check(tmp_path)["rows"]
+                if r["claim"] == "B1 split counts near the optimum stay wall-positive"]
+    assert "took FlashInfer's route on every step" in claim["verdict"]
 
 
 def test_empty_root_renders_every_table_as_not_run(tmp_path):

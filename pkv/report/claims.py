@@ -28,11 +28,11 @@ from pkv.report.table_data import (
     Inputs,
     MeanStd,
     Num,
-    mean_std,
     aggregate_serving,
     held_out,
     load_ablation,
     load_trace_tree,
+    mean_std,
     metric,
     selected_route,
     table1,
@@ -238,6 +238,9 @@ def split_sweep(trace: str, check: Callable[[list[float]], bool], what: str) -> 
         rows = [r for r in t7["rows"] if r["trace"] == trace]
         if not rows:
             return _missing(f"Table 7 has no {trace} sweep")
+        if any(p.get("baseline_route_only") for p in rows[0]["points"]):
+            return _missing(f"Table 7's {trace} sweep took FlashInfer's route on every step of a split count, "
+                            "which it then never applied")
         points = [(p["splits"], p["wall"]) for p in rows[0]["points"] if isinstance(p["wall"], MeanStd)]
         if not points:
             return _missing(f"Table 7's {trace} sweep has no wall ratio")

@@ -9,7 +9,13 @@ from typing import Any
 
 from pkv.report.results import ResultFileError
 from pkv.report.table_data.cells import Notes, Num, Text
-from pkv.report.table_data.comparisons import aggregate_serving, note_partial, ratio_cells
+from pkv.report.table_data.comparisons import (
+    BASELINE_ROUTE_ONLY,
+    aggregate_serving,
+    note_partial,
+    ratio_cells,
+    took_baseline_route_only,
+)
 from pkv.report.table_data.inputs import Inputs
 from pkv.report.table_data.labels import GQA_TRACE, ordered, seeds_text, selected_route, trace_label
 from pkv.report.table_data.loading import held_out, load_ablation
@@ -52,8 +58,13 @@ def table7(root: Path) -> dict[str, Any]:
                 all_seeds.update(agg.seeds)
                 row_seeds.update(agg.seeds)
                 cuda, wall = ratio_cells(agg, notes, "no held-out seeds")
+                marks = note_partial(agg, notes)
+                # A routed sweep whose steps all went to FlashInfer never applied its split count.
+                baseline_only = agg.ok and took_baseline_route_only(agg.subjects)
+                if baseline_only:
+                    marks.append(notes.number(f"{BASELINE_ROUTE_ONLY}; the split count was never applied"))
                 points.append({"splits": splits, "cuda": cuda, "wall": wall, "seeds": len(agg.seeds),
-                               "marks": note_partial(agg, notes)})
+                               "marks": marks, "baseline_route_only": baseline_only})
             # Each sweep runs on its own seeds (config/config.yaml), so a row names the seeds it comes from.
             rows.append({"trace": trace, "label": f"{trace_label(trace)} ({what})", "points": points,
                          "seeds": seeds_text(row_seeds)})

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pkv.policy.route import ROUTE_FLASHINFER
 from pkv.report.table_data.cells import Cell, Notes, mean_std
 from pkv.report.table_data.inputs import Inputs
 from pkv.report.table_data.loading import Loaded
@@ -81,6 +82,18 @@ def metric(record: Mapping[str, Any] | None, key: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
+
+
+# The note of a routed row whose every step took FlashInfer's route.
+BASELINE_ROUTE_ONLY = ("every step took FlashInfer's route (the policy's gates): the row ran the baseline's "
+                       "kernels, so its ratio is FlashInfer against itself")
+
+
+def took_baseline_route_only(records: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether every step of every one of these routed records took FlashInfer's route (each
+    records its steps per route in metrics.routes)."""
+    routes = [(rec.get("metrics") or {}).get("routes") for rec in records]
+    return bool(routes) and all(isinstance(r, Mapping) and set(r) == {ROUTE_FLASHINFER} for r in routes)
 
 
 def ratio(cmp: Comparison, key: str) -> float | None:

@@ -12,9 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pkv.policy.route import ROUTE_FLASHINFER
 from pkv.report.table_data.cells import Notes, mean_std
-from pkv.report.table_data.comparisons import metric
+from pkv.report.table_data.comparisons import BASELINE_ROUTE_ONLY, metric, took_baseline_route_only
 from pkv.report.table_data.inputs import Inputs
 from pkv.report.table_data.labels import ENGINE_LABELS, paper_then_found, seeds_text, trace_label
 from pkv.report.table_data.loading import held_out, load_trace_tree
@@ -73,8 +72,7 @@ def row_values(seeds: dict, label: str, where: str, problems: list) -> dict[str,
         values["ceiling"].append(ceiling)
         # A routed engine whose every step took FlashInfer's route ran the baseline's kernels: its
         # ratio is FlashInfer against itself, and there is no gain to have captured.
-        routes = m.get("routes") or {}
-        baseline_route_only = bool(routes) and set(routes) == {ROUTE_FLASHINFER}
+        baseline_route_only = took_baseline_route_only([rec])
         values["baseline_route_only"].append(baseline_route_only)
         if label != rec.get("baseline_engine") and ceiling > 1 and not baseline_route_only:
             values["captured"].append((ratio - 1) / (ceiling - 1))
@@ -120,8 +118,7 @@ def table9(root: Path) -> dict[str, Any]:
             problems = list(dict.fromkeys(problems))
             if values["baseline_route_only"] and all(values["baseline_route_only"]) and \
                     _label_parts(label)[0] != "flashinfer":
-                problems.append("every step took FlashInfer's route (the policy's gates): the ratio is FlashInfer "
-                                "against itself, with nothing to capture")
+                problems.append(f"{BASELINE_ROUTE_ONLY}, with nothing to capture")
             role, mode = _label_parts(label)
             layers = sorted({lr for lr in values["layers"] if lr[0] is not None})
             rows.append({"label": label, "engine": ENGINE_LABELS.get(role, role), "mode": MODE_LABELS.get(mode, mode),

@@ -32,7 +32,6 @@ from pkv.report.table_data.labels import (
 )
 from pkv.report.table_data.loading import Loaded, held_out, load_ablation, load_trace_tree
 
-
 # --------------------------------------------------------------------------- Table 2
 
 # The second baseline of Table 2: TensorRT-LLM's decode kernel, run in the same trace runs.
