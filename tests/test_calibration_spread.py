@@ -46,6 +46,18 @@ def test_identical_calibrations_route_every_step_alike(tmp_path):
     report = spread([_variant(tmp_path, "a.json"), _variant(tmp_path, "b.json")])
     assert all(d["agree"] for d in report["decisions"])
     assert all(row["differ"] == [0] for row in report["steps"])
+    assert report["performance_result"] and "not a performance result" not in render_markdown(report)
+
+
+def test_cpu_profile_calibrations_say_their_spread_is_not_a_performance_result(tmp_path):
+    paths = []
+    for name in ("a.json", "b.json"):
+        path = tmp_path / name
+        save_calibration(path, load_calibration(REFERENCE), {"measurements": {"performance_result": False}})
+        paths.append(path)
+    report = spread(paths)
+    assert report["performance_result"] is False
+    assert render_markdown(report).startswith("**CPU profile: not a performance result.**")
 
 
 def test_a_missing_file_is_one_refusal_line(tmp_path):

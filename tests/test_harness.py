@@ -192,7 +192,9 @@ def test_step_report_groups_the_per_step_records(tmp_path):
     text = report(tmp_path)
     assert "persistentkv_workqueue" in text and "persistentkv_bucket" in text
     routes_part, places_part = text.split("\n\n")
-    assert len(routes_part.splitlines()) == 1 + len(results)  # one route group per engine here
+    # The CPU profile's line, the header (its device column the host clock), one route group per engine.
+    assert routes_part.startswith("CPU profile: not a performance result") and "cpu-clock us" in routes_part
+    assert "cuda us" not in text and len(routes_part.splitlines()) == 2 + len(results)
     assert "ran first" in places_part and "ran second" in places_part
     with pytest.raises(FileNotFoundError, match="no result files"):
         report(tmp_path / "missing")

@@ -13,6 +13,7 @@ calibration gives every measured decode step of Table 2's synthetic traces on th
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -44,6 +45,9 @@ def spread(paths: list[Path]) -> dict:
     """{"decisions": [{name, values, agree}], "constants": [{name, values, mean, rel_spread}]}."""
     calibs = [load_calibration(path) for path in paths]  # a bad file is a refusal naming it
     gpus = sorted({c.gpu for c in calibs})
+    # A calibration of the CPU profile says so in its measurements (pkv.experiments.calibrate).
+    cpu_profile = any(((json.loads(Path(path).read_text()).get("provenance") or {}).get("measurements") or {})
+                      .get("performance_result") is False for path in paths)
     decisions = []
     for regime in REGIMES:
         for param in DECISION_PARAMS:
@@ -60,7 +64,7 @@ def spread(paths: list[Path]) -> dict:
         constants.append({"name": name, "values": values, "mean": mean,
                           "rel_spread": (max(values) - min(values)) / mean if mean else 0.0})
     return {"files": [str(p) for p in paths], "gpus": gpus, "decisions": decisions, "constants": constants,
-            "steps": step_decisions(calibs)}
+            "steps": step_decisions(calibs), "performance_result": not cpu_profile}
 
 
 def _table2_runs() -> tuple[list[tuple[str, int]], list[int], int, int]:
@@ -108,7 +112,10 @@ def render_markdown(report: dict) -> str:
     files = report["files"]
     head = "| Decision | " + " | ".join(f"[{i + 1}]" for i in range(len(files))) + " | Same in all |"
     rule = "|---|" + "---:|" * len(files) + "---|"
-    lines = [f"Calibrations compared ({', '.join(report['gpus'])}):", ""]
+    lines = [] if report.get("performance_result", True) else [
+        "**CPU profile: not a performance result.** These calibrations fit CPU timings; their spread says "
+        "nothing about a GPU's.", ""]
+    lines += [f"Calibrations compared ({', '.join(report['gpus'])}):", ""]
     lines += [f"[{i + 1}] `{path}`" for i, path in enumerate(files)] + ["", head, rule]
     for d in report["decisions"]:
         cells = " | ".join(_text(v) for v in d["values"])

@@ -53,11 +53,16 @@ def report(run_dir: Path) -> str:
     files = sorted(run_dir.glob("*.json"))
     if not files:
         raise FileNotFoundError(f"{run_dir}: no result files (*.json) here")
-    lines = [f"{'engine':<28}{'route':<24}{'kernels':<9}{'steps':>6}"
-             + "".join(f"{t.replace('_us', ' us'):>11}" for t in TIMES)]
+    records = {path: read_result(path) for path in files}
+    cpu_profile = any(rec.get("performance_result") is False for rec in records.values())
+    # On the CPU profile there are no CUDA events: the device-time column is the host clock around each call.
+    labels = {t: ("cpu-clock us" if cpu_profile and t == "cuda_us" else t.replace("_us", " us")) for t in TIMES}
+    lines = ["CPU profile: not a performance result; cpu-clock us is the host clock around each call"] if cpu_profile \
+        else []
+    lines.append(f"{'engine':<28}{'route':<24}{'kernels':<9}{'steps':>6}" + "".join(f"{labels[t]:>13}" for t in TIMES))
     positions: dict[str, dict[int, dict]] = {}
-    for path in files:
-        metrics = read_result(path).get("metrics")
+    for path, record in records.items():
+        metrics = record.get("metrics")
         if metrics is None:
             lines.append(f"{path.stem:<28}skipped")
             continue
@@ -67,7 +72,7 @@ def report(run_dir: Path) -> str:
             continue
         for (route, variant), g in group_steps(per_step).items():
             lines.append(f"{path.stem:<28}{route:<24}{variant:<9}{g['steps']:>6}"
-                         + "".join(f"{g[t]:>11.1f}" for t in TIMES))
+                         + "".join(f"{g[t]:>13.1f}" for t in TIMES))
         positions[path.stem] = wall_by_position(per_step)
     if any(positions.values()):
         lines += ["", f"{'engine':<28}{'place in step':<16}{'steps':>6}{'plan us':>11}{'wall us':>11}"]

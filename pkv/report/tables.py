@@ -25,6 +25,7 @@ from pkv.refusal import exit_on_refusal
 from pkv.report import claims, evidence, table_data
 from pkv.report.html_page import markdown_to_html
 from pkv.report.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
+from pkv.report.table_data.labels import seeds_phrase
 from pkv.report.table_data.model_step import table9
 
 TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "paper_tables"
@@ -130,6 +131,7 @@ def make_environment(fmt: str, templates_dir: Path = TEMPLATES_DIR) -> jinja2.En
     env.filters["cell"] = lambda v: format_cell(v, fmt)
     env.filters["esc"] = escape_tex if fmt == "tex" else escape_md
     env.filters["marks"] = lambda m: format_marks(m, fmt)
+    env.filters["seeds"] = seeds_phrase
     env.globals["dash"] = DASH[fmt]
     return env
 

@@ -104,6 +104,13 @@ def selected_route(subjects: list[dict]) -> tuple[str | None, str]:
     return route, text
 
 
+def seeds_phrase(text: str) -> str:
+    """seeds_text with its noun: "seed 20260623", "seeds 20260623–20260627", "no seeds"."""
+    if text == "none":
+        return "no seeds"
+    return f"seed {text}" if text.isdigit() else f"seeds {text}"
+
+
 def seeds_text(seeds: Iterable[int]) -> str:
     seeds = sorted(set(seeds))
     if not seeds:
