@@ -16,6 +16,11 @@
 #     extension first, so a resumed run on a fresh machine skips the one-minute build; every run
 #     leaves its own as $OUT/build_cache.tgz.
 #   SKIP_TESTS=1 skips the kernel tests. DAG_TARGETS="tables ...": build only these targets.
+#   DAG_UNTIL="<rule> ...": run only these rules' jobs and what they need (snakemake --until), so the
+#     full DAG runs in parts that each finish whole rules, for example, each resumed from the last:
+#       DAG_UNTIL="calibrate_repeat evaluate"   the calibrations and Table 2 (48 jobs)
+#       DAG_UNTIL="model_step"                  Table 9 (40 jobs)
+#       (nothing)                               the ablations, benchmarks, profile, tables, figures
 #   PKV_SOURCE_STAMP=<file from `python -m pkv.provenance --stamp`, carried>: results name that
 #     commit when the copied sources match it (default .device/source_stamp.json if present).
 # vLLM's rows need its sources carried: run scripts/vllm_carry.sh here and name third_party/vllm
@@ -59,7 +64,9 @@ if [ -n "${RESUME:-}" ]; then
 fi
 # --keep-going: a failed job stops only what depends on it; the rest of a part's device time still
 # yields results, and the failure is in dag.log and the job's log.
-timeout "${DAG_TIMEOUT:-420}" python3 -m snakemake ${DAG_TARGETS:-} --cores 16 --scheduler greedy --keep-going \
+# shellcheck disable=SC2086  # DAG_UNTIL and DAG_TARGETS are lists of words
+timeout "${DAG_TIMEOUT:-420}" python3 -m snakemake ${DAG_TARGETS:-} ${DAG_UNTIL:+--until $DAG_UNTIL} --cores 16 \
+  --scheduler greedy --keep-going \
   --configfile "$DAG_CONFIG" --config gpu="$GPU_NAME" > "$OUT/dag.log" 2>&1
 echo "dag rc=$?"
 tar czf "$OUT/artifacts.tgz" "artifacts/$GPU_NAME" 2>/dev/null
