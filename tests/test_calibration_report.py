@@ -105,6 +105,7 @@ def test_cpu_profile_report_says_why_its_routes_are_configured(tmp_path):
     save_calibration(path, cpu, {"measurements": measured, "config": {"gpu": {"gpu": "h200"}}})
     lines = calibration_report.report(path).splitlines()
     assert lines[1].startswith("CPU profile (not a performance model)") and "are conf/gpu/h200.yaml's" in lines[1]
+    assert "context gates scaled by the profile's length scale" in lines[1]
     assert lines[2] == "B1 bucket S=40 from 256 tokens"
     assert "past every B1 step measured" in lines[3] and "end at 128 tokens" in lines[3]
     assert lines[4] == "B2-7 FlashInfer" and lines[5] == "B8+ workqueue S=40 from 256 tokens"

@@ -83,6 +83,24 @@ def test_calibrate_refuses_held_out_seeds(tmp_path):
     assert not (tmp_path / "c.json").exists()
 
 
+def test_a_gpu_file_through_the_cpu_profile_keeps_its_routes_with_gates_scaled_as_the_traces(tmp_path):
+    """README, "A new GPU": conf/gpu/h200.yaml on a machine without one. Its gates are in the GPU's
+    tokens; the CPU profile scales them by its length scale (1/64), as it scales every trace."""
+    import yaml
+
+    from pkv.policy import load_calibration
+
+    out = tmp_path / "c.json"
+    proc = _cli("experiment=calibrate", "profile=cpu", "gpu=h200", "seed=20260622", f"out={out}",
+                f"hydra.run.dir={tmp_path}/.run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    start = yaml.safe_load((REPO / "conf" / "gpu" / "h200.yaml").read_text())["regimes"]
+    calib = load_calibration(out)
+    for regime, params in start.items():
+        assert calib.regime(regime).route == params["route"]
+        assert calib.regime(regime).min_context_tokens == max(1, round(params["min_context_tokens"] / 64))
+
+
 NCU_CSV = '''"ID","Kernel Name","thread Domain:Push/Pop_Range","gpu__time_duration.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed","gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed","dram__bytes_read.sum.per_second","lts__t_sector_hit_rate.pct"
 "","","","usecond","%","%","Tbyte/second","%"
 "0","BatchDecodeKernel","pkv:flashinfer_decode","40.0","9.5","62.0","3.30","0.10"

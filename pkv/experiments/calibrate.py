@@ -23,7 +23,7 @@ from pkv.policy.calibration import Calibration, regime_field, save_calibration
 from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy
 from pkv.policy.estimator import Estimator
 from pkv.policy.fits import fit_c_min, fit_context_gate, fit_regime_route, fit_split_count, group_size_holds
-from pkv.policy.regime import FEW_ROWS, SINGLE_ROW, regime_of
+from pkv.policy.regime import FEW_ROWS, REGIMES, SINGLE_ROW, regime_of
 from pkv.policy.route import FLASHINFER_ROUTE, ROUTE_BUCKET, ROUTE_WORKQUEUE, SCHEDULES, StepRoute
 from pkv.shape import ModelShape
 
@@ -66,6 +66,8 @@ def run(cfg: PkvConfig) -> list[Path]:
         for fit in context_gates.values():
             calib = calib.with_regime(fit["regime"], min_context_tokens=fit["fitted"])
         calib = dataclasses.replace(calib, supported_group_sizes=tuple(group_fit["fitted"]))
+    elif start.gpu != CPU_STAND_IN:
+        calib = scaled_gates(calib, cfg.cpu_profile.length_scale)
     calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(sweep.flashinfer_plan_us),
                                 persistentkv_plan_us=statistics.median(sweep.persistentkv_plan_us))
     estimator = Estimator(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
@@ -86,6 +88,20 @@ def run(cfg: PkvConfig) -> list[Path]:
     out = Path(cfg.out)
     save_calibration(out, calib, prov)
     return [out]
+
+
+# conf/gpu/cpu.yaml: the CPU profile's own constants, its gates written in the profile's scaled tokens.
+CPU_STAND_IN = "cpu"
+
+
+def scaled_gates(calib: Calibration, length_scale: float) -> Calibration:
+    """A GPU's file tried through the CPU profile (README, "A new GPU"): its context gates, in the
+    GPU's tokens, scaled as the profile scales every trace's lengths, so each scaled step falls on
+    the side of a gate that its full length would, and the routes behind the gates run."""
+    for regime in REGIMES:
+        gate = calib.regime(regime).min_context_tokens
+        calib = calib.with_regime(regime, min_context_tokens=max(1, round(gate * length_scale)))
+    return calib
 
 
 def _apply(calib: Calibration, points: dict) -> Calibration:

@@ -100,6 +100,8 @@ def profile_note(record: dict) -> str | None:
     gpu = (((record.get("provenance") or {}).get("config") or {}).get("gpu") or {})
     name = gpu.get("gpu") if isinstance(gpu, dict) else None
     starting = f"conf/gpu/{name}.yaml's" if name else "the run's conf/gpu file's"
+    if name and name != "cpu":  # a GPU's file: its gates scaled as the traces are (pkv.experiments.calibrate)
+        starting += " (its context gates scaled by the profile's length scale, as the traces are)"
     return ("CPU profile (not a performance model): the routes, context gates and group sizes in use are "
             f"{starting}; what the CPU timings fit is recorded below as 'not applied', because "
             "CPU times decide nothing. The split counts and constants are fitted as on a GPU.")
