@@ -477,3 +477,26 @@ def test_a_ring_depth_the_kernels_lack_is_refused_as_such():
 
     with pytest.raises(ValueError, match=r"DeviceDecodeStep: stages must be one of \(2, 3, 4\), got 5"):
         DeviceDecodeStep(ModelShape(), max_batch=2, num_splits=2, device="cpu", stages=5)
+
+
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
+def test_the_benchmark_repeats_an_eager_steps_op_calls_alone(reference_ops, planner):
+    """device_step_bench's launch_host_us times the op calls one eager step made, without the
+    checks around them: repeating them writes the same output, and the workspace keeps its ops."""
+    import torch
+
+    from pkv.engines.device_step import DeviceDecodeStep
+    from pkv.measure.device_step_bench import _recorded_launches
+
+    shape, step, q, k, v = _cpu_step([40, 300, 17], seed=5)
+    workspace = DeviceDecodeStep(shape, max_batch=4, num_splits=4, planner=planner, device="cpu")
+    table, lens = torch.from_numpy(step.block_table), torch.from_numpy(step.seq_lens)
+    out = torch.full_like(q, float("nan"))
+    ops = workspace.ops
+    launches = _recorded_launches(workspace, lambda: workspace.run(q, k, v, table, lens, out))
+    assert workspace.ops is ops
+    want = out.clone()
+    out.fill_(float("nan"))
+    launches()
+    assert torch.equal(out, want)
+    torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)

@@ -10,7 +10,8 @@ Device time is CUDA events with an L2 flush before each call (median); wall time
 synchronized step with the host work it needs (plan and run; for the graph, copying the step's
 inputs and the replay); host time is how long the host takes to return from that work, with the
 device idle before each call (what a serving engine's step pays on the CPU); for the graphs,
-replay_host_us is the same for the bare ``graph.replay()``, so the rest of host_us is Python.
+replay_host_us is the same for the bare ``graph.replay()``, and for the eager rows launch_host_us for
+the step's op calls alone (dispatch and launch), so the rest of host_us is Python.
 
     python -m pkv.measure.device_step_bench --out device_step.json
 """
@@ -62,19 +63,52 @@ CASES = {
 }
 
 
-def _timed_row(fn, flusher, reps, *, out=None, reference=None, device_fn=None, replay=None) -> dict:
+def _timed_row(fn, flusher, reps, *, out=None, reference=None, device_fn=None, replay=None,
+               launches=None) -> dict:
     """Device (of ``device_fn``, else ``fn``), wall and host time of one form of the step, after a
-    first untimed call; with ``out``, its largest difference from the host-planned output; with
-    ``replay`` (a graph's bare replay), that replay's host time, what of host_us is the launch."""
+    first untimed call; with ``out``, its largest difference from the host-planned output. What of
+    host_us is the launch: with ``replay`` (a graph's bare replay) its host time, with ``launches``
+    (an eager step's op calls alone, _recorded_launches) theirs."""
     fn()
     torch.cuda.synchronize()
     row = {"device_us": time_device_us(device_fn or fn, flusher=flusher, reps=reps).median_us,
            "wall_us": time_wall_us(fn, reps=reps), "host_us": time_host_us(fn, reps=reps)}
     if replay is not None:
         row["replay_host_us"] = time_host_us(replay, reps=reps)
+    if launches is not None:
+        row["launch_host_us"] = time_host_us(launches, reps=reps)
     if out is not None:
         row["max_abs_diff_vs_host"] = float((out.float() - reference.float()).abs().max())
     return row
+
+
+class _OpRecorder:
+    """Stands in for a DeviceDecodeStep's ops for one call, keeping each op call it passes on."""
+
+    def __init__(self, ops) -> None:
+        self._ops, self.calls = ops, []
+
+    def __getattr__(self, name):
+        op = getattr(self._ops, name)
+
+        def record(*args, **kwargs):
+            self.calls.append((op, args, kwargs))
+            return op(*args, **kwargs)
+        return record
+
+
+def _recorded_launches(workspace: DeviceDecodeStep, step_fn):
+    """A callable that repeats the op calls one eager ``step_fn`` made on ``workspace``, with the
+    same tensors and none of the Python checks around them: the dispatch and launch share of the
+    step's host time."""
+    ops, recorder = workspace.ops, _OpRecorder(workspace.ops)
+    workspace.ops = recorder
+    try:
+        step_fn()
+    finally:
+        workspace.ops = ops
+    calls = recorder.calls
+    return lambda: [op(*args, **kwargs) for op, args, kwargs in calls]
 
 
 def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> dict:
@@ -102,9 +136,11 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
         workspace = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits, planner=planner)
         for suffix, page_table in (("", table), ("_lists", lists)):
             out = torch.empty_like(q)
+
+            def eager(page_table=page_table, out=out):
+                return workspace.run(q, k, v, page_table, lens, out, host_lens=host_lens)
             rows[PLANNER_ROWS[planner] + suffix] = _timed_row(
-                lambda: workspace.run(q, k, v, page_table, lens, out, host_lens=host_lens), flusher, reps,
-                out=out, reference=reference)
+                eager, flusher, reps, out=out, reference=reference, launches=_recorded_launches(workspace, eager))
         graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
         graphed.run(q, table, lens)
         (graph,) = graphed.captured_graphs()
@@ -144,7 +180,7 @@ def main(argv=None) -> int:
     args = bench_parser(__doc__, CASES, reps=30, seed=20260622).parse_args(argv)
     config = {"cases": args.cases, "reps": args.reps}
     if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/5", config, args.seed)
+        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/6", config, args.seed)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -153,7 +189,7 @@ def main(argv=None) -> int:
     flusher = L2Flusher("cuda")
     cases = {name: run_case(name, *CASES[name], ModelShape(), flusher, args.reps, args.seed, log)
              for name in args.cases}
-    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/5", "cases": cases,
+    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/6", "cases": cases,
                                  "provenance": collect_provenance(config=config, seed=args.seed)})
     return 0
 
