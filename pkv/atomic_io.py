@@ -32,7 +32,15 @@ class JsonFileError(ValueError):
 
 
 def _umask() -> int:
-    # os.umask can only be read by setting it; set it back at once.
+    # Linux reports it without changing it; elsewhere os.umask can only be read by setting it, which
+    # for an instant gives any file another thread creates mode 0666, so it is set back at once.
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -156,6 +156,10 @@ def test_written_files_are_readable_by_the_group(tmp_path):
     old = os.umask(0o022)
     try:
         path = write_json_atomic(tmp_path / "shared" / "r.json", {"x": 1})
+        # The file's mode follows the umask as a plain open() would, and reading it changes it not.
+        os.umask(0o027)
+        private = write_json_atomic(tmp_path / "shared" / "p.json", {"x": 1})
+        assert os.umask(0o027) == 0o027
     finally:
         os.umask(old)
-    assert path.stat().st_mode & 0o777 == 0o644
+    assert path.stat().st_mode & 0o777 == 0o644 and private.stat().st_mode & 0o777 == 0o640
