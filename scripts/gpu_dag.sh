@@ -17,7 +17,8 @@
 #     leaves its own as $OUT/build_cache.tgz.
 #   SKIP_TESTS=1 skips the kernel tests. DAG_TARGETS="tables ...": build only these targets.
 #   DAG_UNTIL="<rule> ...": run only these rules' jobs and what they need (snakemake --until), so the
-#     full DAG runs in parts that each finish whole rules, for example, each resumed from the last:
+#     full DAG runs in parts that each finish whole rules, for example, each resumed from the last
+#     (job counts of DAG_CONFIG=config/config.yaml):
 #       DAG_UNTIL="calibrate_repeat evaluate"   the calibrations and Table 2 (48 jobs)
 #       DAG_UNTIL="model_step"                  Table 9 (40 jobs)
 #       (nothing)                               the ablations, benchmarks, profile, tables, figures

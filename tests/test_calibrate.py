@@ -190,3 +190,31 @@ def test_a_bad_file_names_the_file_and_the_field(tmp_path):
     path.write_text(json.dumps({"schema": LEGACY_SCHEMA, "calibration": {**FLAT, "boundary_route": "x"}}))
     with pytest.raises(CalibrationError, match=r"calibration\.json: calibration: field boundary_route='x'"):
         load_calibration(path)
+
+
+def test_a_gpus_gates_are_read_in_the_cpu_profiles_tokens(tmp_path):
+    """The CPU profile scales every trace by 1/64; a GPU's gates (its file, or a calibration made on
+    it) are scaled alike wherever a run loads them, and nothing else is."""
+    import yaml
+
+    from pkv.config import compose
+    from pkv.experiments.common import run_calibration
+
+    reference = "artifacts/reference/h200/calibration.json"
+    gates = {r: load_calibration(reference).regime(r).min_context_tokens for r in REGIMES}
+
+    def gates_of(*overrides):
+        calib = run_calibration(compose(["out=x", *overrides]))
+        return {r: calib.regime(r).min_context_tokens for r in REGIMES}
+
+    scaled = {r: max(1, round(g / 64)) for r, g in gates.items()}
+    assert gates_of("profile=cpu", f"calibration={reference}") == scaled
+    assert gates_of("profile=gpu", "device=cpu", f"calibration={reference}") == gates
+    # A calibration the CPU profile wrote is in its tokens already; so is conf/gpu/cpu.yaml.
+    record = json.loads(open(reference).read())
+    record["provenance"]["measurements"] = {"performance_result": False}
+    written = tmp_path / "cpu_profile.json"
+    written.write_text(json.dumps(record))
+    assert gates_of("profile=cpu", f"calibration={written}") == gates
+    cpu = yaml.safe_load(open("conf/gpu/cpu.yaml"))["regimes"]
+    assert gates_of("profile=cpu", "gpu=cpu") == {r: cpu[r]["min_context_tokens"] for r in REGIMES}

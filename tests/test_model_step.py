@@ -217,6 +217,13 @@ def test_table9_names_rows_that_ran_flashinfer_and_one_reason_once(tmp_path):
     assert "every step took FlashInfer's route" in dict(ctx["notes"])[mark]
     assert rows[("bimodal_b8", "adaptive_eager")]["captured"] is not None
     assert not rows[("bimodal_b8", "adaptive_eager")]["marks"]
+    # One seed of two on FlashInfer's route: the captured fraction is the other seed's, and said so.
+    _write_run(root, "zipf_b8", 20260623, 1.02, adaptive_routes={"flashinfer": 6})
+    _write_run(root, "zipf_b8", 20260624, 1.04, adaptive_routes={"persistentkv_workqueue": 6})
+    ctx = table9(root)
+    zipf = next(r for b in ctx["blocks"] if b["trace"] == "zipf_b8" for r in b["rows"] if r["label"] == "adaptive_eager")
+    assert zipf["captured"].n == 1 and zipf["cuda"].n == 2
+    assert "on 1 of 2 seeds, left out of the captured fraction" in dict(ctx["notes"])[zipf["marks"][0]]
     # The same skip reason on every trace and seed is one footnote, said once.
     graph_notes = {rows[(t, "adaptive_graph")]["cuda"].note for t in ("bimodal_b8", "bucketed_b1")}
     assert len(graph_notes) == 1

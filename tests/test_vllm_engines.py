@@ -87,7 +87,7 @@ def test_engine_unavailable_reason_prints_as_a_table_note(monkeypatch, tmp_path)
 
     with pytest.raises(EngineUnavailable) as info:
         VllmTritonEngine(SHAPE, device="cpu")
-    assert f"not available: {info.value.reason}" == "not available: vLLM's Triton unified attention needs a " \
+    assert f"not available: {info.value.reason}" == "not available: vLLM Triton unified attention needs a " \
                                                     "CUDA device, got cpu"
 
 

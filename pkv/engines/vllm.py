@@ -29,7 +29,7 @@ TRITON_MIN_HEAD_SIZE = 32
 
 # How the two kernels name themselves in errors and "not available" reasons.
 PAGED_NAME = "vLLM PagedAttention v2"
-TRITON_NAME = "vLLM's Triton unified attention"
+TRITON_NAME = "vLLM Triton unified attention"
 
 
 def _cuda_device(device, what: str) -> torch.device:

@@ -35,6 +35,7 @@ from pkv.build import (
     torch_compile_flags,
 )
 from pkv.engines.base import EngineUnavailable
+from pkv.engines.vllm import PAGED_NAME, TRITON_NAME
 from pkv.engines.vllm_sources import (
     BINDING_SOURCE,
     DEFAULT_DEST,
@@ -173,7 +174,7 @@ def load_vllm_paged_attention(dest: str | os.PathLike = DEFAULT_DEST, verbose: b
     GPU on first use and cached under PKV_CACHE_DIR by a hash of every source; EngineUnavailable
     with the reason where it cannot be (no CUDA device, sources not fetched, compile failed)."""
     if not torch.cuda.is_available():
-        raise EngineUnavailable("vLLM paged attention needs a CUDA GPU; none is visible to torch")
+        raise EngineUnavailable(f"{PAGED_NAME} needs a CUDA GPU; none is visible to torch")
     root = fetched_root(PAGED_ATTENTION, dest)
     capability = torch.cuda.get_device_capability()
     key = paged_build_key(root, capability)
@@ -258,11 +259,11 @@ def load_vllm_triton_unified_attention(dest: str | os.PathLike = DEFAULT_DEST):
     """vLLM's unified_attention (Triton) from the fetched release; EngineUnavailable with the
     reason where it cannot run (no CUDA device, no triton, sources not fetched, import failed)."""
     if not torch.cuda.is_available():
-        raise EngineUnavailable("vLLM triton unified attention needs a CUDA GPU; none is visible to torch")
+        raise EngineUnavailable(f"{TRITON_NAME} needs a CUDA GPU; none is visible to torch")
     try:
         importlib.import_module("triton")  # an optional dependency: its absence is a reason
     except ImportError as exc:
-        raise EngineUnavailable(f"vLLM triton unified attention needs triton: {exc}") from None
+        raise EngineUnavailable(f"{TRITON_NAME} needs triton: {exc}") from None
     root = fetched_root(TRITON_ATTENTION, dest)
     with _TRITON_LOCK:
         if str(root) not in _TRITON_LOADED:

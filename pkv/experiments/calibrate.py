@@ -16,14 +16,21 @@ from pathlib import Path
 
 from pkv.config import ConfigError, PkvConfig, load_trace_option
 from pkv.engines import build_engine
-from pkv.experiments.common import load_requests, model_shape, provenance_for, resolve_settings, trace_name
+from pkv.experiments.common import (
+    gates_for_profile,
+    load_requests,
+    model_shape,
+    provenance_for,
+    resolve_settings,
+    trace_name,
+)
 from pkv.measure.calibration_probe import measure_launch_us, measure_read_gbps, time_steps, trace_steps
 from pkv.measure.kv_data import make_kv_pages, resolve_dtype
 from pkv.policy.calibration import Calibration, regime_field, save_calibration
 from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy
 from pkv.policy.estimator import Estimator
 from pkv.policy.fits import fit_c_min, fit_context_gate, fit_regime_route, fit_split_count, group_size_holds
-from pkv.policy.regime import FEW_ROWS, REGIMES, SINGLE_ROW, regime_of
+from pkv.policy.regime import FEW_ROWS, SINGLE_ROW, regime_of
 from pkv.policy.route import FLASHINFER_ROUTE, ROUTE_BUCKET, ROUTE_WORKQUEUE, SCHEDULES, StepRoute
 from pkv.shape import ModelShape
 
@@ -42,7 +49,8 @@ def run(cfg: PkvConfig) -> list[Path]:
         if probe.group_size is not None and shape.num_qo_heads % probe.group_size:
             raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.gate_probes[{i}].group_size' = "
                               f"{probe.group_size!r}: must divide model.num_qo_heads={shape.num_qo_heads}")
-    start = Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)")
+    # The probes fit the gates in the run's tokens: a GPU's file on the CPU profile is scaled first.
+    start = gates_for_profile(Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)"), cfg)
 
     read_gbps = measure_read_gbps(settings.device, settings.probe_buffer_mib)
     launch = measure_launch_us(settings.device, launches=settings.launch_probe_reps)
@@ -62,12 +70,10 @@ def run(cfg: PkvConfig) -> list[Path]:
     calib = _apply(calib, operating_points)
     if settings.performance_result:
         # CPU timings say nothing about a GPU: there the fits are recorded and the configured
-        # gates kept.
+        # gates kept (in the profile's tokens, gates_for_profile).
         for fit in context_gates.values():
             calib = calib.with_regime(fit["regime"], min_context_tokens=fit["fitted"])
         calib = dataclasses.replace(calib, supported_group_sizes=tuple(group_fit["fitted"]))
-    elif start.gpu != CPU_STAND_IN:
-        calib = scaled_gates(calib, cfg.cpu_profile.length_scale)
     calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(sweep.flashinfer_plan_us),
                                 persistentkv_plan_us=statistics.median(sweep.persistentkv_plan_us))
     estimator = Estimator(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
@@ -88,20 +94,6 @@ def run(cfg: PkvConfig) -> list[Path]:
     out = Path(cfg.out)
     save_calibration(out, calib, prov)
     return [out]
-
-
-# conf/gpu/cpu.yaml: the CPU profile's own constants, its gates written in the profile's scaled tokens.
-CPU_STAND_IN = "cpu"
-
-
-def scaled_gates(calib: Calibration, length_scale: float) -> Calibration:
-    """A GPU's file tried through the CPU profile (README, "A new GPU"): its context gates, in the
-    GPU's tokens, scaled as the profile scales every trace's lengths, so each scaled step falls on
-    the side of a gate that its full length would, and the routes behind the gates run."""
-    for regime in REGIMES:
-        gate = calib.regime(regime).min_context_tokens
-        calib = calib.with_regime(regime, min_context_tokens=max(1, round(gate * length_scale)))
-    return calib
 
 
 def _apply(calib: Calibration, points: dict) -> Calibration:

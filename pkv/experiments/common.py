@@ -7,6 +7,7 @@ one place, so every driver shrinks the same way and marks its results `performan
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import uuid
 from collections.abc import Iterable, Mapping
@@ -18,7 +19,13 @@ import torch
 
 from pkv.atomic_io import write_json_files_atomic
 from pkv.config import (
-    DEFAULT_MAX_CONTEXT_TOKENS, EXTERNAL_FAMILY, MAX_KV_POOL_BYTES, ConfigError, EngineConfig, PkvConfig, TraceConfig,
+    DEFAULT_MAX_CONTEXT_TOKENS,
+    EXTERNAL_FAMILY,
+    MAX_KV_POOL_BYTES,
+    ConfigError,
+    EngineConfig,
+    PkvConfig,
+    TraceConfig,
     check_calibration_bounds,
 )
 from pkv.engines import OPTION_NAMES, EngineUnavailable, build_engine, role_policy
@@ -27,7 +34,7 @@ from pkv.pipeline.trace_readers import read_trace
 from pkv.pipeline.traces import synthetic_trace
 from pkv.policy.calibration import Calibration, load_calibration
 from pkv.policy.overrides import apply_engine_options
-from pkv.policy.regime import CalibrationError
+from pkv.policy.regime import REGIMES, CalibrationError
 from pkv.provenance import collect_provenance
 from pkv.shape import ModelShape
 
@@ -183,21 +190,49 @@ def engine_role_and_options(label: str, engine: EngineConfig) -> tuple[str, dict
     return role, {k: v for k, v in options.items() if v is not None}
 
 
+# conf/gpu/cpu.yaml's gpu: the CPU profile's own constants, its gates written in the profile's tokens.
+CPU_STAND_IN = "cpu"
+
+
+def scaled_gates(calib: Calibration, length_scale: float) -> Calibration:
+    """The calibration with every regime's context gate scaled by ``length_scale`` (at least 1 token)."""
+    for regime in REGIMES:
+        gate = calib.regime(regime).min_context_tokens
+        calib = calib.with_regime(regime, min_context_tokens=max(1, round(gate * length_scale)))
+    return calib
+
+
+def gates_for_profile(calib: Calibration, cfg: PkvConfig, in_profile_tokens: bool = False) -> Calibration:
+    """The calibration as the run's profile reads it. The CPU profile scales every trace's lengths
+    (cpu_profile.length_scale), so a GPU's gates, in that GPU's tokens, are scaled the same way and
+    each scaled step falls on the side of a gate that its full length would (README, "A new GPU").
+    conf/gpu/cpu.yaml and a calibration the CPU profile wrote (``in_profile_tokens``) are in the
+    profile's tokens already."""
+    if cfg.profile != "cpu" or calib.gpu == CPU_STAND_IN or in_profile_tokens:
+        return calib
+    return scaled_gates(calib, cfg.cpu_profile.length_scale)
+
+
 def run_calibration(cfg: PkvConfig):
     """The calibration every engine of this run decides with: the frozen calibration JSON when
-    given (else the starting constants of conf/gpu/<gpu>.yaml), with the run's engine options
-    (an ablation's split count or opened regime) applied once, here. A calibration file that is
-    missing, a folder, not JSON or out of bounds is a ConfigError naming it."""
+    given (else the starting constants of conf/gpu/<gpu>.yaml), its gates as the run's profile
+    reads them (gates_for_profile), with the run's engine options (an ablation's split count or
+    opened regime) applied once, here. A calibration file that is missing, a folder, not JSON or
+    out of bounds is a ConfigError naming it."""
     if cfg.calibration:
         path = cfg.calibration
         try:
             calib = load_calibration(path)
+            record = json.loads(Path(path).read_text())
         except (CalibrationError, OSError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).removeprefix(f"{path}: ")
             raise ConfigError(f"{path}: field 'calibration' = {path!r}: {why}") from None
         check_calibration_bounds(calib, path, prefix="calibration.")
+        # The calibrate rule records whether it ran on the CPU profile (pkv.experiments.calibrate).
+        measured = ((record.get("provenance") or {}).get("measurements") or {}) if isinstance(record, dict) else {}
+        calib = gates_for_profile(calib, cfg, in_profile_tokens=measured.get("performance_result") is False)
     else:
-        calib = Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)")
+        calib = gates_for_profile(Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)"), cfg)
     return apply_engine_options(calib, **{k: getattr(cfg.engine, k) for k in _CALIBRATION_OPTIONS})
 
 

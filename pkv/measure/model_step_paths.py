@@ -234,6 +234,8 @@ class AdaptiveGraphPath(GraphPath):
         return self.policy.choose(step).route
 
     def key(self, step):
+        # What GraphPath's key() answers, for any caller; prepare() and plan() below ask the policy
+        # once and key the step by the route they got instead.
         return self._key(step, self._route(step))
 
     @staticmethod
@@ -241,7 +243,6 @@ class AdaptiveGraphPath(GraphPath):
         # Only PersistentKV routes have one: prepare() and plan() hand FlashInfer's steps to its own path.
         return (step.batch_size, device_step_config(route))
 
-    # prepare() and plan() ask the policy once and key the step by the route they got.
     def prepare(self, step, x) -> None:
         route = self._route(step)
         if route.name == ROUTE_FLASHINFER:

@@ -42,7 +42,8 @@ CONSTANTS = ("beta_gbps", "lambda_us", "c_min", "flashinfer_plan_us", "persisten
 
 
 def spread(paths: list[Path]) -> dict:
-    """{"decisions": [{name, values, agree}], "constants": [{name, values, mean, rel_spread}]}."""
+    """{"decisions": [{name, values, agree}], "constants": [{name, values, mean, rel_spread}],
+    "steps": step_decisions(...), "performance_result": False where any file is a CPU-profile calibration}."""
     calibs = [load_calibration(path) for path in paths]  # a bad file is a refusal naming it
     gpus = sorted({c.gpu for c in calibs})
     # A calibration of the CPU profile says so in its measurements (pkv.experiments.calibrate).

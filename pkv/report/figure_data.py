@@ -263,7 +263,8 @@ def model_step_ratio(root: Path) -> FigureData:
                      "Table 9's ratios per trace: the adaptive engine's whole model-shaped decode step over "
                      "FlashInfer's in the same mode (eager, CUDA graph), in device time and in synchronized wall "
                      "time; the bar is the mean over held-out seeds, the line the sample standard deviation, "
-                     "the points the seeds; 1 is parity.")
+                     "the points the seeds; 1 is parity. A trace marked * took FlashInfer's route on every step "
+                     "(the policy's gates): its ratio is FlashInfer against itself.")
     tree = load_trace_tree(root / "model_step")
     rows = []
     for trace in ordered(tree, MODEL_STEP_TRACES):
@@ -272,14 +273,16 @@ def model_step_ratio(root: Path) -> FigureData:
             for path, rec in records:
                 fig.sources.append(path.relative_to(root).as_posix())
                 fig.inputs.add(rec)
-        series = {}
+        series, gated = {}, []
         for mode in ("eager", "graph"):
             values = row_values(seeds, f"adaptive_{mode}", f"model_step/{trace}", [])
+            gated += values["baseline_route_only"]
             for key, label in (("cuda", "device"), ("wall", "wall")):
                 if values[key]:
                     series[f"{label}, {mode}"] = values[key]
         if series:
-            rows.append({"trace": trace, "label": trace_label(trace), "series": series})
+            mark = "*" if gated and all(gated) else ""
+            rows.append({"trace": trace, "label": trace_label(trace) + mark, "series": series})
     if not tree:
         fig.empty = "model_step: not run"
         fig.inputs.missing_input("model_step")
