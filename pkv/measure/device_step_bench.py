@@ -1,6 +1,7 @@
 """The device-planned decode step against the host-planned one and FlashInfer, on identical pages.
 
-Per case: PersistentKV's workqueue planned on the host (C++ planner, one upload) and run eagerly;
+Per case: PersistentKV's workqueue planned on the host (C++ planner, one upload) and run eagerly,
+with the case's fixed split count and with the balanced split rule on a budget of one wave of CTAs;
 the same split count planned on the GPU (pkv.engines.device_step) run eagerly over the block table
 and over page lists (pkv.page_table), replayed from a CUDA graph; the same with no plan launch
 (planner "in_decode"), eager and replayed; replayed through the routed graphs a serving engine would hold
@@ -44,8 +45,12 @@ from pkv.shape import ModelShape
 K = 1024
 # Row names of each planner's forms: <name>, <name>_lists (page lists), <name>_graph (replayed).
 PLANNER_ROWS = {"plan_kernel": "device_planned", "in_decode": "in_decode"}
-ROWS = ("host_planned", *(f"{PLANNER_ROWS[p]}{suffix}" for p in PLANNERS for suffix in ("", "_lists", "_graph")),
+ROWS = ("host_planned", "host_planned_balanced",
+        *(f"{PLANNER_ROWS[p]}{suffix}" for p in PLANNERS for suffix in ("", "_lists", "_graph")),
         "routed_graph", "flashinfer")
+# The balanced rule's budget: one wave of the stages = 2 decode kernels, three CTAs an SM
+# (docs/performance.md, "Register spills at stages = 2").
+WAVE_CTAS_PER_SM = 3
 # (lengths, split count, route of the routed graph): the calibrated operating points of the H200
 # for B1 (the bucket route) and B8, and full batches.
 CASES = {
@@ -127,6 +132,19 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
     # Device time of the kernels alone; wall and host time with the host plan each step needs.
     rows["host_planned"] = _timed_row(lambda: host.run(q, k, v, host.plan(step)), flusher, reps,
                                       device_fn=lambda: host.run(q, k, v, plan))
+    # The balanced split rule on a budget of one wave of CTAs: every task about the same number of
+    # tiles, so a long row among short ones gets more splits than the fixed count (the skewed case,
+    # where the fixed count leaves some SMs two of the long row's CTAs and others one).
+    wave = WAVE_CTAS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count
+    balanced = PersistentKVEngine(shape, policy=PinnedRoutePolicy(
+        StepRoute(ROUTE_WORKQUEUE, splits, split_kind="balanced", target_ctas=wave)))
+    balanced.prepare(step, q, k, v)
+    balanced_plan = balanced.plan(step)
+    out = balanced.run(q, k, v, balanced_plan)
+    rows["host_planned_balanced"] = _timed_row(lambda: balanced.run(q, k, v, balanced.plan(step)), flusher, reps,
+                                               device_fn=lambda: balanced.run(q, k, v, balanced_plan), out=out,
+                                               reference=reference)
+    rows["host_planned_balanced"]["target_ctas"] = wave
 
     # The step planned on the GPU, by each planner, over the block table and over page lists
     # (FlashInfer's indptr / indices: one more dependent read a CTA), eager and replayed.
