@@ -1,7 +1,7 @@
 """The real CPU DAG, end to end, in a copy of the checkout on reduced axes.
 
 It runs every rule (build, calibrate, every trace experiment and ablation, profile, tables,
-figures) with the CPU profile, then checks that all eight tables exist, that `snakemake --report`
+figures) with the CPU profile, then checks that all nine tables exist, that `snakemake --report`
 holds every table, the claims check and every figure, that a second run has nothing to do and that
 deleting one result file reruns only the job that wrote it, the tables and the figures drawn from it.
 """

@@ -43,7 +43,8 @@ def azure_trace(request):
     """(path, independently parsed rows) of each real Azure trace; skipped where it is absent."""
     path = AZURE[request.param]
     if not path.exists():
-        pytest.skip(f"{path} not present (set PKV_SHARED_DIR)")
+        pytest.skip(f"{path} not present: the full Azure traces are not in the repository (traces/README.md "
+                    f"says where to get them); set PKV_SHARED_DIR to the folder whose traces/ holds them")
     return path, _raw_azure_rows(path)
 
 
