@@ -35,9 +35,9 @@ def _umask() -> int:
     # Linux reports it without changing it; elsewhere os.umask can only be read by setting it, which
     # for an instant gives any file another thread creates mode 0666, so it is set back at once.
     try:
-        with open("/proc/self/status", encoding="ascii") as status:
+        with open("/proc/self/status", "rb") as status:  # bytes: the Name line may be any encoding
             for line in status:
-                if line.startswith("Umask:"):
+                if line.startswith(b"Umask:"):
                     return int(line.split()[1], 8)
     except (OSError, ValueError, IndexError):
         pass

@@ -210,11 +210,18 @@ def test_a_gpus_gates_are_read_in_the_cpu_profiles_tokens(tmp_path):
     scaled = {r: max(1, round(g / 64)) for r, g in gates.items()}
     assert gates_of("profile=cpu", f"calibration={reference}") == scaled
     assert gates_of("profile=gpu", "device=cpu", f"calibration={reference}") == gates
-    # A calibration the CPU profile wrote is in its tokens already; so is conf/gpu/cpu.yaml.
+    # A calibration the CPU profile wrote is in its tokens already; so is conf/gpu/cpu.yaml. One a
+    # GPU-profile run wrote on the CPU device (not a performance result either) is in the GPU's.
     record = json.loads(open(reference).read())
     record["provenance"]["measurements"] = {"performance_result": False}
-    written = tmp_path / "cpu_profile.json"
+    for profile, want in (("cpu", gates), ("gpu", scaled)):
+        record["provenance"]["config"] = {"profile": profile}
+        written = tmp_path / f"{profile}_profile.json"
+        written.write_text(json.dumps(record))
+        assert gates_of("profile=cpu", f"calibration={written}") == want
+    # A provenance that is not an object says nothing about the profile: the gates count as a GPU's.
+    record["provenance"] = "hand-written"
     written.write_text(json.dumps(record))
-    assert gates_of("profile=cpu", f"calibration={written}") == gates
+    assert gates_of("profile=cpu", f"calibration={written}") == scaled
     cpu = yaml.safe_load(open("conf/gpu/cpu.yaml"))["regimes"]
     assert gates_of("profile=cpu", "gpu=cpu") == {r: cpu[r]["min_context_tokens"] for r in REGIMES}

@@ -7,7 +7,6 @@ one place, so every driver shrinks the same way and marks its results `performan
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import uuid
 from collections.abc import Iterable, Mapping
@@ -32,7 +31,7 @@ from pkv.engines import OPTION_NAMES, EngineUnavailable, build_engine, role_poli
 from pkv.pipeline.pages import universe_size
 from pkv.pipeline.trace_readers import read_trace
 from pkv.pipeline.traces import synthetic_trace
-from pkv.policy.calibration import Calibration, load_calibration
+from pkv.policy.calibration import Calibration, load_calibration_record, recorded_profile
 from pkv.policy.overrides import apply_engine_options
 from pkv.policy.regime import REGIMES, CalibrationError
 from pkv.provenance import collect_provenance
@@ -222,15 +221,13 @@ def run_calibration(cfg: PkvConfig):
     if cfg.calibration:
         path = cfg.calibration
         try:
-            calib = load_calibration(path)
-            record = json.loads(Path(path).read_text())
+            calib, record = load_calibration_record(path)
         except (CalibrationError, OSError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).removeprefix(f"{path}: ")
             raise ConfigError(f"{path}: field 'calibration' = {path!r}: {why}") from None
         check_calibration_bounds(calib, path, prefix="calibration.")
-        # The calibrate rule records whether it ran on the CPU profile (pkv.experiments.calibrate).
-        measured = ((record.get("provenance") or {}).get("measurements") or {}) if isinstance(record, dict) else {}
-        calib = gates_for_profile(calib, cfg, in_profile_tokens=measured.get("performance_result") is False)
+        # A calibration the CPU profile wrote has its gates in that profile's tokens already.
+        calib = gates_for_profile(calib, cfg, in_profile_tokens=recorded_profile(record) == "cpu")
     else:
         calib = gates_for_profile(Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)"), cfg)
     return apply_engine_options(calib, **{k: getattr(cfg.engine, k) for k in _CALIBRATION_OPTIONS})

@@ -11,8 +11,8 @@ Device time is CUDA events with an L2 flush before each call (median); wall time
 synchronized step with the host work it needs (plan and run; for the graph, copying the step's
 inputs and the replay); host time is how long the host takes to return from that work, with the
 device idle before each call (what a serving engine's step pays on the CPU); for the graphs,
-replay_host_us is the same for the bare ``graph.replay()``, and for the eager rows launch_host_us for
-the step's op calls alone (dispatch and launch), so the rest of host_us is Python.
+replay_host_us is the same for the bare ``graph.replay()``, and for the device-planned eager rows
+launch_host_us for the step's op calls alone (dispatch and launch), so the rest of host_us is Python.
 
     python -m pkv.measure.device_step_bench --out device_step.json
 """

@@ -190,6 +190,20 @@ def regime_field(regime: str, param: str) -> str:
 
 def load_calibration(path) -> Calibration:
     """Read a calibration JSON written by save_calibration (either schema)."""
+    return load_calibration_record(path)[0]
+
+
+def recorded_profile(record: Mapping) -> str | None:
+    """The profile ("gpu" or "cpu") the run that wrote a calibration record ran under, from its
+    provenance's resolved config; None where the record does not say (a hand-written file)."""
+    provenance = record.get("provenance")
+    config = provenance.get("config") if isinstance(provenance, Mapping) else None
+    profile = config.get("profile") if isinstance(config, Mapping) else None
+    return profile if isinstance(profile, str) else None
+
+
+def load_calibration_record(path) -> tuple[Calibration, dict]:
+    """load_calibration, and the whole record it read (its provenance included)."""
     path = Path(path)
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
@@ -205,7 +219,7 @@ def load_calibration(path) -> Calibration:
                                f"(or the older {LEGACY_SCHEMA!r})")
     if "calibration" not in record:
         raise CalibrationError(f"{path}: missing field 'calibration'")
-    return Calibration.from_mapping(record["calibration"], where=f"{path}: calibration")
+    return Calibration.from_mapping(record["calibration"], where=f"{path}: calibration"), record
 
 
 def save_calibration(path, calib: Calibration, provenance: Mapping) -> None:
