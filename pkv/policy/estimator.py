@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pkv.pipeline.counters import PARTIAL_STATE_BYTES
-from pkv.pipeline.schedule import TILE_TOKENS, nonempty_splits, row_tiles
+from pkv.pipeline.schedule import TILE_TOKENS, nonempty_splits, row_splits, row_tiles
 from pkv.policy.calibration import Calibration
 from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, StepRoute
 
@@ -115,30 +115,37 @@ class Estimator:
                     int(hkv * (rows * s)[split].sum()))
         if route.name == ROUTE_WORKQUEUE:
             policy = route.split_policy
-            if policy.kind == "fixed":
-                # Two array operations (each costs about a microsecond at any length, and this runs
-                # on every decode step): a gather from a table by length, then one sum of its
-                # packed (splits, single-split row) counts.
-                try:
-                    packed = int(self._fixed_rule_table(policy.num_splits, 0)[lens].sum())
-                except IndexError:  # a row longer than the table: grow it to cover the longest
-                    longest = int(lens.max())
-                    if longest < FIXED_TABLE_MAX_TOKENS:
-                        packed = int(self._fixed_rule_table(policy.num_splits, longest)[lens].sum())
-                    else:  # past the table's reach: count these rows without it
-                        splits = nonempty_splits(row_tiles(lens), policy.num_splits)
-                        packed = int(splits.sum()) + (int(np.count_nonzero(splits == 1)) << 32)
+            packed = self._fixed_rule_counts(lens, policy.num_splits) if policy.kind == "fixed" else None
+            if packed is not None:
                 total, single = packed & _LOW_32, packed >> 32
                 merged_rows = total - single  # single-split rows need no merge
                 return hkv * total, 2 if merged_rows else 1, hkv * merged_rows
-            tiles = (lens + (TILE_TOKENS - 1)) // TILE_TOKENS
-            target = policy.target_ctas or len(tiles) * hkv * policy.num_splits
-            per_task = max(policy.min_tiles_per_split, -(-int(tiles.sum()) * hkv // target))
-            requested = np.minimum(np.maximum(-(-tiles // per_task), 1), policy.max_splits)
-            splits = -(-tiles // -(-tiles // requested))
+            if policy.kind == "fixed":  # rows past the table's reach: the planner's own rule
+                splits = row_splits(lens, hkv, policy).astype(np.int64)
+            else:
+                # The balanced rule of pkv.pipeline.schedule.row_splits, inlined: its general form
+                # costs 7 us more a step at 256 rows, and this runs on every decode step.
+                tiles = (lens + (TILE_TOKENS - 1)) // TILE_TOKENS
+                target = policy.target_ctas or len(tiles) * hkv * policy.num_splits
+                per_task = max(policy.min_tiles_per_split, -(-int(tiles.sum()) * hkv // target))
+                requested = np.minimum(np.maximum(-(-tiles // per_task), 1), policy.max_splits)
+                splits = -(-tiles // -(-tiles // requested))
             merged_rows = int(splits[splits > 1].sum())
             return hkv * int(splits.sum()), 2 if merged_rows else 1, hkv * merged_rows
         raise ValueError(f"Estimator: unknown route {route.name!r}")
+
+    def _fixed_rule_counts(self, lens: np.ndarray, num_splits: int) -> int | None:
+        """The fixed rule's splits of these rows plus 2**32 per single-split row, in two array
+        operations (each costs about a microsecond at any length, and this runs on every decode
+        step): a gather from the per-length table, then one sum. None for a row past the table's
+        reach (FIXED_TABLE_MAX_TOKENS)."""
+        try:
+            return int(self._fixed_rule_table(num_splits, 0)[lens].sum())
+        except IndexError:  # a row longer than the table: grow it to cover the longest
+            longest = int(lens.max())
+            if longest >= FIXED_TABLE_MAX_TOKENS:
+                return None
+            return int(self._fixed_rule_table(num_splits, longest)[lens].sum())
 
     def _fixed_rule_table(self, num_splits: int, longest: int) -> np.ndarray:
         """Per length 0..N: the fixed rule's split count of a row of that length, plus 2**32 if
