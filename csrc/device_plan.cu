@@ -120,8 +120,9 @@ cudaError_t launch_plan_workqueue_on_device(const int32_t* seq_lens, const int32
                                             int num_kv_heads, int num_splits, int max_tokens, int page_size,
                                             int32_t* tasks, int32_t* split_offsets, int32_t* counts,
                                             cudaStream_t stream) {
+  // page_size is read with page lists only (a block table's rows are clamped by max_tokens).
   if (batch < 1 || batch > kMaxDevicePlanRows || num_kv_heads < 1 || num_splits < 1 || max_tokens < 1 ||
-      page_size < 1)
+      (page_indptr != nullptr && page_size < 1))
     return cudaErrorInvalidValue;
   plan_workqueue_kernel<<<1, kPlanThreads, 0, stream>>>(seq_lens, page_indptr, batch, num_kv_heads, num_splits,
                                                         max_tokens, page_size, tasks, split_offsets, counts);

@@ -396,19 +396,16 @@ void plan_workqueue_on_device(const Tensor& seq_lens, int64_t num_kv_heads, int6
               counts.sizes());
   // page_size turns page-list entries into tokens, so page lists need theirs; it has no default
   // that could pass for one (a block table's rows are clamped by max_tokens and never read it).
+  TORCH_CHECK(page_size >= 0 && page_size <= INT32_MAX, "pkv: page_size must be in 0..2^31-1, got ", page_size);
   if (page_indptr.has_value()) {
     check_page_indptr(*page_indptr, batch);
-    TORCH_CHECK(page_size >= 1 && page_size <= INT32_MAX,
-                "pkv: with page_indptr, page_size (tokens a page) must be given and in 1..2^31-1, got ", page_size);
-  } else {
-    TORCH_CHECK(page_size >= 0 && page_size <= INT32_MAX, "pkv: page_size must be in 0..2^31-1, got ", page_size);
+    TORCH_CHECK(page_size >= 1, "pkv: with page_indptr, page_size (tokens a page) must be given, got ", page_size);
   }
   check_launch(pkv::launch_plan_workqueue_on_device(seq_lens.data_ptr<int32_t>(),
                                                     page_indptr.has_value() ? page_indptr->data_ptr<int32_t>() : nullptr,
                                                     static_cast<int>(batch), static_cast<int>(num_kv_heads),
                                                     static_cast<int>(num_splits), static_cast<int>(max_tokens),
-                                                    static_cast<int>(page_indptr.has_value() ? page_size : 1),
-                                                    tasks.data_ptr<int32_t>(),
+                                                    static_cast<int>(page_size), tasks.data_ptr<int32_t>(),
                                                     split_offsets.data_ptr<int32_t>(), counts.data_ptr<int32_t>(),
                                                     c10::cuda::getCurrentCUDAStream().stream()),
                "plan_workqueue_on_device");

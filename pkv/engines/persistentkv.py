@@ -49,6 +49,8 @@ def check_ring_stages(stages, device, where: str) -> None:
     if device.type == "cuda" and stages not in ring_stages_for(device):
         raise ValueError(f"{where}: stages={stages} needs {stages * RING_STAGE_SMEM_BYTES // 1024} KB of shared "
                          f"memory a CTA; this GPU allows ring depths {ring_stages_for(device)}")
+
+
 MAX_MERGE_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
 # The route's merge kind as run_plan's merge_kind code (csrc/step_plan.h).
 _MERGE_CODES = {MERGE_LAUNCH: ops.MERGE_LAUNCH, MERGE_FUSED: ops.MERGE_FUSED, MERGE_CLUSTER: ops.MERGE_CLUSTER}
