@@ -1,6 +1,5 @@
 // The workqueue plan on the GPU (device_plan.h): one CTA, a thread per row.
 #include "device_plan.h"
-#include "split_rule.h"
 
 namespace pkv {
 namespace {
@@ -35,14 +34,27 @@ __device__ int block_exclusive_scan(int value, int* warp_totals, int* total) {
   return before_warp + inclusive - value;
 }
 
+// Sum of `value` over the CTA's threads, in 64 bits (a batch's tiles can pass 2^31).
+__device__ int64_t block_sum(int64_t value, int64_t* warp_sums) {
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = value;
+  __syncthreads();
+  int64_t total = 0;
+  for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
+  __syncthreads();  // warp_sums may be reused
+  return total;
+}
+
 __global__ void __launch_bounds__(kPlanThreads)
-    plan_workqueue_kernel(const int32_t* seq_lens, const int32_t* page_indptr, int batch, int hkv, int num_splits,
-                          int max_tokens, int page_size, int32_t* tasks, int32_t* split_offsets, int32_t* counts) {
+    plan_workqueue_kernel(const int32_t* seq_lens, const int32_t* page_indptr, int batch, int hkv,
+                          SplitPolicyArgs policy, int max_tokens, int page_size, int32_t* tasks,
+                          int32_t* split_offsets, int32_t* counts) {
   __shared__ int tiles_of[kPlanThreads];
   __shared__ int splits_of[kPlanThreads];
   __shared__ int row_at[kPlanThreads];      // sorted position -> row, longest first
   __shared__ int task_begin[kPlanThreads];  // sorted position -> its first task
   __shared__ int warp_totals[32];
+  __shared__ int64_t warp_sums[32];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // The decode grid may launch now; its CTAs wait in griddepcontrol.wait until this plan is written.
   asm volatile("griddepcontrol.launch_dependents;\n" ::);
@@ -56,8 +68,11 @@ __global__ void __launch_bounds__(kPlanThreads)
                               ? max_tokens
                               : (static_cast<int64_t>(page_indptr[tid + 1]) - page_indptr[tid]) * page_size;
     tiles = static_cast<int>(row_tiles(clamped_length(seq_lens[tid], limit)));
-    splits = static_cast<int>(nonempty_splits(tiles, num_splits));
   }
+  // Every thread takes the same branch (policy is a kernel argument), so the sum's barriers hold.
+  const int64_t tiles_per_task =
+      policy.balanced ? balanced_tiles_per_task(policy, block_sum(tiles, warp_sums), batch, hkv) : 0;
+  if (tid < batch) splits = static_cast<int>(row_split_count(policy, tiles, tiles_per_task));
   tiles_of[tid] = tiles;
   splits_of[tid] = splits;
   __syncthreads();
@@ -117,15 +132,17 @@ __global__ void __launch_bounds__(kPlanThreads)
 }  // namespace
 
 cudaError_t launch_plan_workqueue_on_device(const int32_t* seq_lens, const int32_t* page_indptr, int batch,
-                                            int num_kv_heads, int num_splits, int max_tokens, int page_size,
-                                            int32_t* tasks, int32_t* split_offsets, int32_t* counts,
+                                            int num_kv_heads, const SplitPolicyArgs& policy, int max_tokens,
+                                            int page_size, int32_t* tasks, int32_t* split_offsets, int32_t* counts,
                                             cudaStream_t stream) {
   // page_size is read with page lists only (a block table's rows are clamped by max_tokens).
-  if (batch < 1 || batch > kMaxDevicePlanRows || num_kv_heads < 1 || num_splits < 1 || max_tokens < 1 ||
-      (page_indptr != nullptr && page_size < 1))
+  if (batch < 1 || batch > kMaxDevicePlanRows || num_kv_heads < 1 || policy.num_splits < 1 ||
+      policy.num_splits > kMaxMergeSlots || max_tokens < 1 || (page_indptr != nullptr && page_size < 1) ||
+      (policy.balanced && (policy.max_splits < 1 || policy.max_splits > kMaxMergeSlots ||
+                           policy.target_ctas < 0 || policy.min_tiles_per_split < 1)))
     return cudaErrorInvalidValue;
-  plan_workqueue_kernel<<<1, kPlanThreads, 0, stream>>>(seq_lens, page_indptr, batch, num_kv_heads, num_splits,
-                                                        max_tokens, page_size, tasks, split_offsets, counts);
+  plan_workqueue_kernel<<<1, kPlanThreads, 0, stream>>>(seq_lens, page_indptr, batch, num_kv_heads, policy, max_tokens,
+                                                        page_size, tasks, split_offsets, counts);
   return cudaGetLastError();
 }
 

@@ -367,10 +367,12 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
 
 // The workqueue plan made on the GPU from seq_lens (device_plan.h), into caller-owned buffers:
 // no host synchronization, no copy, so a CUDA graph can hold it. With page lists, page_indptr
-// and page_size clamp each row to its own pages.
+// and page_size clamp each row to its own pages. The split rule is the fixed one unless
+// `balanced` (then num_splits is its budget where target_ctas is 0, as SplitPolicy's).
 void plan_workqueue_on_device(const Tensor& seq_lens, int64_t num_kv_heads, int64_t num_splits, int64_t max_tokens,
                               const Tensor& tasks, const Tensor& split_offsets, const Tensor& counts,
-                              const std::optional<Tensor>& page_indptr, int64_t page_size) {
+                              const std::optional<Tensor>& page_indptr, int64_t page_size, bool balanced,
+                              int64_t max_splits, int64_t target_ctas, int64_t min_tiles_per_split) {
   const c10::cuda::CUDAGuard guard(seq_lens.device());
   check_cuda_tensor(seq_lens, "seq_lens", at::kInt);
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous(), "pkv: seq_lens must be contiguous [B], got ",
@@ -382,11 +384,18 @@ void plan_workqueue_on_device(const Tensor& seq_lens, int64_t num_kv_heads, int6
               "pkv: num_kv_heads must be >= 1 and num_splits in 1..", pkv::kMaxMergeSlots, ", got ", num_kv_heads,
               " and ", num_splits);
   TORCH_CHECK(max_tokens >= 1 && max_tokens <= INT32_MAX, "pkv: max_tokens must be in 1..2^31-1, got ", max_tokens);
+  // The fixed rule reads none of the balanced rule's fields.
+  TORCH_CHECK(!balanced || (max_splits >= 1 && max_splits <= pkv::kMaxMergeSlots && target_ctas >= 0 &&
+                            target_ctas <= INT32_MAX && min_tiles_per_split >= 1),
+              "pkv: the balanced rule needs max_splits in 1..", pkv::kMaxMergeSlots,
+              ", target_ctas in 0..2^31-1 and min_tiles_per_split >= 1, got ", max_splits, ", ", target_ctas, " and ",
+              min_tiles_per_split);
+  const pkv::SplitPolicyArgs policy{balanced, num_splits, max_splits, target_ctas, min_tiles_per_split};
+  const int64_t capacity = pkv::max_workqueue_tasks(policy, batch, num_kv_heads);
   check_cuda_tensor(tasks, "tasks", at::kInt);
-  TORCH_CHECK(tasks.dim() == 2 && tasks.size(1) == 5 && tasks.is_contiguous() &&
-                  tasks.size(0) >= batch * num_kv_heads * num_splits,
-              "pkv: tasks must be contiguous [>= B * Hkv * num_splits = ", batch * num_kv_heads * num_splits,
-              ", 5], got ", tasks.sizes());
+  TORCH_CHECK(tasks.dim() == 2 && tasks.size(1) == 5 && tasks.is_contiguous() && tasks.size(0) >= capacity,
+              "pkv: tasks must be contiguous [>= ", capacity, " (the most tasks the split rule gives B=", batch,
+              " rows), 5], got ", tasks.sizes());
   check_cuda_tensor(split_offsets, "split_offsets", at::kInt);
   TORCH_CHECK(split_offsets.is_contiguous() && split_offsets.numel() == batch * num_kv_heads + 1,
               "pkv: split_offsets must be contiguous [B * Hkv + 1] = [", batch * num_kv_heads + 1, "], got ",
@@ -404,7 +413,7 @@ void plan_workqueue_on_device(const Tensor& seq_lens, int64_t num_kv_heads, int6
   check_launch(pkv::launch_plan_workqueue_on_device(seq_lens.data_ptr<int32_t>(),
                                                     page_indptr.has_value() ? page_indptr->data_ptr<int32_t>() : nullptr,
                                                     static_cast<int>(batch), static_cast<int>(num_kv_heads),
-                                                    static_cast<int>(num_splits), static_cast<int>(max_tokens),
+                                                    policy, static_cast<int>(max_tokens),
                                                     static_cast<int>(page_size), tasks.data_ptr<int32_t>(),
                                                     split_offsets.data_ptr<int32_t>(), counts.data_ptr<int32_t>(),
                                                     c10::cuda::getCurrentCUDAStream().stream()),
@@ -469,7 +478,8 @@ TORCH_LIBRARY(pkv, m) {
   m.def(
       "plan_workqueue_on_device(Tensor seq_lens, int num_kv_heads, int num_splits, int max_tokens, "
       "Tensor(a!) tasks, Tensor(b!) split_offsets, Tensor(c!) counts, Tensor? page_indptr=None, "
-      "int page_size=0) -> ()");
+      "int page_size=0, bool balanced=False, int max_splits=0, int target_ctas=0, "
+      "int min_tiles_per_split=1) -> ()");
   m.def(
       "run_workqueue_planned_on_device(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, "
       "Tensor seq_lens, Tensor tasks, Tensor split_offsets, Tensor counts, float sm_scale, int stages, "

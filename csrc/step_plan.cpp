@@ -10,20 +10,14 @@ namespace pkv {
 
 int64_t workqueue_row_splits(const int32_t* seq_lens, int64_t batch, int64_t num_kv_heads,
                              const SplitPolicyArgs& policy, int32_t* row_splits) {
-  int64_t tiles_per_task = 0;
+  int64_t total_tiles = 0;
   if (policy.balanced) {
-    int64_t total_tiles = 0;
     for (int64_t i = 0; i < batch; ++i) total_tiles += row_tiles(seq_lens[i]);
-    const int64_t target = policy.target_ctas ? policy.target_ctas : batch * num_kv_heads * policy.num_splits;
-    tiles_per_task = std::max(policy.min_tiles_per_split, ceil_div(total_tiles * num_kv_heads, target));
   }
+  const int64_t tiles_per_task = balanced_tiles_per_task(policy, total_tiles, batch, num_kv_heads);
   int64_t widest = 0;
   for (int64_t i = 0; i < batch; ++i) {
-    const int64_t n = row_tiles(seq_lens[i]);
-    const int64_t requested = policy.balanced
-                                  ? std::clamp<int64_t>(ceil_div(n, tiles_per_task), 1, policy.max_splits)
-                                  : std::min(policy.num_splits, n);
-    const int64_t k = nonempty_splits(n, requested);
+    const int64_t k = row_split_count(policy, row_tiles(seq_lens[i]), tiles_per_task);
     row_splits[i] = static_cast<int32_t>(k);
     widest = std::max(widest, k);
   }

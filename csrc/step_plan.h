@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "split_rule.h"
+
 namespace pkv {
 
 // The int list that travels with a packed plan (host_ops.cpp writes it, pkv_ops.cpp reads it):
@@ -26,15 +28,6 @@ enum PlanLayoutField : int { kLayoutRoute = 0, kLayoutBatch, kLayoutTableWidth, 
 // counted by pair_counters; kCluster: the bucket route's splits merge through a thread-block
 // cluster (at most kMaxClusterSplits). A launch with one split writes `out` whatever the kind.
 enum class MergeKind : int { kLaunch = 0, kFused = 1, kCluster = 2 };
-
-// Mirrors pkv.pipeline.schedule.SplitPolicy.
-struct SplitPolicyArgs {
-  bool balanced;
-  int64_t num_splits;
-  int64_t max_splits;
-  int64_t target_ctas;  // 0: batch * Hkv * num_splits
-  int64_t min_tiles_per_split;
-};
 
 // Non-empty splits of each row (the same for every KV head), written to row_splits[0..batch).
 // Returns the largest of them (0 for an empty batch).

@@ -53,13 +53,16 @@ def main() -> None:
 
 def device_step_cases(shape, step, q, k, v) -> None:
     """The device-planned step over both page-table forms, eager and from a graph replayed with
-    other lengths (shorter rows, a row of one token)."""
+    other lengths (shorter rows, a row of one token): each planner and merge under the fixed
+    rule, and the plan kernel under the balanced rule (a budget of 40 tasks)."""
     table = torch.from_numpy(step.block_table).cuda()
     lens = torch.from_numpy(step.seq_lens).cuda()
     lists = PageLists.from_step(step, "cuda")
     shorter = torch.clamp(lens // 3, min=1)
-    for planner, merge in ((p, m) for p in PLANNERS for m in MERGES):
-        workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, num_splits=8, planner=planner, merge=merge)
+    configs = [dict(planner=p, merge=m) for p in PLANNERS for m in MERGES]
+    configs += [dict(planner="plan_kernel", merge=m, split_kind="balanced", target_ctas=40) for m in MERGES]
+    for config in configs:
+        workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, num_splits=8, **config)
         for page_table in (table, lists):
             out = workspace.run(q, k, v, page_table, lens, torch.empty_like(q), host_lens=step.seq_lens)
             graphed = GraphedDecodeStep(workspace, k, v, table.shape[1], debug_checks=True)

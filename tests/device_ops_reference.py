@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pkv.pipeline.schedule import TILE_TOKENS, plan_workqueue_device_order
+from pkv.pipeline.schedule import TILE_TOKENS, SplitPolicy, max_workqueue_tasks, plan_workqueue_device_order
 
 
 def _row_pages(table, page_indptr, row: int) -> torch.Tensor:
@@ -52,14 +52,21 @@ class ReferenceOps:
     """torch.ops.pkv's device-step ops, run in torch on any device."""
 
     def plan_workqueue_on_device(self, seq_lens, num_kv_heads, num_splits, max_tokens, tasks, split_offsets,
-                                 counts, page_indptr=None, page_size=0):
+                                 counts, page_indptr=None, page_size=0, balanced=False, max_splits=0, target_ctas=0,
+                                 min_tiles_per_split=1):
         lens = seq_lens.cpu().numpy()
         row_tokens = None
         if page_indptr is not None:
             if not 1 <= page_size <= 2**31 - 1:
                 raise RuntimeError(f"pkv: with page_indptr, page_size (tokens a page) must be given, got {page_size}")
             row_tokens = np.diff(page_indptr.cpu().numpy().astype(np.int64)) * int(page_size)
-        plan = plan_workqueue_device_order(lens, num_kv_heads, 1, num_splits, max_tokens, row_tokens=row_tokens)
+        policy = (SplitPolicy("balanced", num_splits, max_splits, target_ctas, min_tiles_per_split) if balanced
+                  else SplitPolicy("fixed", num_splits))
+        capacity = max_workqueue_tasks(seq_lens.shape[0], num_kv_heads, policy)
+        if tasks.shape[0] < capacity:
+            raise RuntimeError(f"pkv: tasks must be contiguous [>= {capacity} (the most tasks the split rule gives "
+                               f"B={seq_lens.shape[0]} rows), 5], got {tuple(tasks.shape)}")
+        plan = plan_workqueue_device_order(lens, num_kv_heads, 1, policy, max_tokens, row_tokens=row_tokens)
         tasks[:plan.tasks.shape[0]] = torch.from_numpy(plan.tasks)
         split_offsets.copy_(torch.from_numpy(plan.split_offsets))
         counts.copy_(torch.tensor([plan.tasks.shape[0], plan.max_splits], dtype=torch.int32))

@@ -68,6 +68,35 @@ def test_the_device_plan_is_the_host_plans_tasks_in_the_kernels_order():
         assert np.all(np.diff(tiles) <= 0), "rows longest first"
 
 
+def test_the_device_plan_of_the_balanced_rule_is_the_host_plans_within_its_capacity():
+    """The balanced rule on the device: plan_workqueue's split offsets and task set, the kernel's
+    order, and never more tasks than max_workqueue_tasks (the workspace's capacity)."""
+    from types import SimpleNamespace
+
+    from pkv.pipeline.schedule import SplitPolicy, max_workqueue_tasks, plan_workqueue, plan_workqueue_device_order
+
+    rng = np.random.default_rng(11)
+    widest_seen = 0
+    for trial in range(300):
+        batch, splits, hkv = int(rng.integers(1, 40)), int(rng.integers(1, 40)), int(rng.choice([1, 2, 8]))
+        target = int(rng.choice([0, 1, 7, 132, 396, 5000]))
+        policy = SplitPolicy("balanced", splits, int(rng.choice([1, 4, 64])), target)
+        lens = rng.choice(np.r_[EDGE, rng.integers(1, 200000, size=5)], size=batch).astype(np.int32)
+        device = plan_workqueue_device_order(lens, hkv, 1, policy)
+        host = plan_workqueue(SimpleNamespace(seq_lens=lens), hkv, 1, policy)
+        assert np.array_equal(device.split_offsets, host.split_offsets), trial
+        assert sorted(map(tuple, device.tasks.tolist())) == sorted(map(tuple, host.tasks.tolist())), trial
+        assert np.all(np.diff(-(-lens[device.tasks[:, 0]] // 32)) <= 0), "rows longest first"
+        assert device.num_tasks <= max_workqueue_tasks(batch, hkv, policy), trial
+        widest_seen = max(widest_seen, device.num_tasks / max_workqueue_tasks(batch, hkv, policy))
+    assert widest_seen > 0.9  # the bound is close to what some batches take
+    # The total counts the clamped lengths, as the kernel sees them.
+    policy = SplitPolicy("balanced", 1, 64, 16)
+    clamped = plan_workqueue_device_order(np.array([10**6, 640]), 1, 1, policy, max_tokens=640)
+    assert clamped.split_offsets.tolist() == plan_workqueue_device_order(np.array([640, 640]), 1, 1,
+                                                                         policy).split_offsets.tolist() == [0, 7, 14]
+
+
 def test_the_device_plan_clamps_to_the_table_and_gives_empty_rows_no_task():
     from pkv.pipeline.schedule import plan_workqueue_device_order
 
@@ -103,9 +132,9 @@ def test_the_reference_engine_runs_the_device_plan_to_float64(splits):
     out = engine.run(q, k, v, plan)
     ref = dense_decode(q, k, v, step.seq_lens, step.block_table)
     assert torch.allclose(out, ref, rtol=1e-10, atol=1e-12)
-    with pytest.raises(ValueError, match="fixed split rule only"):
-        ReferenceEngine(shape, policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, 4, "balanced")),
-                        planner="device").plan(step)
+    balanced = ReferenceEngine(shape, policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, splits, "balanced",
+                                                                          target_ctas=3 * splits)), planner="device")
+    assert torch.allclose(balanced.run(q, k, v, balanced.plan(step)), ref, rtol=1e-10, atol=1e-12)
 
 
 def test_page_lists_are_checked_against_each_rows_own_pages():
@@ -275,6 +304,53 @@ def test_the_device_step_matches_float64_with_its_ops_in_torch(reference_ops, pl
 
 
 @pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
+@pytest.mark.parametrize("merge", ["launch", "fused"])
+@pytest.mark.parametrize("target_ctas", [0, 6, 40])
+def test_the_balanced_device_step_matches_float64_with_its_ops_in_torch(reference_ops, target_ctas, merge,
+                                                                        page_lists):
+    """The balanced rule's workspace: its capacity per batch size holds every plan, rows get other
+    split counts than the fixed rule's, and the output is float64's."""
+    import torch
+
+    from pkv.engines.device_step import DeviceDecodeStep
+    from pkv.page_table import PageLists
+
+    workspace = None
+    for trial, lengths in enumerate(([1, 15, 16, 17, 33, 100, 3000], [64, 5], [2000, 31, 32, 65])):
+        shape, step, q, k, v = _cpu_step(lengths, seed=20 + trial)
+        if workspace is None:
+            workspace = DeviceDecodeStep(shape, max_batch=8, num_splits=3, device="cpu", merge=merge,
+                                         split_kind="balanced", target_ctas=target_ctas)
+        page_table = PageLists.from_step(step, "cpu") if page_lists else torch.from_numpy(step.block_table)
+        out = torch.full_like(q, float("nan"))
+        workspace.part_acc.fill_(float("nan"))
+        workspace.run(q, k, v, page_table, torch.from_numpy(step.seq_lens), out, host_lens=step.seq_lens)
+        torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)
+        pairs = len(lengths) * shape.num_kv_heads
+        capacity = workspace._views[len(lengths)].tasks.shape[0]
+        assert capacity == min(pairs * 64, pairs + (target_ctas or pairs * 3)) >= int(workspace.counts[0])
+    # The 3000-token row's 94 tiles: a budget of 40 tasks gives it more splits than the fixed 3.
+    if target_ctas == 40:
+        assert int(workspace.counts[1]) > 3
+
+
+def test_a_device_step_refuses_a_split_rule_its_planner_cannot_run():
+    from pkv.engines.device_step import DeviceDecodeStep, DeviceStepConfig, device_step_config
+    from pkv.policy.route import ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
+    from pkv.shape import ModelShape
+
+    with pytest.raises(ValueError, match="the 'balanced' split rule needs planner 'plan_kernel'"):
+        DeviceDecodeStep(ModelShape(), max_batch=2, num_splits=2, device="cpu", planner="in_decode",
+                         split_kind="balanced")
+    with pytest.raises(ValueError, match="split_kind must be one of"):
+        DeviceDecodeStep(ModelShape(), max_batch=2, num_splits=2, device="cpu", split_kind="even")
+    # A workqueue route's rule reaches its device step; a bucket route's grid is the fixed rule.
+    assert device_step_config(StepRoute(ROUTE_WORKQUEUE, 8, "balanced", target_ctas=396)) == DeviceStepConfig(
+        8, "launch", "plan_kernel", "balanced", 396)
+    assert device_step_config(StepRoute(ROUTE_BUCKET, 8, "balanced")) == DeviceStepConfig(8, "launch", "in_decode")
+
+
+@pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
 @pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
 def test_lengths_past_a_rows_pages_attend_over_the_pages_it_has(reference_ops, planner, page_lists):
     """The clamp both planners share (csrc/split_decode.cuh row_length), through plan() and
@@ -313,7 +389,11 @@ def test_ring_depths_follow_the_gpus_shared_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace())
     assert persistentkv.ring_stages_for("cuda") == (2, 3, 4)  # a torch that reports neither: all depths
     assert {stages for *_, stages in persistentkv_configs(8, 28, ring_stages=(2, 3))} == {2, 3}
-    assert {stages for *_, stages in device_step_configs(1, ring_stages=(2, 3))} == {2, 3}
+    assert {stages for *_, stages in device_step_configs(1, 132, ring_stages=(2, 3))} == {2, 3}
+    # The device sweep covers the host sweep's balanced budgets, under the plan kernel only.
+    balanced = [config for _, config, _ in device_step_configs(8, 132, ring_stages=(2,))
+                if config.split_kind != "fixed"]
+    assert {(c.planner, c.target_ctas) for c in balanced} == {("plan_kernel", w * 132) for w in (1, 2, 4, 8)}
 
 
 @pytest.fixture
@@ -350,11 +430,12 @@ def recorded_graphs(monkeypatch, reference_ops):
 @pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
 @pytest.mark.parametrize("merge", ["launch", "fused"])
 @pytest.mark.parametrize("route, planner", [("workqueue", "plan_kernel"), ("workqueue", "in_decode"),
-                                            ("workqueue", None), ("bucket", None)])
+                                            ("workqueue", None), ("bucket", None), ("balanced", None)])
 def test_routed_graphs_replay_fresh_lengths_on_the_cpu(recorded_graphs, route, planner, merge, page_lists):
     """RoutedGraphStep end to end: one graph per bucket and split count, captured at the first
     step of the bucket and replayed for others with padding rows (length 0, empty page lists),
-    against float64. With no planner named, each route runs its own (device_planner)."""
+    against float64. With no planner named, each route runs its own (device_planner); a balanced
+    workqueue route's graphs plan its rule on the device."""
     import torch
 
     from pkv.engines.routed_graphs import RoutedGraphStep
@@ -367,8 +448,10 @@ def test_routed_graphs_replay_fresh_lengths_on_the_cpu(recorded_graphs, route, p
     shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=16)
     pool, page, max_pages = 200, 16, 32
     k, v = make_kv_pages(pool, shape, page, torch.float32, "cpu", seed=3)
-    route_name = {"workqueue": ROUTE_WORKQUEUE, "bucket": ROUTE_BUCKET}[route]
-    routed = RoutedGraphStep(PinnedRoutePolicy(StepRoute(route_name, 5, merge=merge)), shape, k, v,
+    pinned = {"workqueue": StepRoute(ROUTE_WORKQUEUE, 5, merge=merge),
+              "bucket": StepRoute(ROUTE_BUCKET, 5, merge=merge),
+              "balanced": StepRoute(ROUTE_WORKQUEUE, 5, "balanced", merge=merge, target_ctas=12)}[route]
+    routed = RoutedGraphStep(PinnedRoutePolicy(pinned), shape, k, v,
                              max_pages=max_pages, batch_buckets=(2, 4), planner=planner, page_lists=page_lists,
                              debug_checks=True)
     rng = np.random.default_rng(4)
@@ -392,9 +475,10 @@ def test_routed_graphs_replay_fresh_lengths_on_the_cpu(recorded_graphs, route, p
         out = routed.run(step.seq_lens, host_table=host_table)
         assert out.shape[0] == len(lengths)
         torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)
-    ran = planner or {"workqueue": "plan_kernel", "bucket": "in_decode"}[route]
-    assert list(routed._persistent) == [(5, merge, ran)]
-    graphed = routed._persistent[(5, merge, ran)]
+    ran = planner or {"workqueue": "plan_kernel", "bucket": "in_decode", "balanced": "plan_kernel"}[route]
+    config = (5, merge, ran) + (("balanced", 12) if route == "balanced" else ("fixed", 0))
+    assert list(routed._persistent) == [config]
+    graphed = routed._persistent[config]
     assert graphed.step.planner == ran
     assert len(graphed.captured_graphs()) == 2  # one per bucket, replayed for every later step of it
     assert routed.captured_graphs() == graphed.captured_graphs()

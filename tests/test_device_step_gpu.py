@@ -75,6 +75,47 @@ def test_device_plan_is_the_host_plan_longest_first(num_splits):
 
 
 @pytest.mark.parametrize("merge", ["launch", "fused"])
+@pytest.mark.parametrize("target_ctas", [0, 396, 5000])
+def test_the_balanced_device_plan_is_its_cpu_mirror_and_replays_to_float64(target_ctas, merge):
+    """The balanced split rule planned on the GPU: exactly the plan plan_workqueue_device_order
+    describes (its total over the clamped lengths), the output against float64, a graph captured
+    at one set of lengths replayed for fresh ones bit for bit as the eager step."""
+    from pkv.engines.device_step import DeviceDecodeStep, GraphedDecodeStep
+
+    shape, dtype, max_pages = ModelShape(), torch.float16, 8192
+    rng = np.random.default_rng(target_ctas + 1)
+    k, v = _pool(shape, dtype, 40000, seed=12)
+    workspace = DeviceDecodeStep(shape, max_batch=64, num_splits=8, merge=merge, split_kind="balanced",
+                                 target_ctas=target_ctas)
+    graphed = GraphedDecodeStep(workspace, k, v, max_pages)
+    # The skewed batch (one long row among short ones, where the fixed rule leaves SMs idle), then
+    # ragged batches from the edges.
+    batches = [[max_pages * PAGE] + [100] * 63, [max_pages * PAGE] + [1] * 63]
+    edge = EDGE_LENGTHS + [8 * 32 - 1, 8 * 32, 8 * 32 + 1]
+    batches += [[int(x) for x in rng.choice(edge + list(rng.integers(1, 20000, size=4)), size=64)]
+                for _ in range(6)]
+    for trial, lengths in enumerate(batches):
+        step, table, lens = _tables(lengths, 40000, max_pages, rng)
+        q = make_queries(64, shape, dtype, "cuda", seed=200 + trial)
+        out = torch.full_like(q, float("nan"))
+        workspace.part_acc.fill_(float("nan"))
+        workspace.run(q, k, v, table, lens, out)
+        torch.cuda.synchronize()
+        mirror = plan_workqueue_device_order(np.asarray(lengths), shape.num_kv_heads, shape.group_size,
+                                             workspace.split_policy, max_tokens=max_pages * PAGE)
+        live, widest = workspace.counts.tolist()
+        assert (live, widest) == (mirror.num_tasks, mirror.max_splits), trial
+        assert np.array_equal(workspace.tasks[:live].cpu().numpy(), mirror.tasks), trial
+        assert np.array_equal(workspace.split_offsets[:64 * shape.num_kv_heads + 1].cpu().numpy(),
+                              mirror.split_offsets), trial
+        _check(out, step, q, k, v, dtype)
+        replayed = graphed.run(q, table, lens).clone()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out), trial
+    assert int(workspace.pair_counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("merge", ["launch", "fused"])
 @pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
 @pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -182,6 +223,14 @@ def test_bad_input_is_refused_before_any_launch():
                                                                               device="cuda"))
     with pytest.raises(ValueError, match="max_batch"):
         DeviceDecodeStep(shape, max_batch=2000, num_splits=8)
+    # The balanced rule's capacity is B * Hkv + target (here 16 + 4), and its fields are checked.
+    lens = torch.ones(2, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match=r"tasks must be contiguous \[>= 20 "):
+        workspace.ops.plan_workqueue_on_device(lens, 8, 8, 64, workspace.tasks[:19], workspace.split_offsets[:17],
+                                               workspace.counts, None, 16, True, 64, 4)
+    with pytest.raises(RuntimeError, match="the balanced rule needs max_splits in 1..1024"):
+        workspace.ops.plan_workqueue_on_device(lens, 8, 8, 64, workspace.tasks[:20], workspace.split_offsets[:17],
+                                               workspace.counts, None, 16, True, 0, 4)
 
 
 @pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])

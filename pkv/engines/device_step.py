@@ -8,10 +8,12 @@ no upload) and runs the decode and merge into a caller-owned ``out``. Its launch
 the batch size only, so ``GraphedDecodeStep`` captures one step per batch size and replays it for
 any lengths.
 
-The split rule is the fixed one of the workqueue route (pkv.pipeline.schedule.SplitPolicy,
-kind "fixed"); the split count comes from the caller's route (pkv.policy), one per captured graph.
-Two planners give those splits (``PLANNERS``): "plan_kernel" launches a planner (one CTA) that
-writes the compact workqueue, longest rows first, before the decode; "in_decode" launches no
+The split rule is the workqueue route's (pkv.pipeline.schedule.SplitPolicy): the fixed rule, or
+the balanced rule (about the same tiles a task, over the batch's total), with the split count and
+task budget of the caller's route (pkv.policy), one per captured graph. Two planners give those
+splits (``PLANNERS``): "plan_kernel" launches a planner (one CTA) that writes the compact
+workqueue, longest rows first, before the decode, under either rule; "in_decode" (fixed rule
+only: its grid has the same split count in every row) launches no
 planner: the decode grid is (B, Hkv, S) and each CTA derives its split's tiles from its row's
 length (the bucket kernel over every row with the fused merge of a row's live splits only, so
 splits past a short row's tiles exit without writing). The tile ranges are the same; what differs
@@ -31,7 +33,8 @@ import torch
 from pkv import ops
 from pkv.engines.persistentkv import check_ring_stages
 from pkv.page_table import PageLists, check_page_table, device_token_limits, host_row_pages, kernel_operands
-from pkv.policy.route import MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUCKET
+from pkv.pipeline.schedule import SPLIT_KINDS, max_workqueue_tasks, workqueue_split_policy
+from pkv.policy.route import MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUCKET, ROUTE_WORKQUEUE
 
 MAX_DEVICE_PLAN_ROWS = 1024  # kMaxDevicePlanRows in csrc/device_plan.h: one planner CTA, a thread per row
 MAX_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
@@ -66,12 +69,17 @@ class DeviceStepConfig(NamedTuple):
     num_splits: int
     merge: str
     planner: str
+    split_kind: str = "fixed"
+    target_ctas: int = 0
 
 
 def device_step_config(route, planner: str | None = None) -> DeviceStepConfig:
-    """The device step of a PersistentKV route: its split count, its merge (device_merge) and its
-    planner (device_planner, unless ``planner`` pins one for every route)."""
-    return DeviceStepConfig(int(route.num_splits), device_merge(route.merge), planner or device_planner(route.name))
+    """The device step of a PersistentKV route: its split count, its merge (device_merge), its
+    planner (device_planner, unless ``planner`` pins one for every route) and, on the workqueue
+    route, its split rule (a bucket route's grid has the same split count in every row)."""
+    workqueue = route.name == ROUTE_WORKQUEUE
+    return DeviceStepConfig(int(route.num_splits), device_merge(route.merge), planner or device_planner(route.name),
+                            route.split_kind if workqueue else "fixed", int(route.target_ctas) if workqueue else 0)
 
 
 def check_lengths(host_lens, row_pages, page_size: int, where: str = "DeviceDecodeStep") -> None:
@@ -96,7 +104,8 @@ class DeviceDecodeStep:
     """Workspace and launches of a device-planned decode step for up to ``max_batch`` rows."""
 
     def __init__(self, shape, *, max_batch: int, num_splits: int, device="cuda", stages: int = 2,
-                 planner: str = DEFAULT_PLANNER, merge: str = DEFAULT_MERGE):
+                 planner: str = DEFAULT_PLANNER, merge: str = DEFAULT_MERGE, split_kind: str = "fixed",
+                 target_ctas: int = 0):
         if planner not in PLANNERS:
             raise ValueError(f"DeviceDecodeStep: planner must be one of {PLANNERS}, got {planner!r}")
         if merge not in MERGES:
@@ -105,15 +114,24 @@ class DeviceDecodeStep:
             raise ValueError(f"DeviceDecodeStep: max_batch must be in 1..{MAX_DEVICE_PLAN_ROWS}, got {max_batch!r}")
         if not 1 <= int(num_splits) <= MAX_SPLITS:
             raise ValueError(f"DeviceDecodeStep: num_splits must be in 1..{MAX_SPLITS}, got {num_splits!r}")
+        if not 0 <= int(target_ctas) <= 2**31 - 1:
+            raise ValueError(f"DeviceDecodeStep: target_ctas must be in 0..2^31-1, got {target_ctas!r}")
+        if split_kind not in SPLIT_KINDS:
+            raise ValueError(f"DeviceDecodeStep: split_kind must be one of {SPLIT_KINDS}, got {split_kind!r}")
+        if split_kind != "fixed" and planner != "plan_kernel":
+            raise ValueError(f"DeviceDecodeStep: the {split_kind!r} split rule needs planner 'plan_kernel' (the "
+                             f"{planner!r} grid gives every row num_splits splits)")
         check_ring_stages(stages, device, "DeviceDecodeStep")
         self.shape = shape
         self.max_batch = int(max_batch)
         self.num_splits = int(num_splits)
+        # The plan kernel's rule; the in-decode grid is the fixed rule by construction.
+        self.split_policy = workqueue_split_policy(split_kind, self.num_splits, int(target_ctas))
         self.stages = int(stages)
         self.planner, self.merge = planner, merge
         self.ops = ops.load()
         self.device = torch.empty(0, device=device).device  # "cuda" resolved to its index, as tensors report it
-        capacity = self.max_batch * shape.num_kv_heads * self.num_splits
+        capacity = self._capacity(self.max_batch)
         g, d = shape.group_size, shape.head_dim
         int32 = dict(dtype=torch.int32, device=self.device)
         self.tasks = torch.empty(capacity, 5, **int32)
@@ -128,6 +146,12 @@ class DeviceDecodeStep:
         self.pair_counters = torch.zeros(self.max_batch * shape.num_kv_heads, **int32)
         self.sm_scale = shape.sm_scale
         self._views: dict[int, _BatchViews] = {}  # batch size -> the workspace's views for it
+
+    def _capacity(self, batch: int) -> int:
+        """Task slots (and partial states) a step of ``batch`` rows can need: the decode grid."""
+        if self.planner == "in_decode":
+            return batch * self.shape.num_kv_heads * self.num_splits
+        return max_workqueue_tasks(batch, self.shape.num_kv_heads, self.split_policy)
 
     def _check(self, q, page_table, seq_lens, out) -> int:
         batch = q.shape[0]
@@ -188,7 +212,7 @@ class DeviceDecodeStep:
         views = None if compiling else self._views.get(batch)
         if views is None:
             pairs = batch * self.shape.num_kv_heads
-            capacity = pairs * self.num_splits
+            capacity = self._capacity(batch)
             views = _BatchViews(self.tasks[:capacity], self.split_offsets[:pairs + 1], self.part_m[:capacity],
                                 self.part_l[:capacity], self.part_acc[:capacity], self.rows[:batch],
                                 self.pair_counters[:pairs])
@@ -203,8 +227,11 @@ class DeviceDecodeStep:
         # A block table clamps every row to its width (max_tokens); page lists clamp each row to its
         # own list, and the planner reads no max_tokens for them.
         max_tokens = 2**31 - 1 if page_indptr is not None else min(table.shape[1] * int(page_size), 2**31 - 1)
+        policy = self.split_policy
         self.ops.plan_workqueue_on_device(seq_lens, self.shape.num_kv_heads, self.num_splits, max_tokens,
-                                          views.tasks, views.split_offsets, self.counts, page_indptr, int(page_size))
+                                          views.tasks, views.split_offsets, self.counts, page_indptr, int(page_size),
+                                          policy.kind == "balanced", policy.max_splits, policy.target_ctas,
+                                          policy.min_tiles_per_split)
 
     def _launch_decode(self, views: "_BatchViews", q, k_pages, v_pages, table, page_indptr, seq_lens,
                        out) -> torch.Tensor:

@@ -151,7 +151,7 @@ class ReferenceEngine(Engine):
         self.policy = policy if policy is not None else PinnedRoutePolicy(pinned_route("workqueue", None))
         self.device = torch.device(device)
         # planner="device": workqueue steps run the plan the GPU planner writes
-        # (plan_workqueue_device_order, fixed split rule only), so its logic is checked on the CPU.
+        # (plan_workqueue_device_order), so its logic is checked on the CPU.
         self.planner = planner
         self.name = "reference"
         # The merge is the same exact reduction whatever its kind; the route is recorded so
@@ -175,11 +175,8 @@ class ReferenceEngine(Engine):
     def _plan_workqueue(self, step, route: StepRoute) -> EnginePlan:
         policy = route.split_policy
         if self.planner == "device":
-            if policy.kind != "fixed":
-                raise ValueError(f"ReferenceEngine(planner='device'): the device planner has the fixed split rule "
-                                 f"only, got {policy.kind!r}")
             schedule = plan_workqueue_device_order(step.seq_lens, self.shape.num_kv_heads, self.shape.group_size,
-                                                   policy.num_splits)
+                                                   policy)
         else:
             schedule = plan_workqueue(step, self.shape.num_kv_heads, self.shape.group_size, policy)
         splits = int(policy.num_splits) if policy.kind == "fixed" else int(schedule.max_splits)

@@ -4,7 +4,8 @@ Per case: PersistentKV's workqueue planned on the host (C++ planner, one upload)
 with the case's fixed split count and with the balanced split rule on a budget of one wave of CTAs;
 the same split count planned on the GPU (pkv.engines.device_step) run eagerly over the block table
 and over page lists (pkv.page_table), replayed from a CUDA graph; the same with no plan launch
-(planner "in_decode"), eager and replayed; replayed through the routed graphs a serving engine would hold
+(planner "in_decode"), eager and replayed; the balanced rule planned on the GPU, eager and
+replayed; replayed through the routed graphs a serving engine would hold
 (pkv.engines.routed_graphs: the route asked of the policy with the host's lengths, then the
 replay over static buffers the caller writes); FlashInfer's fastest decode path for reference.
 Device time is CUDA events with an L2 flush before each call (median); wall time is a
@@ -47,7 +48,7 @@ K = 1024
 PLANNER_ROWS = {"plan_kernel": "device_planned", "in_decode": "in_decode"}
 ROWS = ("host_planned", "host_planned_balanced",
         *(f"{PLANNER_ROWS[p]}{suffix}" for p in PLANNERS for suffix in ("", "_lists", "_graph")),
-        "routed_graph", "flashinfer")
+        "device_planned_balanced", "device_planned_balanced_graph", "routed_graph", "flashinfer")
 # The balanced rule's budget: one wave of the stages = 2 decode kernels, three CTAs an SM
 # (docs/performance.md, "Register spills at stages = 2").
 WAVE_CTAS_PER_SM = 3
@@ -166,6 +167,23 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
         rows[PLANNER_ROWS[planner] + "_graph"] = _timed_row(lambda: graphed.run(q, table, lens), flusher, reps,
                                                             device_fn=replay, replay=replay)
 
+    # The balanced rule planned on the GPU (the plan kernel), on the host-planned row's budget.
+    workspace = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits, split_kind="balanced",
+                                 target_ctas=wave)
+    out = torch.empty_like(q)
+
+    def eager_balanced():
+        return workspace.run(q, k, v, table, lens, out, host_lens=host_lens)
+    rows["device_planned_balanced"] = _timed_row(eager_balanced, flusher, reps, out=out, reference=reference,
+                                                 launches=_recorded_launches(workspace, eager_balanced))
+    graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
+    graphed.run(q, table, lens)
+    (graph,) = graphed.captured_graphs()
+    rows["device_planned_balanced_graph"] = _timed_row(lambda: graphed.run(q, table, lens), flusher, reps,
+                                                       device_fn=graph.replay, replay=graph.replay)
+    for row in ("device_planned_balanced", "device_planned_balanced_graph"):
+        rows[row]["target_ctas"] = wave
+
     # The serving form: the caller has written the step into the bucket's buffers; the host asks
     # the route and replays. The pinned policy keeps the case's route on this split count; the
     # route's own planner plans it (device_planner).
@@ -198,7 +216,7 @@ def main(argv=None) -> int:
     args = bench_parser(__doc__, CASES, reps=30, seed=20260622).parse_args(argv)
     config = {"cases": args.cases, "reps": args.reps}
     if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/6", config, args.seed)
+        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/7", config, args.seed)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -207,7 +225,7 @@ def main(argv=None) -> int:
     flusher = L2Flusher("cuda")
     cases = {name: run_case(name, *CASES[name], ModelShape(), flusher, args.reps, args.seed, log)
              for name in args.cases}
-    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/6", "cases": cases,
+    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/7", "cases": cases,
                                  "provenance": collect_provenance(config=config, seed=args.seed)})
     return 0
 

@@ -26,7 +26,7 @@ import torch
 from pkv.atomic_io import write_json_atomic
 from pkv.engines import ENGINE_NAMES, EngineUnavailable, build_engine
 from pkv.engines.dense import dense_decode
-from pkv.engines.device_step import MERGES, PLANNERS, DeviceDecodeStep
+from pkv.engines.device_step import MERGES, PLANNERS, DeviceDecodeStep, DeviceStepConfig
 from pkv.engines.flashinfer import BEST_OF_ROLES
 from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine, ring_stages_for
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
@@ -102,23 +102,28 @@ def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False, ring_
             yield f"balanced:{waves}w:st{stages}", route, stages
 
 
-def device_step_configs(batch: int, ring_stages=RING_STAGES):
-    """(label, planner, merge, split count, ring stages) of the device-planned sweep: the split
-    counts of the host-planned sweep's fixed rule, each planner and merge."""
+def device_step_configs(batch: int, num_sms: int, ring_stages=RING_STAGES):
+    """(label, DeviceStepConfig, ring stages) of the device-planned sweep: the split counts of the
+    host-planned sweep's fixed rule under each planner and merge, and its balanced budgets under
+    the plan kernel (the in-decode grid has the fixed rule only)."""
     for stages in ring_stages:
         for planner in PLANNERS:
             for merge in MERGES:
                 for s in (B1_SPLITS if batch == 1 else WORKQUEUE_SPLITS):
-                    yield f"{planner}+{merge}:S={s}:st{stages}", planner, merge, s, stages
+                    yield f"{planner}+{merge}:S={s}:st{stages}", DeviceStepConfig(s, merge, planner), stages
+        for merge in MERGES:
+            for waves in BALANCED_WAVES:
+                config = DeviceStepConfig(1, merge, "plan_kernel", "balanced", waves * num_sms)
+                yield f"plan_kernel+{merge}:balanced:{waves}w:st{stages}", config, stages
 
 
-def device_step_runs(step, q, k, v, shape):
+def device_step_runs(step, q, k, v, shape, num_sms: int):
     """(label, run) of each device-planned configuration: run plans on the GPU and decodes."""
     table = torch.from_numpy(step.block_table).to(q.device)
     lens = torch.from_numpy(step.seq_lens).to(q.device)
-    for label, planner, merge, splits, stages in device_step_configs(step.batch_size, ring_stages_for(q.device)):
-        workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, num_splits=splits, device=q.device,
-                                     stages=stages, planner=planner, merge=merge)
+    for label, config, stages in device_step_configs(step.batch_size, num_sms, ring_stages_for(q.device)):
+        workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, device=q.device, stages=stages,
+                                     **config._asdict())
         out = torch.empty_like(q)
         yield label, (lambda workspace=workspace, out=out:
                       workspace.run(q, k, v, table, lens, out, host_lens=step.seq_lens))
@@ -228,8 +233,8 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layo
     out = best_run()
     torch.cuda.synchronize()
     rows["persistentkv"] = dict(median_us=sweep[best_label], config=best_label, **errors(out))
-    device_sweep, device_label, device_run = checked_sweep(name, device_step_runs(step, q, pk, pv, shape), errors,
-                                                           q.dtype, reps, flusher)
+    device_sweep, device_label, device_run = checked_sweep(name, device_step_runs(step, q, pk, pv, shape, num_sms),
+                                                           errors, q.dtype, reps, flusher)
     rows["persistentkv_device_planned"] = dict(median_us=device_sweep[device_label], config=device_label,
                                                **errors(device_run()))
     breakdown = None

@@ -201,6 +201,30 @@ class SplitPolicy:
                 raise ValueError(f"SplitPolicy.{name} must be an integer >= {low}, got {value!r}")
 
 
+# The most splits the balanced rule gives a row of a route (above its num_splits where that is larger).
+BALANCED_MAX_SPLITS = 64
+
+
+def workqueue_split_policy(kind: str, num_splits: int, target_ctas: int = 0) -> SplitPolicy:
+    """The split rule of a workqueue route (pkv.policy.route.StepRoute) or device step with this
+    kind, split count (the balanced rule's budget) and task budget: the one place the balanced
+    rule's cap on a row's splits is set."""
+    return SplitPolicy(kind=kind, num_splits=num_splits, max_splits=max(BALANCED_MAX_SPLITS, num_splits),
+                       target_ctas=target_ctas)
+
+
+def max_workqueue_tasks(batch: int, num_kv_heads: int, policy: SplitPolicy) -> int:
+    """The most tasks ``policy`` gives ``batch`` rows, whatever their lengths: what a device plan's
+    buffers and decode grid hold (csrc/split_rule.h, max_workqueue_tasks). Balanced: a row's splits
+    are at most tiles / tiles_per_task + 1 and tiles_per_task >= total tiles * Hkv / target, so the
+    tasks are at most batch * Hkv + target."""
+    pairs = int(batch) * int(num_kv_heads)
+    if policy.kind == "fixed":
+        return pairs * policy.num_splits
+    target = policy.target_ctas or pairs * policy.num_splits
+    return min(pairs * policy.max_splits, pairs + target)
+
+
 def row_splits(seq_lens, num_kv_heads: int, policy: SplitPolicy) -> np.ndarray:
     """Non-empty splits per row (the same for every KV head of the row), int32 [B].
 
@@ -211,13 +235,16 @@ def row_splits(seq_lens, num_kv_heads: int, policy: SplitPolicy) -> np.ndarray:
     return _row_splits_from_tiles(n, int(num_kv_heads), policy).astype(np.int32)
 
 
-def _row_splits_from_tiles(n: np.ndarray, num_kv_heads: int, policy: SplitPolicy) -> np.ndarray:
+def _requested_splits(n: np.ndarray, num_kv_heads: int, policy: SplitPolicy) -> np.ndarray:
     if policy.kind == "fixed":
-        requested = np.minimum(policy.num_splits, n)
-    else:
-        target = policy.target_ctas or n.size * num_kv_heads * policy.num_splits
-        tiles_per_task = max(policy.min_tiles_per_split, int(_ceil_div(int(n.sum()) * num_kv_heads, target)))
-        requested = np.clip(_ceil_div(n, tiles_per_task), 1, policy.max_splits)
+        return np.minimum(policy.num_splits, n)
+    target = policy.target_ctas or n.size * num_kv_heads * policy.num_splits
+    tiles_per_task = max(policy.min_tiles_per_split, int(_ceil_div(int(n.sum()) * num_kv_heads, target)))
+    return np.clip(_ceil_div(n, tiles_per_task), 1, policy.max_splits)
+
+
+def _row_splits_from_tiles(n: np.ndarray, num_kv_heads: int, policy: SplitPolicy) -> np.ndarray:
+    requested = _requested_splits(n, num_kv_heads, policy)
     # Requested splits past ceil(n / ceil(n / S)) would own no tiles; keep only the others.
     return _ceil_div(n, _ceil_div(n, np.maximum(requested, 1)))
 
@@ -308,22 +335,26 @@ def plan_workqueue(step, num_kv_heads: int, group_size: int, policy: SplitPolicy
     return WorkqueuePlan(tasks, split_offsets, hkv, int(group_size), int(k.max()))
 
 
-def plan_workqueue_device_order(seq_lens, num_kv_heads: int, group_size: int, num_splits: int,
+def plan_workqueue_device_order(seq_lens, num_kv_heads: int, group_size: int, policy: SplitPolicy | int,
                                 max_tokens: int = 2**31 - 1, row_tokens=None) -> WorkqueuePlan:
-    """The plan csrc/device_plan.cu writes on the GPU, as data: the fixed split rule of
-    ``plan_workqueue`` (the same split_offsets and the same task set), lengths clamped to
-    ``max_tokens`` (a block table's reach) and to ``row_tokens`` where given (each row's page
-    list times the page size), rows of length 0 without tasks, and the tasks in the kernel's order: rows
-    ranked by tiles, longest first (ties by row), each row's tasks KV head by KV head, split by
-    split. The reference engine runs it (``ReferenceEngine(planner="device")``), so the CPU checks
-    the device plan's logic against float64, and the GPU tests hold the kernel to it exactly."""
+    """The plan csrc/device_plan.cu writes on the GPU, as data: ``plan_workqueue``'s split rule
+    (``policy``, or a fixed split count; the same split_offsets and the same task set), lengths
+    clamped to ``max_tokens`` (a block table's reach) and to ``row_tokens`` where given (each row's
+    page list times the page size), the balanced rule's total over the clamped lengths, rows of
+    length 0 without tasks, and the tasks in the kernel's order: rows ranked by tiles, longest
+    first (ties by row), each row's tasks KV head by KV head, split by split. The reference engine
+    runs it (``ReferenceEngine(planner="device")``), so the CPU checks the device plan's logic
+    against float64, and the GPU tests hold the kernel to it exactly."""
     _check_heads(num_kv_heads, group_size)
+    if not isinstance(policy, SplitPolicy):
+        policy = SplitPolicy(kind="fixed", num_splits=int(policy))
     hkv = int(num_kv_heads)
     lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, int(max_tokens))
     if row_tokens is not None:
         lens = np.maximum(np.minimum(lens, np.asarray(row_tokens, dtype=np.int64)), 0)
     n = _ceil_div(lens, TILE_TOKENS)
-    k = np.where(n > 0, _ceil_div(n, np.maximum(_ceil_div(n, np.maximum(np.minimum(num_splits, n), 1)), 1)), 0)
+    requested = np.maximum(_requested_splits(n, hkv, policy), 1)
+    k = np.where(n > 0, _ceil_div(n, np.maximum(_ceil_div(n, requested), 1)), 0)
     per_split = np.where(k > 0, _ceil_div(n, np.maximum(k, 1)), 0)
     order = np.lexsort((np.arange(n.size), -n))  # tiles descending, then row
     order = order[k[order] > 0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from pkv.pipeline.schedule import SPLIT_KINDS, SplitPolicy
+from pkv.pipeline.schedule import SPLIT_KINDS, SplitPolicy, workqueue_split_policy
 
 ROUTE_FLASHINFER = "flashinfer"
 ROUTE_BUCKET = "persistentkv_bucket"  # length buckets: one launch per distinct length (or one masked)
@@ -79,9 +79,8 @@ class StepRoute:
 
     @functools.cached_property
     def split_policy(self) -> SplitPolicy:
-        """The workqueue's split rule (the balanced rule may give a row up to max(64, num_splits))."""
-        return SplitPolicy(kind=self.split_kind, num_splits=self.num_splits, max_splits=max(64, self.num_splits),
-                           target_ctas=self.target_ctas)
+        """The workqueue's split rule (pkv.pipeline.schedule.workqueue_split_policy)."""
+        return workqueue_split_policy(self.split_kind, self.num_splits, self.target_ctas)
 
 
 FLASHINFER_ROUTE = StepRoute(ROUTE_FLASHINFER)
