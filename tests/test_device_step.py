@@ -486,6 +486,35 @@ def test_routed_graphs_replay_fresh_lengths_on_the_cpu(recorded_graphs, route, p
         routed.run(np.array([600]), host_table=host_table if not page_lists else (np.array([0, 2]), np.arange(2)))
 
 
+def test_routes_that_differ_only_in_their_split_rule_replay_their_own_graphs(recorded_graphs):
+    """The fixed and the balanced rule at one split count are two device steps: a step routed to
+    either replays its own rule's graph, each against float64."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pkv.engines.device_step import device_step_config
+    from pkv.engines.routed_graphs import RoutedGraphStep
+    from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
+
+    fixed, balanced = StepRoute(ROUTE_WORKQUEUE, 2), StepRoute(ROUTE_WORKQUEUE, 2, "balanced", target_ctas=30)
+    shape, step, q, k, v = _cpu_step([2000, 40, 33], seed=31)
+    routes = iter([fixed, balanced, fixed, balanced])
+    policy = SimpleNamespace(choose=lambda step: SimpleNamespace(route=next(routes)))
+    routed = RoutedGraphStep(policy, shape, k, v, max_pages=step.block_table.shape[1], batch_buckets=(4,))
+    buffers = routed.buffers(3)
+    buffers.q.copy_(q)
+    buffers.block_table.copy_(torch.from_numpy(step.block_table))
+    buffers.seq_lens.copy_(torch.from_numpy(step.seq_lens))
+    most_splits = []
+    for _ in range(4):
+        out = routed.run(step.seq_lens)
+        torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)
+        most_splits.append(int(routed._graphed(device_step_config(routed.last_route)).step.counts[1]))
+    assert sorted(config.split_kind for config in routed._persistent) == ["balanced", "fixed"]
+    assert most_splits[0] == most_splits[2] == 2 and most_splits[1] == most_splits[3] > 2
+
+
 @pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
 def test_graphed_step_copies_each_step_into_its_own_buffers_on_the_cpu(recorded_graphs, page_lists):
     """GraphedDecodeStep.run: one graph for the batch size, each step copied into its static

@@ -7,8 +7,9 @@ graph captured for that route and the step's batch-size bucket:
 
 - a PersistentKV route replays a ``DeviceDecodeStep`` graph of the route's device-step config
   (``device_step_config``: its split count, its merge, a cluster merge running as a merge launch,
-  and its planner: the in-decode grid for a bucket route, the plan kernel's workqueue for the
-  others): the split ranges are found on the GPU inside the graph, so one graph serves any lengths;
+  its planner: the in-decode grid for a bucket route, the plan kernel's workqueue for the
+  others, and a workqueue route's split rule, fixed or balanced): the split ranges are found on
+  the GPU inside the graph, so one graph serves any lengths;
 - a FlashInfer step replays FlashInfer's CUDA-graph decode wrapper. FlashInfer plans on the host
   (on Hopper it has no device-side plan), so its plan() runs every such step, outside the graph,
   from the host lengths and page table, as serving engines that use it do.
@@ -187,7 +188,7 @@ class RoutedGraphStep:
                 raise ValueError("RoutedGraphStep.run: this step routes to FlashInfer, whose plan needs host_table")
             self._replay_flashinfer(bucket, full, host_lens, host_table)
         else:
-            key = (bucket, route.name, route.num_splits, route.merge)
+            key = (bucket, route)  # every field of the route: its split rule and merge select the graph
             replay = self._replays.get(key)
             if replay is None:
                 if self.page_lists and batch < bucket:
