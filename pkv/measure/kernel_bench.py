@@ -54,6 +54,9 @@ CASES: dict[str, list[int]] = {
     "b8_bimodal": [64 * K, 64 * K, 4 * K, 5632, 7 * K, 8704, 10 * K, 12 * K],
     "b16_16k": [16 * K] * 16,
     "b64_4k": [4 * K] * 64,
+    # One long prompt among short rows: the fixed split count deals the long row's CTAs unevenly
+    # over the SMs (192 on 132 at S = 24), the balanced rule gives them about one wave.
+    "skewed_b64": [128 * K] + [100] * 63,
 }
 B1_SPLITS = (16, 24, 32, 48, 64, 96)
 # The cluster merge holds a (row, KV head)'s splits in one cluster of at most 16 CTAs.
