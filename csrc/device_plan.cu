@@ -70,8 +70,15 @@ __global__ void __launch_bounds__(kPlanThreads)
     tiles = static_cast<int>(row_tiles(clamped_length(seq_lens[tid], limit)));
   }
   // Every thread takes the same branch (policy is a kernel argument), so the sum's barriers hold.
-  const int64_t tiles_per_task =
-      policy.balanced ? balanced_tiles_per_task(policy, block_sum(tiles, warp_sums), batch, hkv) : 0;
+  // One sum carries both totals: the tiles in the low 40 bits (at most 1024 rows of 2^26 tiles)
+  // and the rows that have any above them.
+  int64_t tiles_per_task = 0;
+  if (policy.balanced) {
+    constexpr int kRowsShift = 40;
+    const int64_t sums = block_sum(tiles + (static_cast<int64_t>(tiles > 0) << kRowsShift), warp_sums);
+    const int64_t total_tiles = sums & ((int64_t{1} << kRowsShift) - 1);
+    tiles_per_task = balanced_tiles_per_task(policy, total_tiles, sums >> kRowsShift, hkv);
+  }
   if (tid < batch) splits = static_cast<int>(row_split_count(policy, tiles, tiles_per_task));
   tiles_of[tid] = tiles;
   splits_of[tid] = splits;

@@ -386,12 +386,17 @@ void plan_workqueue_on_device(const Tensor& seq_lens, int64_t num_kv_heads, int6
   TORCH_CHECK(max_tokens >= 1 && max_tokens <= INT32_MAX, "pkv: max_tokens must be in 1..2^31-1, got ", max_tokens);
   // The fixed rule reads none of the balanced rule's fields.
   TORCH_CHECK(!balanced || (max_splits >= 1 && max_splits <= pkv::kMaxMergeSlots && target_ctas >= 0 &&
-                            target_ctas <= INT32_MAX && min_tiles_per_split >= 1),
+                            target_ctas <= INT32_MAX && min_tiles_per_split >= 1 && min_tiles_per_split <= INT32_MAX),
               "pkv: the balanced rule needs max_splits in 1..", pkv::kMaxMergeSlots,
-              ", target_ctas in 0..2^31-1 and min_tiles_per_split >= 1, got ", max_splits, ", ", target_ctas, " and ",
-              min_tiles_per_split);
+              ", target_ctas in 0..2^31-1 and min_tiles_per_split in 1..2^31-1, got ", max_splits, ", ", target_ctas,
+              " and ", min_tiles_per_split);
   const pkv::SplitPolicyArgs policy{balanced, num_splits, max_splits, target_ctas, min_tiles_per_split};
+  // The planner counts tasks, slots and (row, KV head) pairs in 32 bits; the capacity bounds all three
+  // (B <= 1024 and both split counts <= 1024, so with Hkv < 2^31 it is computed without overflow).
+  TORCH_CHECK(num_kv_heads <= INT32_MAX, "pkv: num_kv_heads must be < 2^31, got ", num_kv_heads);
   const int64_t capacity = pkv::max_workqueue_tasks(policy, batch, num_kv_heads);
+  TORCH_CHECK(capacity <= INT32_MAX, "pkv: B=", batch, " rows of ", num_kv_heads, " KV heads can take ", capacity,
+              " tasks under this split rule; a device plan holds at most 2^31-1");
   check_cuda_tensor(tasks, "tasks", at::kInt);
   TORCH_CHECK(tasks.dim() == 2 && tasks.size(1) == 5 && tasks.is_contiguous() && tasks.size(0) >= capacity,
               "pkv: tasks must be contiguous [>= ", capacity, " (the most tasks the split rule gives B=", batch,

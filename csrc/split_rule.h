@@ -26,16 +26,19 @@ struct SplitPolicyArgs {
   bool balanced;
   int64_t num_splits;
   int64_t max_splits;
-  int64_t target_ctas;  // 0: batch * Hkv * num_splits
+  int64_t target_ctas;  // 0: (rows with tokens) * Hkv * num_splits
   int64_t min_tiles_per_split;
 };
 
 // The tiles each task holds under the balanced rule, from the batch's total tiles (of its
-// clamped lengths); 0 under the fixed rule, which does not read it.
-constexpr int64_t balanced_tiles_per_task(const SplitPolicyArgs& policy, int64_t total_tiles, int64_t batch,
+// clamped lengths) and its rows that have any; 0 under the fixed rule, which does not read it.
+// A row of length 0 (a padding row of a graph's batch bucket) takes no share of the default
+// budget, so a bucket's graph plans a batch as the host plans it alone.
+constexpr int64_t balanced_tiles_per_task(const SplitPolicyArgs& policy, int64_t total_tiles, int64_t rows_with_tiles,
                                           int64_t num_kv_heads) {
   if (!policy.balanced) return 0;
-  const int64_t target = policy.target_ctas ? policy.target_ctas : batch * num_kv_heads * policy.num_splits;
+  const int64_t rows = rows_with_tiles > 1 ? rows_with_tiles : 1;
+  const int64_t target = policy.target_ctas ? policy.target_ctas : rows * num_kv_heads * policy.num_splits;
   const int64_t per_task = ceil_div(total_tiles * num_kv_heads, target);
   return per_task > policy.min_tiles_per_split ? per_task : policy.min_tiles_per_split;
 }
@@ -53,7 +56,8 @@ constexpr int64_t row_split_count(const SplitPolicyArgs& policy, int64_t n_tiles
 
 // The most tasks the rule can give `batch` rows, whatever their lengths: the capacity of a device
 // plan's buffers and decode grid. Balanced: each row's splits are at most n_i / tiles_per_task + 1,
-// and tiles_per_task >= total * Hkv / target, so the tasks are at most batch * Hkv + target.
+// and tiles_per_task >= total * Hkv / target, so the tasks are at most batch * Hkv + target (the
+// default target is at most batch * Hkv * num_splits).
 constexpr int64_t max_workqueue_tasks(const SplitPolicyArgs& policy, int64_t batch, int64_t num_kv_heads) {
   const int64_t pairs = batch * num_kv_heads;
   if (!policy.balanced) return pairs * policy.num_splits;

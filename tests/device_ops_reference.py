@@ -60,6 +60,11 @@ class ReferenceOps:
             if not 1 <= page_size <= 2**31 - 1:
                 raise RuntimeError(f"pkv: with page_indptr, page_size (tokens a page) must be given, got {page_size}")
             row_tokens = np.diff(page_indptr.cpu().numpy().astype(np.int64)) * int(page_size)
+        if balanced and not (1 <= max_splits <= 1024 and 0 <= target_ctas <= 2**31 - 1
+                             and 1 <= min_tiles_per_split <= 2**31 - 1):
+            raise RuntimeError(f"pkv: the balanced rule needs max_splits in 1..1024, target_ctas in 0..2^31-1 and "
+                               f"min_tiles_per_split in 1..2^31-1, got {max_splits}, {target_ctas} and "
+                               f"{min_tiles_per_split}")
         policy = (SplitPolicy("balanced", num_splits, max_splits, target_ctas, min_tiles_per_split) if balanced
                   else SplitPolicy("fixed", num_splits))
         capacity = max_workqueue_tasks(seq_lens.shape[0], num_kv_heads, policy)

@@ -95,6 +95,17 @@ def test_the_device_plan_of_the_balanced_rule_is_the_host_plans_within_its_capac
     clamped = plan_workqueue_device_order(np.array([10**6, 640]), 1, 1, policy, max_tokens=640)
     assert clamped.split_offsets.tolist() == plan_workqueue_device_order(np.array([640, 640]), 1, 1,
                                                                          policy).split_offsets.tolist() == [0, 7, 14]
+    # Rows of length 0 (a graph bucket's padding) take no share of the default budget.
+    for trial in range(50):
+        lens = rng.integers(1, 50000, size=int(rng.integers(1, 20)))
+        policy = SplitPolicy("balanced", int(rng.integers(1, 40)))
+        alone = plan_workqueue_device_order(lens, 8, 1, policy)
+        padded = plan_workqueue_device_order(np.r_[lens, np.zeros(int(rng.integers(1, 30)), dtype=np.int64)], 8, 1,
+                                             policy)
+        assert np.array_equal(padded.tasks, alone.tasks), trial
+        assert np.array_equal(padded.split_offsets[:alone.split_offsets.size], alone.split_offsets), trial
+    empty = plan_workqueue_device_order(np.zeros(3, dtype=np.int64), 8, 1, SplitPolicy("balanced", 4))
+    assert empty.num_tasks == 0 and empty.split_offsets.tolist() == [0] * 25
 
 
 def test_the_device_plan_clamps_to_the_table_and_gives_empty_rows_no_task():
@@ -348,6 +359,11 @@ def test_a_device_step_refuses_a_split_rule_its_planner_cannot_run():
     assert device_step_config(StepRoute(ROUTE_WORKQUEUE, 8, "balanced", target_ctas=396)) == DeviceStepConfig(
         8, "launch", "plan_kernel", "balanced", 396)
     assert device_step_config(StepRoute(ROUTE_BUCKET, 8, "balanced")) == DeviceStepConfig(8, "launch", "in_decode")
+    # A planner pinned for every route cannot run a rule its grid does not have: refused, by name.
+    with pytest.raises(ValueError, match=r"route workqueue \(S=8\) names the 'balanced' split rule, which "
+                                         r"planner 'in_decode' cannot run"):
+        device_step_config(StepRoute(ROUTE_WORKQUEUE, 8, "balanced"), "in_decode")
+    assert device_step_config(StepRoute(ROUTE_WORKQUEUE, 8), "in_decode").planner == "in_decode"
 
 
 @pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
@@ -394,6 +410,8 @@ def test_ring_depths_follow_the_gpus_shared_memory(monkeypatch):
     balanced = [config for _, config, _ in device_step_configs(8, 132, ring_stages=(2,))
                 if config.split_kind != "fixed"]
     assert {(c.planner, c.target_ctas) for c in balanced} == {("plan_kernel", w * 132) for w in (1, 2, 4, 8)}
+    # At B1 the host sweep has no balanced rule, so neither has the device sweep.
+    assert {config.split_kind for _, config, _ in device_step_configs(1, 132, ring_stages=(2,))} == {"fixed"}
 
 
 @pytest.fixture
@@ -488,16 +506,19 @@ def test_routed_graphs_replay_fresh_lengths_on_the_cpu(recorded_graphs, route, p
 
 def test_routes_that_differ_only_in_their_split_rule_replay_their_own_graphs(recorded_graphs):
     """The fixed and the balanced rule at one split count are two device steps: a step routed to
-    either replays its own rule's graph, each against float64."""
+    either replays its own rule's graph, each against float64. The balanced route has the default
+    budget (rows with tokens x Hkv x S): the bucket's padding row takes no share of it, so the
+    graph plans the rows' splits as the host plans the three rows alone."""
     from types import SimpleNamespace
 
     import torch
 
     from pkv.engines.device_step import device_step_config
     from pkv.engines.routed_graphs import RoutedGraphStep
+    from pkv.pipeline.schedule import row_splits
     from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
 
-    fixed, balanced = StepRoute(ROUTE_WORKQUEUE, 2), StepRoute(ROUTE_WORKQUEUE, 2, "balanced", target_ctas=30)
+    fixed, balanced = StepRoute(ROUTE_WORKQUEUE, 2), StepRoute(ROUTE_WORKQUEUE, 2, "balanced")
     shape, step, q, k, v = _cpu_step([2000, 40, 33], seed=31)
     routes = iter([fixed, balanced, fixed, balanced])
     policy = SimpleNamespace(choose=lambda step: SimpleNamespace(route=next(routes)))
@@ -512,7 +533,9 @@ def test_routes_that_differ_only_in_their_split_rule_replay_their_own_graphs(rec
         torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)
         most_splits.append(int(routed._graphed(device_step_config(routed.last_route)).step.counts[1]))
     assert sorted(config.split_kind for config in routed._persistent) == ["balanced", "fixed"]
-    assert most_splits[0] == most_splits[2] == 2 and most_splits[1] == most_splits[3] > 2
+    host = row_splits(step.seq_lens, shape.num_kv_heads, balanced.split_policy)
+    assert host.tolist() == [6, 1, 1]
+    assert most_splits == [2, 6, 2, 6]
 
 
 @pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])

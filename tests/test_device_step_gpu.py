@@ -388,24 +388,30 @@ def test_graph_over_page_lists_replays_for_fresh_lengths_and_checks_each_row_on_
 
 
 class _RouteByBatch:
-    """A stand-in policy: FlashInfer for the batch sizes named, a workqueue of `splits` otherwise."""
+    """A stand-in policy: FlashInfer for the batch sizes named, a workqueue of `splits` under
+    `split_kind` otherwise."""
 
-    def __init__(self, flashinfer_batches, splits):
-        self.flashinfer_batches, self.splits = set(flashinfer_batches), splits
+    def __init__(self, flashinfer_batches, splits, split_kind="fixed"):
+        from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
+
+        self.flashinfer_batches = set(flashinfer_batches)
+        self.workqueue = StepRoute(ROUTE_WORKQUEUE, splits, split_kind)
 
     def choose(self, step):
         from pkv.policy.choose import RouteDecision
-        from pkv.policy.route import FLASHINFER_ROUTE, ROUTE_WORKQUEUE, StepRoute
+        from pkv.policy.route import FLASHINFER_ROUTE
 
-        lens = list(step.seq_lens)
-        route = FLASHINFER_ROUTE if len(lens) in self.flashinfer_batches else StepRoute(ROUTE_WORKQUEUE, self.splits)
+        route = FLASHINFER_ROUTE if len(step.seq_lens) in self.flashinfer_batches else self.workqueue
         return RouteDecision(route, "test", {})
 
 
 @pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
-@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode"])
+@pytest.mark.parametrize("planner", ["plan_kernel", "in_decode", "balanced"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_routed_graphs_replay_every_route_for_fresh_lengths(dtype, planner, page_lists):
+    """"balanced": the workqueue route names the balanced rule with its default budget, and the
+    graph (over a bucket with padding rows) plans each batch's tasks as the host plans them."""
+    from pkv.engines.device_step import device_step_config
     from pkv.engines.routed_graphs import RoutedGraphStep
 
     flashinfer = pytest.importorskip("flashinfer")
@@ -414,8 +420,10 @@ def test_routed_graphs_replay_every_route_for_fresh_lengths(dtype, planner, page
     rng = np.random.default_rng(17)
     max_pages = 4200
     k, v = _pool(shape, dtype, 30000, seed=9)
-    routed = RoutedGraphStep(_RouteByBatch({3}, splits=16), shape, k, v, max_pages=max_pages,
-                             batch_buckets=(1, 4, 8), debug_checks=True, planner=planner, page_lists=page_lists)
+    balanced = planner == "balanced"
+    policy = _RouteByBatch({3}, splits=16, split_kind="balanced" if balanced else "fixed")
+    routed = RoutedGraphStep(policy, shape, k, v, max_pages=max_pages, batch_buckets=(1, 4, 8), debug_checks=True,
+                             planner=None if balanced else planner, page_lists=page_lists)
     # Batch 3 goes to FlashInfer, the others to the device-planned workqueue; 3 and 4 share a
     # bucket, so one bucket replays both routes, with padding rows in between.
     batches = [[65536], [20000, 17, 1, 4097], [1, 16, 4096], [33, 65], [60000, 100, 5, 16, 17, 1000, 3000],
@@ -438,3 +446,7 @@ def test_routed_graphs_replay_every_route_for_fresh_lengths(dtype, planner, page
         torch.cuda.synchronize()
         _check(out, step, q, k, v, dtype)
         assert (routed.last_route.name == "flashinfer") == (len(lengths) == 3)
+        if balanced and len(lengths) != 3:
+            host = plan_workqueue(step, shape.num_kv_heads, shape.group_size, policy.workqueue.split_policy)
+            graph_counts = routed._graphed(device_step_config(policy.workqueue)).step.counts.tolist()
+            assert graph_counts == [host.num_tasks, host.max_splits], (trial, lengths)

@@ -34,7 +34,7 @@ from pkv import ops
 from pkv.engines.persistentkv import check_ring_stages
 from pkv.page_table import PageLists, check_page_table, device_token_limits, host_row_pages, kernel_operands
 from pkv.pipeline.schedule import SPLIT_KINDS, max_workqueue_tasks, workqueue_split_policy
-from pkv.policy.route import MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUCKET, ROUTE_WORKQUEUE
+from pkv.policy.route import MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUCKET, ROUTE_WORKQUEUE, describe_route
 
 MAX_DEVICE_PLAN_ROWS = 1024  # kMaxDevicePlanRows in csrc/device_plan.h: one planner CTA, a thread per row
 MAX_SPLITS = 1024  # kMaxMergeSlots in csrc/decode_constants.h
@@ -78,8 +78,14 @@ def device_step_config(route, planner: str | None = None) -> DeviceStepConfig:
     planner (device_planner, unless ``planner`` pins one for every route) and, on the workqueue
     route, its split rule (a bucket route's grid has the same split count in every row)."""
     workqueue = route.name == ROUTE_WORKQUEUE
-    return DeviceStepConfig(int(route.num_splits), device_merge(route.merge), planner or device_planner(route.name),
-                            route.split_kind if workqueue else "fixed", int(route.target_ctas) if workqueue else 0)
+    planner = planner or device_planner(route.name)
+    split_kind = route.split_kind if workqueue else "fixed"
+    if split_kind != "fixed" and planner != "plan_kernel":
+        raise ValueError(f"device step: the route {describe_route(route)} (S={route.num_splits}) names the "
+                         f"{split_kind!r} split rule, which planner {planner!r} cannot run (its grid gives every row "
+                         f"the same split count); pin planner 'plan_kernel', or none")
+    return DeviceStepConfig(int(route.num_splits), device_merge(route.merge), planner, split_kind,
+                            int(route.target_ctas) if workqueue else 0)
 
 
 def check_lengths(host_lens, row_pages, page_size: int, where: str = "DeviceDecodeStep") -> None:

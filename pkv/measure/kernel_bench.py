@@ -107,14 +107,15 @@ def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False, ring_
 
 def device_step_configs(batch: int, num_sms: int, ring_stages=RING_STAGES):
     """(label, DeviceStepConfig, ring stages) of the device-planned sweep: the split counts of the
-    host-planned sweep's fixed rule under each planner and merge, and its balanced budgets under
-    the plan kernel (the in-decode grid has the fixed rule only)."""
+    host-planned sweep's fixed rule under each planner and merge, and past one row its balanced
+    budgets under the plan kernel (the in-decode grid has the fixed rule only), so the device and
+    host sweeps hold the same rules."""
     for stages in ring_stages:
         for planner in PLANNERS:
             for merge in MERGES:
                 for s in (B1_SPLITS if batch == 1 else WORKQUEUE_SPLITS):
                     yield f"{planner}+{merge}:S={s}:st{stages}", DeviceStepConfig(s, merge, planner), stages
-        for merge in MERGES:
+        for merge in (MERGES if batch > 1 else ()):
             for waves in BALANCED_WAVES:
                 config = DeviceStepConfig(1, merge, "plan_kernel", "balanced", waves * num_sms)
                 yield f"plan_kernel+{merge}:balanced:{waves}w:st{stages}", config, stages

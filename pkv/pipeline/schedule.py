@@ -182,8 +182,10 @@ class SplitPolicy:
     batch get different split counts:
         tiles_per_task = max(min_tiles_per_split, ceil(sum_i row_tiles_i * Hkv / target_ctas))
         splits_i = clamp(ceil(row_tiles_i / tiles_per_task), 1, max_splits)
-    target_ctas = 0 means B * Hkv * num_splits: the task budget of the fixed policy,
-    redistributed by length.
+    target_ctas = 0 means R * Hkv * num_splits, R the rows that have tokens: the task budget
+    of the fixed policy, redistributed by length. (A row of length 0, such as a padding row of a
+    CUDA graph's batch bucket, has no task and takes no share of the budget, so a graph replayed
+    over a bucket plans a batch as the host plans it alone.)
     """
 
     kind: str = "fixed"
@@ -238,7 +240,7 @@ def row_splits(seq_lens, num_kv_heads: int, policy: SplitPolicy) -> np.ndarray:
 def _requested_splits(n: np.ndarray, num_kv_heads: int, policy: SplitPolicy) -> np.ndarray:
     if policy.kind == "fixed":
         return np.minimum(policy.num_splits, n)
-    target = policy.target_ctas or n.size * num_kv_heads * policy.num_splits
+    target = policy.target_ctas or max(int(np.count_nonzero(n)), 1) * num_kv_heads * policy.num_splits
     tiles_per_task = max(policy.min_tiles_per_split, int(_ceil_div(int(n.sum()) * num_kv_heads, target)))
     return np.clip(_ceil_div(n, tiles_per_task), 1, policy.max_splits)
 

@@ -126,7 +126,7 @@ class Estimator:
                 # The balanced rule of pkv.pipeline.schedule.row_splits, inlined: its general form
                 # costs 7 us more a step at 256 rows, and this runs on every decode step.
                 tiles = (lens + (TILE_TOKENS - 1)) // TILE_TOKENS
-                target = policy.target_ctas or len(tiles) * hkv * policy.num_splits
+                target = policy.target_ctas or max(int(np.count_nonzero(tiles)), 1) * hkv * policy.num_splits
                 per_task = max(policy.min_tiles_per_split, -(-int(tiles.sum()) * hkv // target))
                 requested = np.minimum(np.maximum(-(-tiles // per_task), 1), policy.max_splits)
                 splits = -(-tiles // -(-tiles // requested))
@@ -168,7 +168,7 @@ class Estimator:
             cap = policy.num_splits
             requested = [cap if cap < n else n for n in tiles]
         else:
-            target = policy.target_ctas or len(tiles) * self.hkv * policy.num_splits
+            target = policy.target_ctas or max(sum(1 for n in tiles if n), 1) * self.hkv * policy.num_splits
             per_task = max(policy.min_tiles_per_split, -(-sum(tiles) * self.hkv // target))
             requested = [min(max(-(-n // per_task), 1), policy.max_splits) for n in tiles]
         # Splits past ceil(n / ceil(n / s)) would own no tiles (schedule.nonempty_splits).

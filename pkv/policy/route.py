@@ -47,7 +47,7 @@ class StepRoute:
     split_kind: str = "fixed"  # workqueue: pkv.pipeline.schedule.SplitPolicy.kind
     bucket_mode: str = "exact"  # bucket route: one launch per distinct length, or one masked launch
     merge: str = MERGE_LAUNCH
-    target_ctas: int = 0  # balanced rule: the task budget; 0 = rows x Hkv x num_splits
+    target_ctas: int = 0  # balanced rule: the task budget; 0 = rows with tokens x Hkv x num_splits
 
     def __post_init__(self):
         if self.name not in ROUTES:
