@@ -61,7 +61,10 @@ CASES: dict[str, list[int]] = {
 B1_SPLITS = (16, 24, 32, 48, 64, 96)
 # The cluster merge holds a (row, KV head)'s splits in one cluster of at most 16 CTAs.
 B1_CLUSTER_SPLITS = (8, 12, 16)
-WORKQUEUE_SPLITS = (1, 2, 4, 8, 16, 24, 32)
+# 6 and 12 put a B8 step's 64 (row, KV head) pairs just under one and two waves of the stages = 2
+# kernels (396 CTAs on an H200), where 8 and 16 land just past them (docs/performance.md, "Split
+# counts and waves in the kernel benchmark").
+WORKQUEUE_SPLITS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 BALANCED_WAVES = (1, 2, 4, 8)  # target CTAs = waves x SMs
 CONFIRM_ROUNDS = 5  # interleaved rounds that re-time the fastest FlashInfer, XQA and PersistentKV
 # Baselines timed on every case. FlashInfer's best is the fastest of BEST_OF_ROLES; its fa3
