@@ -99,6 +99,29 @@ def test_traces_of_one_operating_point_are_decided_by_their_summed_time():
     assert set(sweep.gate_steps(points)) == {MANY_ROWS, FEW_ROWS}
 
 
+def test_a_uniform_trace_fits_the_cap_in_ctas_and_only_below_the_regimes_split_count():
+    """A batch of rows of one length fits uniform_target_ctas: its fastest split count (ties to the
+    fewest) times its (row, KV head) pairs; 0 where that count is not below the regime's."""
+    from pkv.config import ConfigError
+
+    shape = types.SimpleNamespace(num_kv_heads=8)
+    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=shape, calib=START)
+    assert sweep.uniform_target_ctas({}) is None  # no uniform trace: the calibration keeps its own
+    sweep._uniform = [_swept("homogeneous_b8", 8, MANY_ROWS, {2: 280.0, 4: 252.0, 6: 251.0, 8: 290.0, 24: 258.0},
+                             255.0)]
+    assert sweep.uniform_target_ctas({MANY_ROWS: {"num_splits": 24}}) == 4 * 8 * 8  # 6 ties 4 within 1%
+    record = sweep.records["homogeneous_b8"]
+    assert record["fits"] == "uniform_target_ctas" and record["selected_splits"] == 4
+    assert record["uniform_target_ctas"] == {"fitted": 256, "regime_splits": 24, "applied": True}
+    # The regime's own count is as fast: no cap (the regime's fitted count, else the calibration's).
+    assert sweep.uniform_target_ctas({MANY_ROWS: {"num_splits": 4}}) == 0
+    sweep.calib = START.with_regime(MANY_ROWS, num_splits=3)
+    assert sweep.uniform_target_ctas({}) == 0
+    sweep._uniform.append(_swept("homogeneous_b4", 4, FEW_ROWS, {4: 100.0}, 99.0))
+    with pytest.raises(ConfigError, match="need one max_active and a shared split candidate"):
+        sweep.uniform_target_ctas({})
+
+
 def test_a_closed_regime_stays_closed_when_the_timings_are_not_a_performance_result():
     sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=False), shape=None, calib=START)
     sweep._swept = [_swept("bimodal_b4", 4, FEW_ROWS, {32: 90.0, 36: 88.0}, 89.0)]

@@ -50,6 +50,21 @@ def test_report_names_each_choice_and_the_timings_behind_it(tmp_path):
     assert "opened [1]" in text
 
 
+def test_report_names_the_uniform_cap_and_the_sweep_it_came_from(tmp_path):
+    import dataclasses
+
+    path = tmp_path / "calibration.json"
+    uniform = {"fits": "uniform_target_ctas", "selected_splits": 4,
+               "device_us_total_by_splits": {"4": 250.0, "24": 256.0}, "flashinfer_device_us_total": 255.0,
+               "uniform_target_ctas": {"fitted": 256, "regime_splits": 24, "applied": True}}
+    measured = {**MEASURED, "split_sweeps": {**MEASURED["split_sweeps"], "homogeneous_b8": uniform}}
+    save_calibration(path, dataclasses.replace(CALIB, uniform_target_ctas=256), {"measurements": measured})
+    text = calibration_report.report(path)
+    assert "uniform batches at most 256 workqueue CTAs\nG routed: 1, 4" in text
+    assert "homogeneous_b8 -> uniform_target_ctas: 4*: 1.020, 24: 0.996" in text
+    assert "  uniform cap 256 CTAs (0: none; the regime's split count is 24), applied" in text
+
+
 def test_report_of_a_file_written_before_the_regimes(tmp_path):
     # Schema /1: the flat calibration, and measurements named by the flat fields they fitted.
     flat = {"gpu": "fake", "num_sms": 4, "beta_gbps": 100.0, "lambda_us": 5.0, "c_min": 1.0,

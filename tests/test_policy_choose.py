@@ -133,3 +133,33 @@ def test_pinned_routes(make_step):
     assert policy.choose(make_step([100] * 5)).route == StepRoute("persistentkv_bucket", 32)
     with pytest.raises(ValueError, match="FlashInfer"):
         PinnedRoutePolicy(FLASHINFER_ROUTE)
+
+
+def test_uniform_batches_take_at_most_the_calibrated_ctas_and_ragged_ones_their_regimes_splits(make_step):
+    """uniform_target_ctas caps a workqueue step's splits at target // (B x Hkv) where its rows have
+    about one length: B8 of 32K rows (64 pairs) at 256 CTAs takes 4 splits; a ragged B8, a batch
+    whose pairs alone pass the target, and a calibration without a cap keep the regime's 20."""
+    from pkv.policy.choose import UNIFORM_LENGTH_FRACTION, uniform_split_count
+
+    calib = dataclasses.replace(PAPER, uniform_target_ctas=256)
+    policy = RoutePolicy(calib, **SHAPE)
+    uniform = make_step([32768 + 17 * i for i in range(8)])
+    assert policy.choose(uniform).route == StepRoute("persistentkv_workqueue", 4)
+    assert policy.choose(uniform).route is policy.choose(make_step([32800] * 8)).route  # built once
+    assert policy.choose(make_step([32768] * 4 + [4096] * 4)).route.num_splits == 20
+    assert RoutePolicy(PAPER, **SHAPE).choose(uniform).route.num_splits == 20
+    assert uniform_split_count([20000] * 40, 20000, 8, 20, 256) == 20  # 320 pairs: past 256 CTAs at one split
+    # The estimate is of the capped route, so the margin still decides.
+    decision = policy.choose(uniform)
+    assert decision.estimates["persistentkv_workqueue"] == pytest.approx(
+        Estimator(calib, **SHAPE).total_us(uniform.seq_lens.tolist(), decision.route))
+    # The boundary of "about one length", with lists and arrays alike.
+    import numpy as np
+    longest = 10000
+    edge = [longest, int(np.ceil(UNIFORM_LENGTH_FRACTION * longest))]
+    assert uniform_split_count(edge, longest, 8, 20, 256) == 16
+    assert uniform_split_count(np.array(edge), longest, 8, 20, 256) == 16
+    assert uniform_split_count([longest, edge[1] - 1], longest, 8, 20, 256) == 20
+    # The balanced rule has its own budget: no cap.
+    balanced = RoutePolicy(dataclasses.replace(calib, workqueue_split_kind="balanced"), **SHAPE)
+    assert balanced.choose(uniform).route.num_splits == 20

@@ -14,8 +14,8 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from pkv.config.fields import bounds_problem, calibration_bounds_problem, unknown_key
 from pkv.config.schema import (
-    DEVICES, DRIVERS, DTYPES, EXTERNAL_FAMILY, PLANNERS, PROFILES, ConfigError, EngineConfig, ExperimentConfig,
-    PkvConfig, TraceConfig,
+    CALIBRATION_FITS, DEVICES, DRIVERS, DTYPES, EXTERNAL_FAMILY, PLANNERS, PROFILES, ConfigError, EngineConfig,
+    ExperimentConfig, PkvConfig, TraceConfig,
 )
 from pkv.pipeline.schedule import SPLIT_KINDS
 from pkv.pipeline.trace_readers import OVERLONG_POLICIES
@@ -116,6 +116,9 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
             if ct.route not in ("bucket_exact", "workqueue") or not ct.split_candidates:
                 raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(ct),
                             "needs route bucket_exact or workqueue and at least one split candidate")
+            if ct.fits not in CALIBRATION_FITS or (ct.fits == "uniform_target_ctas" and ct.route != "workqueue"):
+                raise _fail(where, f"experiment.calibration_traces[{i}].fits", ct.fits,
+                            f"must be one of {list(CALIBRATION_FITS)} (uniform_target_ctas with route workqueue)")
     for name, key in exp.variant_keys.items():
         if not key or "=" in name:
             raise _fail(where, f"experiment.variant_keys.{name}", key, "must map a name to a config key")

@@ -156,6 +156,10 @@ class EngineConfig:
     planner: str = "native"
 
 
+# What a calibration trace's split sweep fits (CalibrationTraceConfig.fits).
+CALIBRATION_FITS = ("num_splits", "uniform_target_ctas")
+
+
 @dataclass
 class CalibrationTraceConfig:
     """A trace the calibration sweep times PersistentKV on (a conf/trace option and its batch)."""
@@ -166,6 +170,9 @@ class CalibrationTraceConfig:
     # max_active 2..7 boundary_num_splits and boundary_route
     route: str = MISSING
     split_candidates: List[int] = bounded(bound=SPLITS, default_factory=list)
+    # "num_splits": the regime's split count (above); "uniform_target_ctas": a batch of rows of one
+    # length (the workqueue) fits Calibration.uniform_target_ctas instead
+    fits: str = "num_splits"
 
 
 @dataclass

@@ -68,12 +68,15 @@ def run(cfg: PkvConfig) -> list[Path]:
     context_gates = probes.fit_context_gates(start)
     group_fit = probes.fit_group_sizes(start)
     calib = _apply(calib, operating_points)
+    uniform_ctas = sweep.uniform_target_ctas(operating_points)
     if settings.performance_result:
         # CPU timings say nothing about a GPU: there the fits are recorded and the configured
         # gates kept (in the profile's tokens, gates_for_profile).
         for fit in context_gates.values():
             calib = calib.with_regime(fit["regime"], min_context_tokens=fit["fitted"])
         calib = dataclasses.replace(calib, supported_group_sizes=tuple(group_fit["fitted"]))
+        if uniform_ctas is not None:
+            calib = dataclasses.replace(calib, uniform_target_ctas=uniform_ctas)
     calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(sweep.flashinfer_plan_us),
                                 persistentkv_plan_us=statistics.median(sweep.persistentkv_plan_us))
     estimator = Estimator(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
@@ -150,7 +153,8 @@ class _SplitSweep:
         self.cfg, self.settings, self.shape, self.calib = cfg, settings, shape, calib
         self.samples, self.flashinfer_plan_us, self.persistentkv_plan_us = [], [], []
         self.records, self.kv_dtype_bytes = {}, 2
-        self._swept: list[dict] = []
+        self._swept: list[dict] = []  # traces that fit their regime's split count
+        self._uniform: list[dict] = []  # traces that fit Calibration.uniform_target_ctas
 
     def run(self, ct) -> None:
         trace = dataclasses.replace(load_trace_option(ct.trace), max_active=ct.max_active)
@@ -169,9 +173,9 @@ class _SplitSweep:
         self.flashinfer_plan_us += timed_fi.plan_us
         # The bucket sweep fits the single-row regime whatever its batch; the workqueue, its batch's.
         regime = SINGLE_ROW if route_name == ROUTE_BUCKET else regime_of(trace.max_active)
-        self._swept.append({
-            "name": trace_name(trace), "max_active": trace.max_active, "route": route_name, "regime": regime,
-            "steps": len(timed_trace.steps), "timed_by_splits": timed_by_splits, "timed_fi": timed_fi})
+        swept = {"name": trace_name(trace), "max_active": trace.max_active, "route": route_name, "regime": regime,
+                 "steps": len(timed_trace.steps), "timed_by_splits": timed_by_splits, "timed_fi": timed_fi}
+        (self._uniform if ct.fits == "uniform_target_ctas" else self._swept).append(swept)
 
     def operating_points(self) -> dict:
         """{regime: {"num_splits": S (, "route": R)}} of each swept regime, recording every trace's sweep."""
@@ -211,6 +215,38 @@ class _SplitSweep:
                         "fits": regime_field(regime, "route"), "fitted": route,
                         "applied": self.settings.performance_result, "speedup": speedup}
         return points
+
+    def uniform_target_ctas(self, points: dict) -> int | None:
+        """Calibration.uniform_target_ctas from the uniform traces (None where there are none): the
+        fastest split count on them (fit_split_count) times their (row, KV head) pairs, or 0 (no
+        cap) where that count is not below the regime's fitted one (the cap only lowers it)."""
+        if not self._uniform:
+            return None
+        field = "uniform_target_ctas"
+        batches = {t["max_active"] for t in self._uniform}
+        shared = set.intersection(*(set(t["timed_by_splits"]) for t in self._uniform))
+        if len(batches) > 1 or not shared:
+            raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' = "
+                              f"{[t['name'] for t in self._uniform]}: the traces that fit {field} need one "
+                              f"max_active and a shared split candidate")
+        summed = {s: sum(t["timed_by_splits"][s].total_us for t in self._uniform) for s in sorted(shared)}
+        split_fit = fit_split_count(summed)
+        (batch,) = batches
+        regime_splits = points.get(regime_of(batch), {}).get("num_splits",
+                                                             self.calib.regime(regime_of(batch)).num_splits)
+        target = split_fit.num_splits * batch * self.shape.num_kv_heads if split_fit.num_splits < regime_splits else 0
+        for t in self._uniform:
+            self.records[t["name"]] = {
+                "route": t["route"], "fits": field, "steps": t["steps"],
+                "selected_splits": split_fit.num_splits, "selected_at_edge": split_fit.at_edge,
+                "fastest_splits": split_fit.fastest, "tied_splits": list(split_fit.tied),
+                "fitted_with": [u["name"] for u in self._uniform],
+                "device_us_total_by_splits": {str(s): timed.total_us for s, timed in t["timed_by_splits"].items()},
+                "flashinfer_device_us_total": t["timed_fi"].total_us,
+                "uniform_target_ctas": {"fitted": target, "regime_splits": regime_splits,
+                                        "applied": self.settings.performance_result},
+            }
+        return target
 
     def gate_steps(self, points: dict) -> dict[str, list[dict]]:
         """The steps of each regime timed on the route the policy takes there (length buckets at

@@ -54,6 +54,9 @@ class Calibration:
     many_rows: RegimeParams
     supported_group_sizes: tuple[int, ...] = (4,)  # G routed to PersistentKV at all
     workqueue_split_kind: str = "fixed"  # how the workqueue gives rows splits (SplitPolicy.kind)
+    # A workqueue step whose rows have about one length takes at most this many CTAs where its
+    # regime's split count would give more (pkv.policy.choose, uniform_split_count); 0: no cap.
+    uniform_target_ctas: int = 0
     flashinfer_plan_us: float = 0.0  # measured host planning per step, charged to each route
     persistentkv_plan_us: float = 0.0
     flashinfer_ctas_per_row_head: float = 1.0
@@ -77,6 +80,9 @@ class Calibration:
         if not isinstance(groups, (list, tuple)) or not groups or not all(is_int(g) and g >= 1 for g in groups):
             raise CalibrationError(f"field supported_group_sizes={groups!r}: must be a non-empty list of integers >= 1")
         object.__setattr__(self, "supported_group_sizes", tuple(int(g) for g in groups))
+        if not is_int(self.uniform_target_ctas) or self.uniform_target_ctas < 0:
+            raise CalibrationError(f"field uniform_target_ctas={self.uniform_target_ctas!r}: must be an integer >= 0")
+        object.__setattr__(self, "uniform_target_ctas", int(self.uniform_target_ctas))
         if self.workqueue_split_kind not in SPLIT_KINDS:
             raise CalibrationError(f"field workqueue_split_kind={self.workqueue_split_kind!r}: must be one of "
                                    f"{list(SPLIT_KINDS)}")

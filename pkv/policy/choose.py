@@ -5,12 +5,20 @@ context gate, a regime whose calibrated route is FlashInfer. Then the regime's P
 is estimated against FlashInfer and taken only when its estimated speedup reaches the regime's
 margin (a no-regression margin). The decision is a complete StepRoute: engines run it as it is.
 
+A workqueue step whose rows all have about one length (a uniform batch) takes fewer splits where
+the calibration measured that faster (``Calibration.uniform_target_ctas``): its tasks are all one
+size, so they finish wave by wave and a last wave that is mostly empty costs up to a fifth of the
+step; at most one resident wave of CTAs avoids it (docs/performance.md, "Split counts and waves
+in the kernel benchmark"). Ragged batches keep the regime's split count, which their long rows
+need.
+
 A run that pins one schedule (the standalone PersistentKV engine of an ablation) uses
 ``PinnedRoutePolicy``: every step on one route, built from the same calibration.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
@@ -26,6 +34,7 @@ from pkv.policy.route import (
     FLASHINFER_ROUTE,
     ROUTE_BUCKET,
     ROUTE_FLASHINFER,
+    ROUTE_WORKQUEUE,
     SCHEDULES,
     KernelVariants,
     StepRoute,
@@ -59,6 +68,21 @@ GATE_GROUP = RouteDecision(FLASHINFER_ROUTE, "gate: G", _NO_ESTIMATES)
 GATE_CONTEXT = RouteDecision(FLASHINFER_ROUTE, "gate: context", _NO_ESTIMATES)
 GATE_REGIME = RouteDecision(FLASHINFER_ROUTE, "gate: regime", _NO_ESTIMATES)
 
+# A batch is uniform when its shortest row holds at least this fraction of its longest row's tokens.
+UNIFORM_LENGTH_FRACTION = 0.9
+
+
+def uniform_split_count(lens, longest: int, num_kv_heads: int, num_splits: int, target_ctas: int) -> int:
+    """The split count of a workqueue step under the uniform cap: ``target_ctas // (B * Hkv)`` where
+    that is at least 1 and below ``num_splits`` and the rows are uniform (UNIFORM_LENGTH_FRACTION),
+    else ``num_splits``. ``lens`` is a list of ints or an array, ``longest`` its largest."""
+    batch = len(lens)
+    capped = target_ctas // (batch * num_kv_heads)
+    if not 1 <= capped < num_splits:
+        return num_splits
+    shortest = min(lens) if isinstance(lens, list) else int(lens.min())
+    return capped if shortest >= UNIFORM_LENGTH_FRACTION * longest else num_splits
+
 
 class RoutePolicy:
     """The calibrated policy of one attention shape and one run's kernel variants."""
@@ -70,6 +94,9 @@ class RoutePolicy:
         self.variants = variants
         self._estimator = Estimator(calib, num_kv_heads=num_kv_heads, group_size=group_size, head_dim=head_dim,
                                     kv_dtype_bytes=kv_dtype_bytes)
+        self._num_kv_heads = int(num_kv_heads)
+        self._uniform_ctas = calib.uniform_target_ctas
+        self._capped: dict[tuple[StepRoute, int], StepRoute] = {}  # (route, splits) -> the route with them
         self._group_supported = self.group_size in calib.supported_group_sizes
         # Everything per regime is resolved once here: choose() runs on every decode step.
         self._regimes = {}
@@ -102,6 +129,10 @@ class RoutePolicy:
             return GATE_CONTEXT
         if candidate is None:
             return GATE_REGIME
+        if self._uniform_ctas and candidate.name == ROUTE_WORKQUEUE and candidate.split_kind == "fixed":
+            splits = uniform_split_count(lens, longest, self._num_kv_heads, candidate.num_splits, self._uniform_ctas)
+            if splits != candidate.num_splits:
+                candidate = self._capped_route(candidate, splits)
         estimator = self._estimator
         tokens = total_tokens(lens)
         flashinfer_us = estimator.total_us(lens, FLASHINFER_ROUTE, tokens)
@@ -110,6 +141,14 @@ class RoutePolicy:
         chosen = candidate if speedup >= margin else FLASHINFER_ROUTE
         return RouteDecision(chosen, "estimate", {ROUTE_FLASHINFER: flashinfer_us, candidate.name: candidate_us},
                              speedup, margin)
+
+
+    def _capped_route(self, route: StepRoute, splits: int) -> StepRoute:
+        key = (route, splits)
+        capped = self._capped.get(key)
+        if capped is None:
+            capped = self._capped[key] = dataclasses.replace(route, num_splits=splits)
+        return capped
 
 
 def pinned_route(schedule: str, calib: Calibration | None, variants: KernelVariants = KernelVariants()) -> StepRoute:

@@ -46,6 +46,8 @@ def operating_points(calib) -> list[str]:
         if params.route != ROUTE_FLASHINFER:
             route += f" S={params.num_splits} from {params.min_context_tokens} tokens"
         lines.append(f"{REGIME_LABELS[regime]} {route}")
+    if calib.uniform_target_ctas:  # the uniform cap, where the calibration set one
+        lines.append(f"uniform batches at most {calib.uniform_target_ctas} workqueue CTAs")
     return [*lines, f"G routed: {', '.join(str(g) for g in calib.supported_group_sizes)}"]
 
 
@@ -54,7 +56,8 @@ def split_sweeps(sweeps: dict) -> list[str]:
     for name, sweep in sweeps.items():
         fi = float(sweep["flashinfer_device_us_total"])
         cells = []
-        for splits, us in sweep["device_us_total_by_splits"].items():
+        # In split order: the file's keys are strings, sorted as text ("12" before "2").
+        for splits, us in sorted(sweep["device_us_total_by_splits"].items(), key=lambda item: int(item[0])):
             mark = "*" if int(splits) == int(sweep["selected_splits"]) else ""
             cells.append(f"{splits}{mark}: {_ratio(fi, float(us))}")
         fits = sweep.get("fits", "")
@@ -65,6 +68,10 @@ def split_sweeps(sweeps: dict) -> list[str]:
         if len(tied) > 1:  # files written before the tie rule hold no tied set
             lines.append(f"  tied within noise: {', '.join(map(str, tied))}; the fewest splits taken "
                          f"(fastest alone: {sweep['fastest_splits']})")
+        cap = sweep.get("uniform_target_ctas")
+        if cap:
+            lines.append(f"  uniform cap {cap['fitted']} CTAs (0: none; the regime's split count is "
+                         f"{cap['regime_splits']}), {'applied' if cap['applied'] else 'not applied'}")
         route = sweep.get("regime_route", sweep.get("boundary_route"))  # the latter in files before the regimes
         if route:
             lines.append(f"  B2-7 route {route['fitted']} ({float(route['speedup']):.3f}x, "
