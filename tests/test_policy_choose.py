@@ -118,6 +118,10 @@ def test_engine_options_override_the_calibration_once():
     assert [calib.regime(r).num_splits for r in ("single_row", "few_rows", "many_rows")] == [40, 12, 12]
     assert calib.workqueue_split_kind == "balanced"
     assert apply_engine_options(PAPER) == PAPER
+    # A fixed split count holds on every step: the uniform cap is lifted with it, and kept without it.
+    capped = dataclasses.replace(PAPER, uniform_target_ctas=256)
+    assert apply_engine_options(capped, num_splits=12).uniform_target_ctas == 0
+    assert apply_engine_options(capped, bucket_num_splits=40).uniform_target_ctas == 256
     opened = PAPER.with_regime("few_rows", route="persistentkv_bucket")
     assert apply_engine_options(opened, open_few_rows=True).few_rows.route == "persistentkv_bucket"
     assert kernel_variants("bucket_masked", "fused") == KernelVariants("masked", "fused")
