@@ -122,6 +122,33 @@ def test_a_uniform_trace_fits_the_cap_in_ctas_and_only_below_the_regimes_split_c
         sweep.uniform_target_ctas({})
 
 
+def test_the_uniform_traces_steps_stay_out_of_c_min_and_the_plan_times(monkeypatch):
+    """Only the cap is fitted from a uniform trace: its timed steps join neither the C_min fit nor
+    the plan-time medians, so no other decision moves with it."""
+    from pkv.experiments import calibrate
+
+    class FakeTrace:
+        def __init__(self, cfg, settings, shape, trace):
+            self.kv_dtype_bytes, self.steps, self.name = 2, [], trace.family
+
+        def persistentkv(self, route):
+            return types.SimpleNamespace(samples=[(self.name, route.num_splits)], plan_us=[1.0], total_us=1.0)
+
+        def flashinfer(self):
+            return types.SimpleNamespace(samples=[(self.name, "fi")], plan_us=[2.0], total_us=1.0)
+
+    monkeypatch.setattr(calibrate, "_TimedTrace", FakeTrace)
+    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True),
+                        shape=types.SimpleNamespace(num_kv_heads=8), calib=START)
+    for trace, fits in (("bimodal", "num_splits"), ("homogeneous", "uniform_target_ctas")):
+        sweep.run(types.SimpleNamespace(trace=trace, max_active=8, route="workqueue", split_candidates=[4, 24],
+                                        fits=fits))
+    assert sweep.samples == [("bimodal", 4), ("bimodal", 24), ("bimodal", "fi")]
+    assert sweep.persistentkv_plan_us == [1.0, 1.0] and sweep.flashinfer_plan_us == [2.0]
+    assert [t["name"] for t in sweep._swept] == ["bimodal_b8"] and [t["name"] for t in sweep._uniform] == [
+        "homogeneous_b8"]
+
+
 def test_a_closed_regime_stays_closed_when_the_timings_are_not_a_performance_result():
     sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=False), shape=None, calib=START)
     sweep._swept = [_swept("bimodal_b4", 4, FEW_ROWS, {32: 90.0, 36: 88.0}, 89.0)]

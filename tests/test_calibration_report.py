@@ -60,7 +60,7 @@ def test_report_names_the_uniform_cap_and_the_sweep_it_came_from(tmp_path):
     measured = {**MEASURED, "split_sweeps": {**MEASURED["split_sweeps"], "homogeneous_b8": uniform}}
     save_calibration(path, dataclasses.replace(CALIB, uniform_target_ctas=256), {"measurements": measured})
     text = calibration_report.report(path)
-    assert "uniform batches at most 256 workqueue CTAs\nG routed: 1, 4" in text
+    assert "uniform batches about 256 workqueue CTAs\nG routed: 1, 4" in text
     assert "homogeneous_b8 -> uniform_target_ctas: 4*: 1.020, 24: 0.996" in text
     assert "  uniform cap 256 CTAs (0: none; the regime's split count is 24), applied" in text
 

@@ -136,6 +136,26 @@ def test_bad_gate_probe_names_the_entry_and_its_values(override, value):
     assert "experiment.gate_probes[" in msg and value in msg and "conf/" in msg
 
 
+@pytest.mark.parametrize("overrides, field, value", [
+    (["experiment.calibration_traces.3.fits=gates"], "experiment.calibration_traces[3].fits", "gates"),
+    (["experiment.calibration_traces.3.max_active=1"], "experiment.calibration_traces[3].fits",
+     "uniform_target_ctas"),
+    (["experiment.calibration_traces.3.route=bucket_exact"], "experiment.calibration_traces[3].fits",
+     "uniform_target_ctas"),
+    (["experiment.calibration_traces.2.trace=homogeneous", "experiment.calibration_traces.2.max_active=8"],
+     "experiment.calibration_traces[3]", "second time"),
+    (["experiment.calibration_traces.2.fits=uniform_target_ctas"], "experiment.calibration_traces",
+     "one max_active"),
+])
+def test_a_bad_calibration_trace_names_the_entry_and_its_value(overrides, field, value):
+    """The uniform cap's traces: a known fit, the workqueue at two rows or more, one max_active and a
+    shared candidate among them, and no trace swept twice (its record would be overwritten)."""
+    with pytest.raises(ConfigError) as err:
+        compose(["out=x", "experiment=calibrate", *overrides])
+    msg = str(err.value)
+    assert f"field '{field}'" in msg and value in msg and "conf/" in msg, msg
+
+
 def test_every_engine_option_is_the_default_with_its_own_lines():
     default = dataclasses.asdict(compose(["out=x", "engine=default"]).engine)
     changed = {}

@@ -140,9 +140,10 @@ def test_pinned_routes(make_step):
 
 
 def test_uniform_batches_take_at_most_the_calibrated_ctas_and_ragged_ones_their_regimes_splits(make_step):
-    """uniform_target_ctas caps a workqueue step's splits at target // (B x Hkv) where its rows have
-    about one length: B8 of 32K rows (64 pairs) at 256 CTAs takes 4 splits; a ragged B8, a batch
-    whose pairs alone pass the target, and a calibration without a cap keep the regime's 20."""
+    """uniform_target_ctas caps a workqueue step's splits at the count whose CTAs come nearest the
+    target where its rows have about one length: B8 of 32K rows (64 pairs) at 256 CTAs takes 4
+    splits; a ragged B8, a batch whose pairs alone lie past 1.5x the target, and a calibration
+    without a cap keep the regime's 20."""
     from pkv.policy.choose import UNIFORM_LENGTH_FRACTION, uniform_split_count
 
     calib = dataclasses.replace(PAPER, uniform_target_ctas=256)
@@ -152,7 +153,11 @@ def test_uniform_batches_take_at_most_the_calibrated_ctas_and_ragged_ones_their_
     assert policy.choose(uniform).route is policy.choose(make_step([32800] * 8)).route  # built once
     assert policy.choose(make_step([32768] * 4 + [4096] * 4)).route.num_splits == 20
     assert RoutePolicy(PAPER, **SHAPE).choose(uniform).route.num_splits == 20
-    assert uniform_split_count([20000] * 40, 20000, 8, 20, 256) == 20  # 320 pairs: past 256 CTAs at one split
+    # Rounded to the nearest count, kept within 1.5x of the target either way: B9 takes 4 (288
+    # CTAs), B17 2 (272), B48 1 (384); B49's 392 CTAs at one split are past 384: no cap.
+    counts = {b: uniform_split_count([20000] * b, 20000, 8, 20, 256) for b in (2, 5, 9, 13, 17, 22, 48, 49, 64)}
+    assert counts == {2: 16, 5: 6, 9: 4, 13: 2, 17: 2, 22: 1, 48: 1, 49: 20, 64: 20}
+    assert uniform_split_count([20000] * 2, 20000, 8, 16, 256) == 16  # the cap only lowers a count
     # The estimate is of the capped route, so the margin still decides.
     decision = policy.choose(uniform)
     assert decision.estimates["persistentkv_workqueue"] == pytest.approx(

@@ -116,9 +116,22 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
             if ct.route not in ("bucket_exact", "workqueue") or not ct.split_candidates:
                 raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(ct),
                             "needs route bucket_exact or workqueue and at least one split candidate")
-            if ct.fits not in CALIBRATION_FITS or (ct.fits == "uniform_target_ctas" and ct.route != "workqueue"):
+            if ct.fits not in CALIBRATION_FITS or (ct.fits == "uniform_target_ctas"
+                                                   and (ct.route != "workqueue" or ct.max_active < 2)):
                 raise _fail(where, f"experiment.calibration_traces[{i}].fits", ct.fits,
-                            f"must be one of {list(CALIBRATION_FITS)} (uniform_target_ctas with route workqueue)")
+                            f"must be one of {list(CALIBRATION_FITS)} (uniform_target_ctas with route workqueue "
+                            f"and max_active >= 2)")
+        # Each trace's sweep is recorded under its name: a trace listed twice would lose one record.
+        names = [(ct.trace, ct.max_active) for ct in exp.calibration_traces]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(exp.calibration_traces[i]),
+                            f"lists trace {name[0]} at max_active {name[1]} a second time")
+        uniform = [ct for ct in exp.calibration_traces if ct.fits == "uniform_target_ctas"]
+        if uniform and (len({ct.max_active for ct in uniform}) > 1
+                        or not set.intersection(*(set(ct.split_candidates) for ct in uniform))):
+            raise _fail(where, "experiment.calibration_traces", [dataclasses.asdict(ct) for ct in uniform],
+                        "the traces that fit uniform_target_ctas need one max_active and a shared split candidate")
     for name, key in exp.variant_keys.items():
         if not key or "=" in name:
             raise _fail(where, f"experiment.variant_keys.{name}", key, "must map a name to a config key")

@@ -161,21 +161,27 @@ class _SplitSweep:
         timed_trace = _TimedTrace(self.cfg, self.settings, self.shape, trace)
         self.kv_dtype_bytes = timed_trace.kv_dtype_bytes
         route_name, bucket_mode = SCHEDULES[ct.route]
+        # The uniform traces fit their cap alone: their steps stay out of C_min and the plan times, so
+        # the cap changes no other decision (their few-CTA steps carry the wave loss that the
+        # roofline's C_min does not model).
+        fits_cap = ct.fits == "uniform_target_ctas"
         timed_by_splits = {}
         for splits in ct.split_candidates:
             route = StepRoute(route_name, int(splits), self.calib.workqueue_split_kind, bucket_mode)
             timed = timed_by_splits[splits] = timed_trace.persistentkv(route)
-            self.samples += timed.samples
-            self.persistentkv_plan_us += timed.plan_us
+            if not fits_cap:
+                self.samples += timed.samples
+                self.persistentkv_plan_us += timed.plan_us
         # FlashInfer-role steps at low occupancy are what pins C_min down; its plan() time is a constant too.
         timed_fi = timed_trace.flashinfer()
-        self.samples += timed_fi.samples
-        self.flashinfer_plan_us += timed_fi.plan_us
+        if not fits_cap:
+            self.samples += timed_fi.samples
+            self.flashinfer_plan_us += timed_fi.plan_us
         # The bucket sweep fits the single-row regime whatever its batch; the workqueue, its batch's.
         regime = SINGLE_ROW if route_name == ROUTE_BUCKET else regime_of(trace.max_active)
         swept = {"name": trace_name(trace), "max_active": trace.max_active, "route": route_name, "regime": regime,
                  "steps": len(timed_trace.steps), "timed_by_splits": timed_by_splits, "timed_fi": timed_fi}
-        (self._uniform if ct.fits == "uniform_target_ctas" else self._swept).append(swept)
+        (self._uniform if fits_cap else self._swept).append(swept)
 
     def operating_points(self) -> dict:
         """{regime: {"num_splits": S (, "route": R)}} of each swept regime, recording every trace's sweep."""

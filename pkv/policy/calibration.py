@@ -54,7 +54,7 @@ class Calibration:
     many_rows: RegimeParams
     supported_group_sizes: tuple[int, ...] = (4,)  # G routed to PersistentKV at all
     workqueue_split_kind: str = "fixed"  # how the workqueue gives rows splits (SplitPolicy.kind)
-    # A workqueue step whose rows have about one length takes at most this many CTAs where its
+    # A workqueue step whose rows have about one length takes about this many CTAs where its
     # regime's split count would give more (pkv.policy.choose, uniform_split_count); 0: no cap.
     uniform_target_ctas: int = 0
     flashinfer_plan_us: float = 0.0  # measured host planning per step, charged to each route

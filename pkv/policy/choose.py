@@ -8,7 +8,7 @@ margin (a no-regression margin). The decision is a complete StepRoute: engines r
 A workqueue step whose rows all have about one length (a uniform batch) takes fewer splits where
 the calibration measured that faster (``Calibration.uniform_target_ctas``): its tasks are all one
 size, so they finish wave by wave and a last wave that is mostly empty costs up to a fifth of the
-step; at most one resident wave of CTAs avoids it (docs/performance.md, "Split counts and waves
+step; fewer CTAs than one resident wave avoid it (docs/performance.md, "Split counts and waves
 in the kernel benchmark"). Ragged batches keep the regime's split count, which their long rows
 need.
 
@@ -70,15 +70,21 @@ GATE_REGIME = RouteDecision(FLASHINFER_ROUTE, "gate: regime", _NO_ESTIMATES)
 
 # A batch is uniform when its shortest row holds at least this fraction of its longest row's tokens.
 UNIFORM_LENGTH_FRACTION = 0.9
+# A uniform step takes the split count whose CTAs come nearest the calibrated target only where
+# they lie within this factor of it either way. The H200 measured half the target (128 CTAs) and
+# twice it (512) 9-18% slower than the target (256) on uniform batches; between those, untested.
+UNIFORM_CTA_TOLERANCE = 1.5
 
 
 def uniform_split_count(lens, longest: int, num_kv_heads: int, num_splits: int, target_ctas: int) -> int:
-    """The split count of a workqueue step under the uniform cap: ``target_ctas // (B * Hkv)`` where
-    that is at least 1 and below ``num_splits`` and the rows are uniform (UNIFORM_LENGTH_FRACTION),
+    """The split count of a workqueue step under the uniform cap: the count whose CTAs come nearest
+    ``target_ctas`` (B x Hkv x S, S >= 1), where those CTAs lie within UNIFORM_CTA_TOLERANCE of the
+    target, the count is below ``num_splits`` and the rows are uniform (UNIFORM_LENGTH_FRACTION);
     else ``num_splits``. ``lens`` is a list of ints or an array, ``longest`` its largest."""
-    batch = len(lens)
-    capped = target_ctas // (batch * num_kv_heads)
-    if not 1 <= capped < num_splits:
+    pairs = len(lens) * num_kv_heads
+    capped = max(1, (2 * target_ctas + pairs) // (2 * pairs))  # target / pairs, rounded half up
+    ctas = capped * pairs
+    if capped >= num_splits or not target_ctas / UNIFORM_CTA_TOLERANCE <= ctas <= target_ctas * UNIFORM_CTA_TOLERANCE:
         return num_splits
     shortest = min(lens) if isinstance(lens, list) else int(lens.min())
     return capped if shortest >= UNIFORM_LENGTH_FRACTION * longest else num_splits

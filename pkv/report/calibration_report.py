@@ -47,7 +47,7 @@ def operating_points(calib) -> list[str]:
             route += f" S={params.num_splits} from {params.min_context_tokens} tokens"
         lines.append(f"{REGIME_LABELS[regime]} {route}")
     if calib.uniform_target_ctas:  # the uniform cap, where the calibration set one
-        lines.append(f"uniform batches at most {calib.uniform_target_ctas} workqueue CTAs")
+        lines.append(f"uniform batches about {calib.uniform_target_ctas} workqueue CTAs")
     return [*lines, f"G routed: {', '.join(str(g) for g in calib.supported_group_sizes)}"]
 
 
