@@ -9,7 +9,9 @@
 #   BUILD_CACHE_FROM=<build_cache.tgz of an earlier run of the same sources, carried> unpacks the
 #     built extensions first, so a run on a fresh machine skips their builds; every run leaves its
 #     own as $OUT/build_cache.tgz (vLLM's build as $OUT/vllm_build_cache.tgz, where it fits).
-#   GPU_TESTS=<test files or node ids> narrows the tests; SKIP_SANITIZE=1 skips compute-sanitizer.
+#   GPU_TESTS=<test files or node ids> narrows the tests; SKIP_TESTS=1 skips them, SKIP_SANITIZE=1
+#   compute-sanitizer, SKIP_BENCH=1 the kernel benchmark, SKIP_STEP=1 the device-step benchmark and
+#   SKIP_HOST=1 the host-time split (a run that has to fit one call's time limit takes a subset).
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 source scripts/device_site.sh || exit 1
@@ -38,11 +40,13 @@ fi
 # vLLM's rows where third_party/vllm was carried. GPU_TESTS narrows it, e.g. tests/test_kernels_gpu.py.
 # $OUT/test_times.tsv: each test's seconds as it ends (tests/conftest.py), there even when the
 # run is stopped at its time limit; the slowest are printed.
-PKV_TEST_TIMES="$OUT/test_times.tsv" python3 -X faulthandler -m pytest -v -p no:cacheprovider -m gpu \
-  ${GPU_TESTS:-tests/test_kernels_gpu.py tests/test_device_step_gpu.py tests/test_model_step.py tests/test_baselines_gpu.py tests/test_vllm_engines.py} \
-  > "$OUT/tests.log" 2>&1
-grep -E "FAILED|ERROR|passed|failed|Fatal|^E  " "$OUT/tests.log" | tail -30
-sort -t$'\t' -k3 -rn "$OUT/test_times.tsv" 2>/dev/null | head -8 | cut -c1-160
+if [ -z "${SKIP_TESTS:-}" ]; then
+  PKV_TEST_TIMES="$OUT/test_times.tsv" python3 -X faulthandler -m pytest -v -p no:cacheprovider -m gpu \
+    ${GPU_TESTS:-tests/test_kernels_gpu.py tests/test_device_step_gpu.py tests/test_model_step.py tests/test_baselines_gpu.py tests/test_vllm_engines.py} \
+    > "$OUT/tests.log" 2>&1
+  grep -E "FAILED|ERROR|passed|failed|Fatal|^E  " "$OUT/tests.log" | tail -30
+  sort -t$'\t' -k3 -rn "$OUT/test_times.tsv" 2>/dev/null | head -8 | cut -c1-160
+fi
 for tool in $([ -z "${SKIP_SANITIZE:-}" ] && echo memcheck racecheck); do
   compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/sanitize_cases.py > "$OUT/$tool.log" 2>&1
   echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
