@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -15,37 +16,74 @@ namespace {
 
 using at::Tensor;
 
-// Step metadata as the planner reads it: int32 CPU seq_lens [B] and block_table [B, W].
-void check_step(const Tensor& seq_lens, const Tensor& block_table, int64_t num_kv_heads) {
+// Step metadata as the planner reads it: int32 CPU seq_lens [B] and the page table, a block table
+// [B, W] or, with page_indptr [B + 1], the concatenated page lists [N >= 1] in `pages`.
+void check_step(const Tensor& seq_lens, const Tensor& pages, const std::optional<Tensor>& page_indptr,
+                int64_t num_kv_heads) {
   TORCH_CHECK(seq_lens.device().is_cpu() && seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
                   seq_lens.is_contiguous(),
               "pkv: seq_lens must be a contiguous int32 CPU tensor [B], got ", seq_lens.scalar_type(), " ",
               seq_lens.sizes(), " on ", seq_lens.device());
-  TORCH_CHECK(seq_lens.size(0) >= 1, "pkv: seq_lens is empty; a decode step needs a row");
-  TORCH_CHECK(block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
-                  block_table.is_contiguous() && block_table.size(0) == seq_lens.size(0) && block_table.size(1) >= 1,
-              "pkv: block_table must be a contiguous int32 CPU tensor [B=", seq_lens.size(0),
-              ", max_pages >= 1], got ", block_table.scalar_type(), " ", block_table.sizes());
+  const int64_t batch = seq_lens.size(0);
+  TORCH_CHECK(batch >= 1, "pkv: seq_lens is empty; a decode step needs a row");
+  if (page_indptr.has_value()) {
+    const Tensor& indptr = *page_indptr;
+    TORCH_CHECK(indptr.device().is_cpu() && indptr.scalar_type() == at::kInt && indptr.dim() == 1 &&
+                    indptr.is_contiguous() && indptr.size(0) == batch + 1,
+                "pkv: page_indptr must be a contiguous int32 CPU tensor [B + 1 = ", batch + 1, "], got ",
+                indptr.scalar_type(), " ", indptr.sizes());
+    TORCH_CHECK(pages.device().is_cpu() && pages.scalar_type() == at::kInt && pages.dim() == 1 &&
+                    pages.is_contiguous() && pages.size(0) >= 1,
+                "pkv: with page_indptr, the page table must be the contiguous int32 CPU page lists [N >= 1], got ",
+                pages.scalar_type(), " ", pages.sizes());
+    const int32_t* ptr = indptr.data_ptr<int32_t>();
+    TORCH_CHECK(ptr[0] == 0 && ptr[batch] == pages.size(0), "pkv: page_indptr must run from 0 to the ",
+                pages.size(0), " entries of the page lists, got ", ptr[0], "..", ptr[batch]);
+    for (int64_t i = 0; i < batch; ++i) {
+      TORCH_CHECK(ptr[i + 1] >= ptr[i], "pkv: page_indptr must not fall, row ", i, " runs from ", ptr[i], " to ",
+                  ptr[i + 1]);
+    }
+  } else {
+    TORCH_CHECK(pages.device().is_cpu() && pages.scalar_type() == at::kInt && pages.dim() == 2 &&
+                    pages.is_contiguous() && pages.size(0) == batch && pages.size(1) >= 1,
+                "pkv: block_table must be a contiguous int32 CPU tensor [B=", batch, ", max_pages >= 1], got ",
+                pages.scalar_type(), " ", pages.sizes());
+  }
   TORCH_CHECK(num_kv_heads >= 1, "pkv: num_kv_heads must be >= 1, got ", num_kv_heads);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  for (int64_t i = 0; i < seq_lens.size(0); ++i) {
+  for (int64_t i = 0; i < batch; ++i) {
     TORCH_CHECK(lens[i] >= 0, "pkv: seq_lens[", i, "] must be >= 0, got ", lens[i]);
   }
 }
 
-// [block_table][seq_lens][route_ints] in one int32 buffer; returns the route part's start.
-int32_t* pack_step(Tensor& packed, const Tensor& seq_lens, const Tensor& block_table) {
-  int32_t* base = packed.data_ptr<int32_t>();
-  std::copy_n(block_table.data_ptr<int32_t>(), block_table.numel(), base);
-  std::copy_n(seq_lens.data_ptr<int32_t>(), seq_lens.numel(), base + block_table.numel());
-  return base + block_table.numel() + seq_lens.numel();
+// The ints the page table takes in a packed plan.
+int64_t page_table_ints(const Tensor& pages, const std::optional<Tensor>& page_indptr) {
+  return pages.numel() + (page_indptr.has_value() ? page_indptr->numel() : 0);
+}
+
+// [block_table] or [page_indptr][page lists], then [seq_lens], then the route's ints, in one int32
+// buffer; returns the route part's start.
+int32_t* pack_step(Tensor& packed, const Tensor& seq_lens, const Tensor& pages,
+                   const std::optional<Tensor>& page_indptr) {
+  int32_t* cursor = packed.data_ptr<int32_t>();
+  if (page_indptr.has_value()) cursor = std::copy_n(page_indptr->data_ptr<int32_t>(), page_indptr->numel(), cursor);
+  cursor = std::copy_n(pages.data_ptr<int32_t>(), pages.numel(), cursor);
+  return std::copy_n(seq_lens.data_ptr<int32_t>(), seq_lens.numel(), cursor);
+}
+
+// The layout's first fields (step_plan.h): the page table's form and size, then the route's.
+std::vector<int64_t> layout_head(int64_t route, int64_t batch, const Tensor& pages,
+                                 const std::optional<Tensor>& page_indptr) {
+  const bool lists = page_indptr.has_value();
+  return {route, batch, lists ? 0 : pages.size(1), 0, lists ? pages.size(0) : 0};
 }
 
 std::tuple<Tensor, std::vector<int64_t>> plan_workqueue(const Tensor& seq_lens, const Tensor& block_table,
                                                         int64_t num_kv_heads, bool balanced, int64_t num_splits,
                                                         int64_t max_splits, int64_t target_ctas,
-                                                        int64_t min_tiles_per_split) {
-  check_step(seq_lens, block_table, num_kv_heads);
+                                                        int64_t min_tiles_per_split,
+                                                        const std::optional<Tensor>& page_indptr) {
+  check_step(seq_lens, block_table, page_indptr, num_kv_heads);
   TORCH_CHECK(num_splits >= 1 && max_splits >= 1 && target_ctas >= 0 && min_tiles_per_split >= 1,
               "pkv: split policy needs num_splits >= 1, max_splits >= 1, target_ctas >= 0 and "
               "min_tiles_per_split >= 1, got ", num_splits, ", ", max_splits, ", ", target_ctas, ", ",
@@ -57,29 +95,33 @@ std::tuple<Tensor, std::vector<int64_t>> plan_workqueue(const Tensor& seq_lens, 
   const int64_t widest = pkv::workqueue_row_splits(lens, batch, num_kv_heads, policy, row_splits.data());
   const int64_t num_tasks = pkv::workqueue_num_tasks(row_splits.data(), batch, num_kv_heads);
   const int64_t num_pairs = batch * num_kv_heads;
-  Tensor packed = at::empty({block_table.numel() + batch + 5 * num_tasks + num_pairs + 1}, seq_lens.options());
-  int32_t* tasks = pack_step(packed, seq_lens, block_table);
+  Tensor packed = at::empty({page_table_ints(block_table, page_indptr) + batch + 5 * num_tasks + num_pairs + 1},
+                            seq_lens.options());
+  int32_t* tasks = pack_step(packed, seq_lens, block_table, page_indptr);
   int32_t* split_offsets = tasks + 5 * num_tasks;
   pkv::fill_workqueue(lens, row_splits.data(), batch, num_kv_heads, tasks, split_offsets);
-  std::vector<int64_t> layout{pkv::kRouteWorkqueue, batch, block_table.size(1), split_offsets[num_pairs],
-                              num_tasks, widest};
+  std::vector<int64_t> layout = layout_head(pkv::kRouteWorkqueue, batch, block_table, page_indptr);
+  layout[pkv::kLayoutNumSlots] = split_offsets[num_pairs];
+  layout.push_back(num_tasks);
+  layout.push_back(widest);
   return {packed, layout};
 }
 
 std::tuple<Tensor, std::vector<int64_t>> plan_buckets(const Tensor& seq_lens, const Tensor& block_table,
-                                                      int64_t num_kv_heads, int64_t num_splits, bool exact) {
-  check_step(seq_lens, block_table, num_kv_heads);
+                                                      int64_t num_kv_heads, int64_t num_splits, bool exact,
+                                                      const std::optional<Tensor>& page_indptr) {
+  check_step(seq_lens, block_table, page_indptr, num_kv_heads);
   TORCH_CHECK(num_splits >= 1, "pkv: num_splits must be >= 1, got ", num_splits);
   const int64_t batch = seq_lens.size(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   for (int64_t i = 0; i < batch; ++i) {
     TORCH_CHECK(lens[i] >= 1, "pkv: bucket plans need seq_lens >= 1, seq_lens[", i, "] is ", lens[i]);
   }
-  Tensor packed = at::empty({block_table.numel() + 2 * batch}, seq_lens.options());
-  int32_t* rows = pack_step(packed, seq_lens, block_table);
+  Tensor packed = at::empty({page_table_ints(block_table, page_indptr) + 2 * batch}, seq_lens.options());
+  int32_t* rows = pack_step(packed, seq_lens, block_table, page_indptr);
   const auto launches = pkv::plan_bucket_launches(lens, batch, num_splits, exact, rows);
-  std::vector<int64_t> layout{pkv::kRouteBuckets, batch, block_table.size(1), 0,
-                              static_cast<int64_t>(launches.size())};
+  std::vector<int64_t> layout = layout_head(pkv::kRouteBuckets, batch, block_table, page_indptr);
+  layout.push_back(static_cast<int64_t>(launches.size()));
   int64_t slots = 0;
   for (const auto& launch : launches) {
     layout.push_back(launch.num_rows);
@@ -95,10 +137,10 @@ std::tuple<Tensor, std::vector<int64_t>> plan_buckets(const Tensor& seq_lens, co
 TORCH_LIBRARY_FRAGMENT(pkv, m) {
   m.def(
       "plan_workqueue(Tensor seq_lens, Tensor block_table, int num_kv_heads, bool balanced, int num_splits, "
-      "int max_splits, int target_ctas, int min_tiles_per_split) -> (Tensor, int[])");
+      "int max_splits, int target_ctas, int min_tiles_per_split, Tensor? page_indptr=None) -> (Tensor, int[])");
   m.def(
-      "plan_buckets(Tensor seq_lens, Tensor block_table, int num_kv_heads, int num_splits, bool exact) "
-      "-> (Tensor, int[])");
+      "plan_buckets(Tensor seq_lens, Tensor block_table, int num_kv_heads, int num_splits, bool exact, "
+      "Tensor? page_indptr=None) -> (Tensor, int[])");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CPU, m) {

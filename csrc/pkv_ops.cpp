@@ -201,9 +201,11 @@ void bucket_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages
 void workqueue_decode(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table,
                       const Tensor& seq_lens, const Tensor& tasks, const Tensor& split_offsets, double sm_scale,
                       const Tensor& out, const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc,
-                      const std::optional<Tensor>& pair_counters, int64_t stages) {
+                      const std::optional<Tensor>& pair_counters, int64_t stages,
+                      const std::optional<Tensor>& page_indptr) {
   const c10::cuda::CUDAGuard guard(q.device());
-  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages);
+  auto args = make_args(q, k_pages, v_pages, block_table, seq_lens, sm_scale, out, part_m, part_l, part_acc, stages,
+                        page_indptr);
   check_cuda_tensor(tasks, "tasks", at::kInt);
   TORCH_CHECK(tasks.dim() == 2 && tasks.size(1) == 5 && tasks.is_contiguous(),
               "pkv: tasks must be contiguous [T, 5] (row, kvh, split, tile_begin, tile_end), got ", tasks.sizes());
@@ -325,6 +327,7 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
   TORCH_CHECK(layout.size() >= pkv::kLayoutRouteFields + 1, "pkv: plan layout is too short: ", layout);
   const int64_t route = layout[pkv::kLayoutRoute], batch = layout[pkv::kLayoutBatch];
   const int64_t width = layout[pkv::kLayoutTableWidth], slots = layout[pkv::kLayoutNumSlots];
+  const int64_t page_entries = layout[pkv::kLayoutPageEntries];
   TORCH_CHECK(route == pkv::kRouteWorkqueue || route == pkv::kRouteBuckets, "pkv: unknown plan route ", route);
   TORCH_CHECK(route == pkv::kRouteBuckets || layout.size() >= pkv::kLayoutRouteFields + 2,
               "pkv: workqueue plan layout must hold num_tasks and max_splits: ", layout);
@@ -337,10 +340,15 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
   TORCH_CHECK(meta.dim() == 1 && meta.is_contiguous(), "pkv: plan metadata must be a contiguous 1-D tensor");
   const int64_t num_tasks = route == pkv::kRouteWorkqueue ? layout[pkv::kLayoutRouteFields] : 0;
   const int64_t route_ints = route == pkv::kRouteWorkqueue ? 5 * num_tasks + batch * hkv + 1 : batch;
-  TORCH_CHECK(meta.numel() == batch * width + batch + route_ints, "pkv: plan metadata holds ", meta.numel(),
-              " ints, its layout needs ", batch * width + batch + route_ints, " (plan built for another Hkv?)");
+  // A block table (width W >= 1, no entries) or page lists (width 0, N >= 1 entries), never both.
+  const bool lists = width == 0;
+  TORCH_CHECK(lists ? page_entries >= 1 && page_entries <= INT32_MAX : width >= 1 && width <= INT32_MAX &&
+                                                                         page_entries == 0,
+              "pkv: plan layout has block-table width ", width, " and ", page_entries, " page-list entries");
+  const int64_t table_ints = lists ? batch + 1 + page_entries : batch * width;
+  TORCH_CHECK(meta.numel() == table_ints + batch + route_ints, "pkv: plan metadata holds ", meta.numel(),
+              " ints, its layout needs ", table_ints + batch + route_ints, " (plan built for another Hkv?)");
   TORCH_CHECK(slots >= 0, "pkv: plan layout has ", slots, " slots");
-  TORCH_CHECK(width >= 1 && width <= INT32_MAX, "pkv: plan layout has block-table width ", width);
   int32_t* counters = check_plan(layout, hkv, merge_kind, pair_counters);
 
   Tensor out = at::empty_like(q);
@@ -352,10 +360,17 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
   args.part_acc = scratch.data_ptr<float>();
   args.part_m = args.part_acc + states * pkv::kHeadDim;
   args.part_l = args.part_m + states_padded;
-  args.block_table = meta.data_ptr<int32_t>();
-  args.block_table_stride = static_cast<int>(width);
-  args.block_table_width = static_cast<int>(width);
-  args.seq_lens = args.block_table + batch * width;
+  if (lists) {  // [page_indptr B+1][page lists N]: the lookups are clamped to the N entries
+    args.page_indptr = meta.data_ptr<int32_t>();
+    args.block_table = args.page_indptr + batch + 1;
+    args.block_table_stride = 0;
+    args.block_table_width = static_cast<int>(page_entries);
+  } else {
+    args.block_table = meta.data_ptr<int32_t>();
+    args.block_table_stride = static_cast<int>(width);
+    args.block_table_width = static_cast<int>(width);
+  }
+  args.seq_lens = meta.data_ptr<int32_t>() + table_ints;
   const int32_t* route_data = args.seq_lens + batch;
   const char* failed = "run_plan";
   check_launch(pkv::run_step_plan(args, layout.data(), static_cast<int64_t>(layout.size()), route_data,
@@ -473,7 +488,8 @@ TORCH_LIBRARY(pkv, m) {
   m.def(
       "workqueue_decode(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
       "Tensor tasks, Tensor split_offsets, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
-      "Tensor(c!) part_l, Tensor(d!) part_acc, Tensor(e!)? pair_counters, int stages=3) -> ()");
+      "Tensor(c!) part_l, Tensor(d!) part_acc, Tensor(e!)? pair_counters, int stages=3, "
+      "Tensor? page_indptr=None) -> ()");
   m.def(
       "merge_states(Tensor part_m, Tensor part_l, Tensor part_acc, Tensor? row_indices, "
       "Tensor? split_offsets, int num_kv_heads, int num_splits, Tensor(a!) out) -> ()");

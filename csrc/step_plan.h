@@ -4,7 +4,9 @@
 //
 // Every plan is written into one packed int32 buffer, so a step's metadata reaches the device in
 // a single copy:
-//   [block_table B*W][seq_lens B][route data]
+//   [block_table B*W][seq_lens B][route data], or with page lists
+//   [page_indptr B+1][page_indices N][seq_lens B][route data]
+// (page lists hold each row's own pages, where a block table pads every row to the longest).
 // workqueue route data: [tasks T*5][split_offsets B*Hkv+1]
 // bucket route data:    [row_indices B] (rows of launch 0, then launch 1, ...)
 // Framework-free: plain pointers and sizes; the torch binding (host_ops.cpp) owns allocation.
@@ -17,10 +19,18 @@
 namespace pkv {
 
 // The int list that travels with a packed plan (host_ops.cpp writes it, pkv_ops.cpp reads it):
-//   [route, batch, table_width, num_slots, then
+//   [route, batch, table_width, num_slots, page_entries, then
 //    workqueue: num_tasks, max_splits | buckets: num_launches, (num_rows, num_splits) per launch]
+// A block table has table_width W >= 1 and page_entries 0; page lists table_width 0 and N >= 1.
 enum PlanRoute : int64_t { kRouteWorkqueue = 0, kRouteBuckets = 1 };
-enum PlanLayoutField : int { kLayoutRoute = 0, kLayoutBatch, kLayoutTableWidth, kLayoutNumSlots, kLayoutRouteFields };
+enum PlanLayoutField : int {
+  kLayoutRoute = 0,
+  kLayoutBatch,
+  kLayoutTableWidth,
+  kLayoutNumSlots,
+  kLayoutPageEntries,
+  kLayoutRouteFields
+};
 
 // How a step's launches with more than one split merge them; the route policy picks it per step
 // and passes it to run_plan as an int (pkv/ops.py mirrors the codes as MERGE_*). kLaunch: a

@@ -282,15 +282,55 @@ def test_cluster_merge_cuda_graph_replay():
         _check(got, _dense(step, q, k, v), torch.float16)
 
 
-def _packed_plan(ops, step, route, num_kv_heads, splits):
-    """The C++ planner's packed plan, on the device, as run_plan takes it."""
-    lens = torch.from_numpy(np.ascontiguousarray(step.seq_lens, dtype=np.int32))
-    table = torch.from_numpy(np.ascontiguousarray(step.block_table, dtype=np.int32))
+def _packed_plan(ops, step, route, num_kv_heads, splits, page_lists=False):
+    """The C++ planner's packed plan, on the device, as run_plan takes it: over the block table,
+    or over the step's page lists."""
+    def int32(array):
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32))
+
+    lens = int32(step.seq_lens)
+    table, indptr = (int32(step.kv_indices), int32(step.kv_indptr)) if page_lists else (int32(step.block_table), None)
     if route == "workqueue":
-        meta, layout = ops.plan_workqueue(lens, table, num_kv_heads, False, splits, splits, 0, 1)
+        meta, layout = ops.plan_workqueue(lens, table, num_kv_heads, False, splits, splits, 0, 1, indptr)
     else:
-        meta, layout = ops.plan_buckets(lens, table, num_kv_heads, splits, route == "bucket_exact")
+        meta, layout = ops.plan_buckets(lens, table, num_kv_heads, splits, route == "bucket_exact", indptr)
     return meta.cuda(), list(layout)
+
+
+@pytest.mark.parametrize("route", ["workqueue", "bucket_exact", "bucket_masked"])
+def test_run_plan_over_page_lists_is_the_block_tables_step_bit_for_bit(route):
+    """A host-planned step packed with page lists (each row's own pages, what page_lists_pay picks
+    where the block table pads most) gives the block table's output bit for bit under every merge
+    kind, and float64; the engine's per-op path (run_into) over the same plan too."""
+    from pkv import ops as pkv_ops
+    from pkv.engines.persistentkv import page_lists_pay
+    from pkv.ops import MERGE_FUSED, MERGE_LAUNCH
+    from pkv.shape import ModelShape
+
+    ops = pkv_ops.load()
+    shape = ModelShape()
+    rng = np.random.default_rng(5)
+    batches = [[65536] + [100] * 15, [1, 17, 4097, 20000, 33], [65] * 3 + [30000]]
+    batches += [[int(x) for x in rng.choice(EDGE_LENGTHS, size=int(rng.integers(2, 12)))] for _ in range(4)]
+    for trial, lengths in enumerate(batches):
+        step, q, k, v = _case(lengths, shape, torch.float16, seed=1200 + trial)
+        counters = torch.zeros(len(lengths) * shape.num_kv_heads, dtype=torch.int32, device="cuda")
+        for splits in (1, 7, 24):
+            table_plan = _packed_plan(ops, step, route, shape.num_kv_heads, splits)
+            list_plan = _packed_plan(ops, step, route, shape.num_kv_heads, splits, page_lists=True)
+            assert list_plan[0].numel() < table_plan[0].numel() or not page_lists_pay(step)
+            for kind in (MERGE_LAUNCH, MERGE_FUSED):
+                given = counters if kind == MERGE_FUSED and splits > 1 else None
+                by_table = ops.run_plan(q, k, v, *table_plan, shape.sm_scale, 2, kind, given)
+                by_lists = ops.run_plan(q, k, v, *list_plan, shape.sm_scale, 2, kind, given)
+                torch.cuda.synchronize()
+                assert torch.equal(by_lists, by_table), (route, lengths, splits, kind)
+                assert int(counters.abs().sum()) == 0
+        _check(by_lists, _dense(step, q, k, v), torch.float16)
+        engine = _engine(shape, route=route)
+        plan, out, _ = _run_poisoned(engine, step, q, k, v)
+        assert plan.page_lists == page_lists_pay(step)
+        _check(out, _dense(step, q, k, v), torch.float16)
 
 
 @pytest.mark.parametrize("route", ["workqueue", "bucket_exact", "bucket_masked"])

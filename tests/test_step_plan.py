@@ -40,11 +40,26 @@ def tensors(step):
     return torch.from_numpy(step.seq_lens.astype(np.int32)), torch.from_numpy(step.block_table.astype(np.int32))
 
 
-def split_packed(packed, step, route_sizes):
+def planner_inputs(step, page_lists: bool) -> tuple:
+    """(seq_lens, page table) and, with page lists, their page_indptr: the planner ops' arguments."""
+    lens, table = tensors(step)
+    if not page_lists:
+        return lens, table, None
+    return lens, torch.from_numpy(step.kv_indices.astype(np.int32)), torch.from_numpy(step.kv_indptr.astype(np.int32))
+
+
+def split_packed(packed, step, route_sizes, page_lists: bool = False):
+    """[page table parts..., seq_lens, route parts...] of a packed plan, checking the page table."""
     flat = packed.numpy()
-    sizes = [step.block_table.size, step.batch_size, *route_sizes]
+    table = [step.batch_size + 1, step.kv_indices.size] if page_lists else [step.block_table.size]
+    sizes = [*table, step.batch_size, *route_sizes]
     assert flat.size == sum(sizes)
-    return np.split(flat, np.cumsum(sizes)[:-1])
+    parts = np.split(flat, np.cumsum(sizes)[:-1])
+    if page_lists:
+        assert np.array_equal(parts[0], step.kv_indptr) and np.array_equal(parts[1], step.kv_indices)
+    else:
+        assert np.array_equal(parts[0], step.block_table.reshape(-1))
+    return parts[len(table):]
 
 
 def random_batches(seed, count):
@@ -63,38 +78,53 @@ POLICIES = [SplitPolicy(num_splits=1), SplitPolicy(num_splits=3), SplitPolicy(nu
             SplitPolicy(kind="balanced", num_splits=4, max_splits=8, target_ctas=300, min_tiles_per_split=4)]
 
 
+def layout_head(step, page_lists: bool) -> list:
+    """[batch, table_width, ...] as csrc/step_plan.h lays them out: width 0 and N entries for lists."""
+    return [step.batch_size, 0] if page_lists else [step.batch_size, step.block_table.shape[1]]
+
+
+def page_entries(step, page_lists: bool) -> int:
+    return step.kv_indices.size if page_lists else 0
+
+
+@pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.kind}-S{p.num_splits}")
 @pytest.mark.parametrize("num_kv_heads", [1, 8])
-def test_workqueue_equals_numpy_plan(ops, policy, num_kv_heads, make_step):
+def test_workqueue_equals_numpy_plan(ops, policy, num_kv_heads, page_lists, make_step):
     for lengths in random_batches(seed=policy.num_splits * 10 + num_kv_heads, count=12):
         step = make_step(lengths)
         expected = plan_workqueue(step, num_kv_heads, 4, policy)
-        packed, layout = ops.plan_workqueue(*tensors(step), num_kv_heads, policy.kind == "balanced",
+        lens_in, pages, indptr = planner_inputs(step, page_lists)
+        packed, layout = ops.plan_workqueue(lens_in, pages, num_kv_heads, policy.kind == "balanced",
                                             policy.num_splits, policy.max_splits, policy.target_ctas,
-                                            policy.min_tiles_per_split)
-        table, lens, tasks, offsets = split_packed(packed, step, [5 * expected.num_tasks, expected.num_pairs + 1])
-        assert np.array_equal(table, step.block_table.reshape(-1))
+                                            policy.min_tiles_per_split, indptr)
+        lens, tasks, offsets = split_packed(packed, step, [5 * expected.num_tasks, expected.num_pairs + 1],
+                                            page_lists)
         assert np.array_equal(lens, step.seq_lens)
         assert np.array_equal(tasks.reshape(-1, 5), expected.tasks), lengths
         assert np.array_equal(offsets, expected.split_offsets)
-        assert list(layout) == [0, step.batch_size, step.block_table.shape[1], expected.num_slots,
-                                expected.num_tasks, expected.max_splits]
+        assert list(layout) == [0, *layout_head(step, page_lists), expected.num_slots,
+                                page_entries(step, page_lists), expected.num_tasks, expected.max_splits]
 
 
+@pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
 @pytest.mark.parametrize("mode", ["exact", "masked"])
 @pytest.mark.parametrize("num_splits", [1, 7, 32, 1024])
-def test_buckets_equal_numpy_plan(ops, mode, num_splits, make_step):
+def test_buckets_equal_numpy_plan(ops, mode, num_splits, page_lists, make_step):
     for lengths in random_batches(seed=num_splits + (mode == "exact"), count=12):
         if mode == "exact" and len(lengths) > 2:
             lengths[1] = lengths[0]  # at least one bucket of several rows
         step = make_step(lengths)
         expected = plan_buckets(step, 8, 4, num_splits, mode=mode)
-        packed, layout = ops.plan_buckets(*tensors(step), 8, num_splits, mode == "exact")
-        _, _, rows = split_packed(packed, step, [step.batch_size])
+        lens_in, pages, indptr = planner_inputs(step, page_lists)
+        packed, layout = ops.plan_buckets(lens_in, pages, 8, num_splits, mode == "exact", indptr)
+        lens, rows = split_packed(packed, step, [step.batch_size], page_lists)
+        assert np.array_equal(lens, step.seq_lens)
         assert np.array_equal(rows, np.concatenate([launch.row_indices for launch in expected.launches]))
         slots = sum(launch.num_slots(8) for launch in expected.launches)
         shapes = [x for launch in expected.launches for x in (launch.num_rows, launch.num_splits)]
-        assert list(layout) == [1, step.batch_size, step.block_table.shape[1], slots, len(expected.launches), *shapes]
+        assert list(layout) == [1, *layout_head(step, page_lists), slots, page_entries(step, page_lists),
+                                len(expected.launches), *shapes]
 
 
 def test_bad_inputs_name_the_field(ops, make_step):
@@ -110,24 +140,43 @@ def test_bad_inputs_name_the_field(ops, make_step):
         ops.plan_buckets(lens, table, 8, 0, True)
     with pytest.raises(RuntimeError, match=r"seq_lens >= 1, seq_lens\[0\] is 0"):
         ops.plan_buckets(torch.tensor([0, 7], dtype=torch.int32), table, 8, 4, True)
+    # Page lists: indptr of B + 1 entries from 0 to the lists' length, never falling.
+    _, pages, indptr = planner_inputs(step, True)
+    with pytest.raises(RuntimeError, match=r"page_indptr must be a contiguous int32 CPU tensor \[B \+ 1 = 3\]"):
+        ops.plan_buckets(lens, pages, 8, 4, True, indptr[:2])
+    with pytest.raises(RuntimeError, match=r"page_indptr must run from 0 to the 4 entries of the page lists, got 0..3"):
+        ops.plan_buckets(lens, pages, 8, 4, True, torch.tensor([0, 3, 3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"page_indptr must not fall, row 1 runs from 5 to 4"):
+        ops.plan_workqueue(lens, pages, 8, False, 4, 64, 0, 1, torch.tensor([0, 5, 4], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"the page table must be the contiguous int32 CPU page lists"):
+        ops.plan_workqueue(lens, table, 8, False, 4, 64, 0, 1, indptr)
 
 
 @pytest.mark.parametrize("route", ["workqueue", "bucket_exact", "bucket_masked"])
 def test_engine_plans_read_back_as_the_numpy_plan(ops, route, make_step):
     """The CUDA engine's packed plan (planned on the CPU here) holds the numpy plan: both planners
     give the same buffer and layout, and its views and schedule read back exactly."""
-    from pkv.engines.persistentkv import PersistentKVEngine
+    from pkv.engines.persistentkv import PersistentKVEngine, page_lists_pay
     from pkv.shape import ModelShape
 
     shape = ModelShape()
     policy = SplitPolicy(num_splits=7)
     engines = {planner: PersistentKVEngine(shape, policy=pinned(route, policy, 7), device="cpu", planner=planner)
                for planner in ("native", "numpy")}
-    for lengths in random_batches(seed=11, count=8):
+    forms = set()
+    for lengths in [*random_batches(seed=11, count=8), [65536] + [100] * 15]:
         step = make_step(lengths)
         native, spec = engines["native"].plan(step), engines["numpy"].plan(step)
         assert native.layout == spec.layout and torch.equal(native.meta, spec.meta)
-        assert torch.equal(native.block_table, torch.from_numpy(step.block_table))
+        # The page table travels as page lists where they hold at most half the table's entries.
+        assert native.page_lists == page_lists_pay(step)
+        forms.add(native.page_lists)
+        if native.page_lists:
+            assert torch.equal(native.block_table, torch.from_numpy(step.kv_indices.astype(np.int32)))
+            assert torch.equal(native.page_indptr, torch.from_numpy(step.kv_indptr.astype(np.int32)))
+        else:
+            assert torch.equal(native.block_table, torch.from_numpy(step.block_table))
+            assert native.page_indptr is None
         assert torch.equal(native.seq_lens, torch.from_numpy(step.seq_lens))
         if route == "workqueue":
             expected = plan_workqueue(step, 8, 4, policy)
@@ -143,6 +192,10 @@ def test_engine_plans_read_back_as_the_numpy_plan(ops, route, make_step):
             assert [r.tolist() for r in native.bucket_rows] == [x.row_indices.tolist() for x in expected.launches]
             assert native.widest_split == max(x.num_splits for x in expected.launches)
             assert native.num_slots == sum(x.num_slots(8) for x in expected.launches)
+    assert forms == {False, True}
+    # A graphed engine replays one layout, so it keeps the block table.
+    graphed = PersistentKVEngine(shape, policy=pinned(route, policy, 7), device="cpu", cuda_graph=True)
+    assert not graphed.plan(step).page_lists
 
 
 @pytest.mark.parametrize("planner", ["native", "numpy"])

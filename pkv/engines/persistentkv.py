@@ -60,9 +60,34 @@ def _int32(array) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
-def _step_tensors(step) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's seq_lens and block table as the int32 host tensors the C++ planner reads."""
-    return torch.from_numpy(_int32(step.seq_lens)), torch.from_numpy(_int32(step.block_table))
+def page_lists_pay(step) -> bool:
+    """Whether a host-planned step uploads its page table as page lists (each row's own pages and
+    an indptr) instead of the block table (every row padded to the longest): where the lists hold
+    at most half the table's entries. One long row among short ones pads the table most (1 x 128K
+    + 63 x 100 tokens: 524,288 entries against 8,633); the page-list lookup costs the decode one
+    more dependent read a CTA, 0.1-0.4% of device time on the H200 (docs/performance.md, "Page
+    lists, and a step with no plan launch")."""
+    return 2 * (len(step.kv_indices) + step.batch_size + 1) <= step.block_table.size
+
+
+def _step_tensors(step, page_lists: bool) -> tuple:
+    """The C++ planner's inputs: the step's seq_lens and its page table as int32 host tensors, the
+    block table, or the page lists and their indptr (the planner's page_indptr argument)."""
+    lens = torch.from_numpy(_int32(step.seq_lens))
+    if page_lists:
+        return lens, torch.from_numpy(_int32(step.kv_indices)), torch.from_numpy(_int32(step.kv_indptr))
+    return lens, torch.from_numpy(_int32(step.block_table)), None
+
+
+def _page_table_arrays(step, page_lists: bool) -> list:
+    """The page table's arrays in packed order (csrc/step_plan.h): [indptr, lists] or [table]."""
+    return [step.kv_indptr, step.kv_indices] if page_lists else [step.block_table]
+
+
+def _layout_head(route: str, step, page_lists: bool, num_slots: int) -> list:
+    """[route, batch, table_width, num_slots, page_entries] (csrc/step_plan.h)."""
+    width, entries = (0, len(step.kv_indices)) if page_lists else (step.block_table.shape[1], 0)
+    return [_ROUTE_CODES[route], step.batch_size, width, num_slots, entries]
 
 
 def _pack(arrays: list) -> torch.Tensor:
@@ -72,15 +97,16 @@ def _pack(arrays: list) -> torch.Tensor:
 
 # Packed plan layout (csrc/step_plan.h): route code, then fields of the int list.
 _ROUTE_CODES = {ROUTE_WORKQUEUE: 0, ROUTE_BUCKET: 1}
-_ROUTE_FIELDS = 4  # [route, batch, table_width, num_slots] come first
+_ROUTE_FIELDS = 5  # [route, batch, table_width, num_slots, page_entries] come first
 
 
 @dataclasses.dataclass
 class DevicePlan:
     """A step's plan, packed into one int32 buffer and uploaded in one copy.
 
-    ``meta`` (device) holds [block_table B*W][seq_lens B] then the route's data: the workqueue's
-    tasks [T, 5] and split_offsets [B*Hkv + 1], or the bucket launches' row indices [B].
+    ``meta`` (device) holds the page table, [block_table B*W] or [page_indptr B+1][page lists N]
+    (``page_lists_pay``), then [seq_lens B], then the route's data: the workqueue's tasks [T, 5]
+    and split_offsets [B*Hkv + 1], or the bucket launches' row indices [B].
     ``layout`` is the int list of csrc/step_plan.h that ``torch.ops.pkv.run_plan`` reads.
     Views of ``meta`` and the numpy schedule (for counters and the reference engine) are built
     on first use, off the per-step path.
@@ -121,50 +147,73 @@ class DevicePlan:
         pairs = self.layout[_ROUTE_FIELDS + 1:]
         return list(pairs[0::2]), list(pairs[1::2])
 
+    @property
+    def page_lists(self) -> bool:
+        """Whether the page table is page lists (table width 0) rather than a block table."""
+        return int(self.layout[2]) == 0
+
     def _parts(self, meta: torch.Tensor) -> list:
-        batch, width = self.batch_size, int(self.layout[2])
+        """[page table..., seq_lens, route data...]: the page table is one part (the block table)
+        or two (page_indptr, then the page lists)."""
+        batch = self.batch_size
+        table = [batch + 1, int(self.layout[4])] if self.page_lists else [batch * int(self.layout[2])]
         if self.route == ROUTE_WORKQUEUE:
-            sizes = [batch * width, batch, 5 * int(self.layout[_ROUTE_FIELDS]), batch * self.num_kv_heads + 1]
+            route = [5 * int(self.layout[_ROUTE_FIELDS]), batch * self.num_kv_heads + 1]
         else:
-            sizes = [batch * width, batch, *self.launch_shapes()[0]]
-        return list(torch.split(meta, sizes))
+            route = list(self.launch_shapes()[0])
+        return list(torch.split(meta, [*table, batch, *route]))
 
     @functools.cached_property
     def views(self) -> list:
         return self._parts(self.meta)
 
     @property
+    def _route_start(self) -> int:
+        """Index of the route's first part in views: after the page table's parts and seq_lens."""
+        return 3 if self.page_lists else 2
+
+    @property
     def block_table(self) -> torch.Tensor:
+        """The block table [B, W], or with page lists the concatenated lists [N] (the kernels'
+        page-table argument either way)."""
+        if self.page_lists:
+            return self.views[1]
         return self.views[0].view(self.batch_size, int(self.layout[2]))
 
     @property
+    def page_indptr(self) -> torch.Tensor | None:
+        """The page lists' indptr [B + 1], or None for a block table."""
+        return self.views[0] if self.page_lists else None
+
+    @property
     def seq_lens(self) -> torch.Tensor:
-        return self.views[1]
+        return self.views[self._route_start - 1]
 
     @property
     def tasks(self) -> torch.Tensor | None:
-        return self.views[2].view(-1, 5) if self.route == ROUTE_WORKQUEUE else None
+        return self.views[self._route_start].view(-1, 5) if self.route == ROUTE_WORKQUEUE else None
 
     @property
     def split_offsets(self) -> torch.Tensor | None:
-        return self.views[3] if self.route == ROUTE_WORKQUEUE else None
+        return self.views[self._route_start + 1] if self.route == ROUTE_WORKQUEUE else None
 
     @property
     def bucket_rows(self) -> list:
-        return self.views[2:] if self.route == ROUTE_BUCKET else []
+        return self.views[self._route_start:] if self.route == ROUTE_BUCKET else []
 
     @property
     def schedule(self):
         """The numpy plan (WorkqueuePlan or BucketPlan) this packed plan holds."""
         if self._schedule is None:
             host = [part.numpy() for part in self._parts(self.host_meta)]
+            start = self._route_start
             if self.route == ROUTE_WORKQUEUE:
-                self._schedule = WorkqueuePlan(host[2].reshape(-1, 5), host[3], self.num_kv_heads, self.group_size,
-                                               self.widest_split)
+                self._schedule = WorkqueuePlan(host[start].reshape(-1, 5), host[start + 1], self.num_kv_heads,
+                                               self.group_size, self.widest_split)
             else:
-                lens = host[1]
+                lens = host[start - 1]
                 launches = tuple(BucketLaunch(rows, splits, int(lens[rows].max()))
-                                 for rows, splits in zip(host[2:], self.launch_shapes()[1]))
+                                 for rows, splits in zip(host[start:], self.launch_shapes()[1]))
                 self._schedule = BucketPlan(launches, self.num_kv_heads, self.group_size, self.bucket_mode)
         return self._schedule
 
@@ -198,13 +247,16 @@ class PersistentKVEngine(Engine):
     def plan_route(self, step, route: StepRoute) -> DevicePlan:
         """Plan the step on a PersistentKV route the policy chose."""
         hkv, g = self.shape.num_kv_heads, self.shape.group_size
+        # A graph replays one layout, so the graphed engine keeps block tables; so does the cluster
+        # merge, whose kernel has been tested over block tables only.
+        lists = not self.cuda_graph and route.merge != MERGE_CLUSTER and page_lists_pay(step)
         if route.name == ROUTE_WORKQUEUE:
             policy = route.split_policy
-            host_meta, layout, schedule = self._pack_workqueue(step, policy)
+            host_meta, layout, schedule = self._pack_workqueue(step, policy, lists)
             splits = int(policy.num_splits) if policy.kind == "fixed" else int(layout[_ROUTE_FIELDS + 1])
         elif route.name == ROUTE_BUCKET:
             splits = route.num_splits
-            host_meta, layout, schedule = self._pack_buckets(step, splits, route.bucket_mode)
+            host_meta, layout, schedule = self._pack_buckets(step, splits, route.bucket_mode, lists)
         else:
             raise ValueError(f"persistentkv cannot run route {route.name!r}")
         # A pageable source is staged by cudaMemcpyAsync before it returns, so this upload
@@ -218,30 +270,31 @@ class PersistentKVEngine(Engine):
                              f"the plan has {plan.widest_split}")
         return plan
 
-    def _pack_workqueue(self, step, policy: SplitPolicy):
+    def _pack_workqueue(self, step, policy: SplitPolicy, lists: bool):
         hkv = self.shape.num_kv_heads
         if self.planner == "native":
-            meta, layout = self.ops.plan_workqueue(
-                *_step_tensors(step), hkv, policy.kind == "balanced", policy.num_splits, policy.max_splits, policy.target_ctas,
-                policy.min_tiles_per_split)
+            lens, pages, indptr = _step_tensors(step, lists)
+            meta, layout = self.ops.plan_workqueue(lens, pages, hkv, policy.kind == "balanced", policy.num_splits,
+                                                   policy.max_splits, policy.target_ctas, policy.min_tiles_per_split,
+                                                   indptr)
             return meta, list(layout), None
         host = plan_workqueue(step, hkv, self.shape.group_size, policy)
-        layout = [_ROUTE_CODES["persistentkv_workqueue"], step.batch_size, step.block_table.shape[1],
-                  host.num_slots, host.num_tasks, host.max_splits]
-        return _pack([step.block_table, step.seq_lens, host.tasks, host.split_offsets]), layout, host
+        layout = _layout_head(ROUTE_WORKQUEUE, step, lists, host.num_slots) + [host.num_tasks, host.max_splits]
+        return _pack([*_page_table_arrays(step, lists), step.seq_lens, host.tasks, host.split_offsets]), layout, host
 
-    def _pack_buckets(self, step, num_splits: int, mode: str):
+    def _pack_buckets(self, step, num_splits: int, mode: str, lists: bool):
         hkv = self.shape.num_kv_heads
         if self.planner == "native":
-            meta, layout = self.ops.plan_buckets(*_step_tensors(step), hkv, num_splits, mode == "exact")
+            lens, pages, indptr = _step_tensors(step, lists)
+            meta, layout = self.ops.plan_buckets(lens, pages, hkv, num_splits, mode == "exact", indptr)
             return meta, list(layout), None
         host = plan_buckets(step, hkv, self.shape.group_size, num_splits, mode=mode)
-        layout = [_ROUTE_CODES["persistentkv_bucket"], step.batch_size, step.block_table.shape[1],
-                  sum(launch.num_slots(hkv) for launch in host.launches), len(host.launches)]
+        layout = _layout_head(ROUTE_BUCKET, step, lists, sum(launch.num_slots(hkv) for launch in host.launches))
+        layout.append(len(host.launches))
         for launch in host.launches:
             layout += [launch.num_rows, int(launch.num_splits)]
         rows = [launch.row_indices for launch in host.launches]
-        return _pack([step.block_table, step.seq_lens, *rows]), layout, host
+        return _pack([*_page_table_arrays(step, lists), step.seq_lens, *rows]), layout, host
 
     # ---- execution (device) ----------------------------------------------------------------
     def _check(self, q, k_pages, v_pages, plan: DevicePlan) -> None:
@@ -320,7 +373,8 @@ class PersistentKVEngine(Engine):
             fused = plan.merge == MERGE_FUSED and plan.widest_split > 1
             counters = self._pair_counters(plan.batch_size * hkv) if fused else None
             ops.workqueue_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, plan.tasks,
-                                 plan.split_offsets, scale, out, part_m, part_l, part_acc, counters, self.stages)
+                                 plan.split_offsets, scale, out, part_m, part_l, part_acc, counters, self.stages,
+                                 plan.page_indptr)
             if plan.widest_split > 1 and not fused:
                 ops.merge_states(part_m, part_l, part_acc, None, plan.split_offsets, hkv, 0, out)
             return
@@ -332,7 +386,7 @@ class PersistentKVEngine(Engine):
             cluster = plan.merge == MERGE_CLUSTER
             counters = self._pair_counters(rows.numel() * hkv) if fused else None
             ops.bucket_decode(q, k_pages, v_pages, plan.block_table, plan.seq_lens, rows, s, scale, out, m, l, acc,
-                              counters, self.stages, cluster)
+                              counters, self.stages, cluster, plan.page_indptr)
             if s > 1 and not fused and not cluster:
                 ops.merge_states(m, l, acc, rows, None, hkv, s, out)
             offset += slots

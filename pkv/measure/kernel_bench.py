@@ -198,7 +198,7 @@ def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
 
     def decode_only():
         ops.bucket_decode(q, k, v, plan.block_table, plan.seq_lens, rows, splits, scale, out, part_m, part_l,
-                          part_acc, None, engine.stages)
+                          part_acc, None, engine.stages, False, plan.page_indptr)
 
     def decode_and_merge():
         decode_only()
