@@ -64,7 +64,7 @@ def page_lists_pay(step) -> bool:
     """Whether a host-planned step uploads its page table as page lists (each row's own pages and
     an indptr) instead of the block table (every row padded to the longest): where the lists hold
     at most half the table's entries. One long row among short ones pads the table most (1 x 128K
-    + 63 x 100 tokens: 524,288 entries against 8,633); the page-list lookup costs the decode one
+    + 63 x 100 tokens: 524,288 ints against 8,698); the page-list lookup costs the decode one
     more dependent read a CTA, 0.1-0.4% of device time on the H200 (docs/performance.md, "Page
     lists, and a step with no plan launch")."""
     return 2 * (len(step.kv_indices) + step.batch_size + 1) <= step.block_table.size
