@@ -29,7 +29,9 @@ struct DecodeArgs {
   int group_size;
   int page_shift;  // page size is 1 << page_shift tokens
   int block_table_stride;  // unused with page lists
-  int block_table_width;   // block table entries per row that may be read (lookups are clamped to it)
+  // Block table: entries per row that may be read (lookups are clamped to it). Page lists: the
+  // lists' entries, recorded only; a row reads its own indptr range, which the caller vouches for.
+  int block_table_width;
   int64_t q_stride_row, q_stride_head;
   int64_t out_stride_row, out_stride_head;
   // Element strides of k_pages and v_pages (the same for both), viewed as [num_pages, Hkv, P, d]

@@ -360,7 +360,7 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
   args.part_acc = scratch.data_ptr<float>();
   args.part_m = args.part_acc + states * pkv::kHeadDim;
   args.part_l = args.part_m + states_padded;
-  if (lists) {  // [page_indptr B+1][page lists N]: the lookups are clamped to the N entries
+  if (lists) {  // [page_indptr B+1][page lists N], the indptr checked by the planner that packed it
     args.page_indptr = meta.data_ptr<int32_t>();
     args.block_table = args.page_indptr + batch + 1;
     args.block_table_stride = 0;

@@ -457,6 +457,18 @@ def test_bad_inputs_name_the_field():
         engine.run(q, strided(k), strided(v), plan)
     with pytest.raises(ValueError, match="2 rows"):
         engine.run(q, k, v, engine.plan(_case([100, 200, 300], shape, torch.float16, seed=1)[0]))
+    # A layout that names both page-table forms, or neither, or metadata of another size.
+    from pkv.ops import MERGE_LAUNCH
+
+    meta, layout = _packed_plan(engine.ops, step, "workqueue", shape.num_kv_heads, 4, page_lists=True)
+    run = functools.partial(engine.ops.run_plan, q, k, v)
+    for bad, width, entries in ((layout, 1, layout[4]), (layout, 0, 0)):
+        changed = list(bad)
+        changed[2], changed[4] = width, entries
+        with pytest.raises(RuntimeError, match=rf"block-table width {width} and {entries} page-list entries"):
+            run(meta, changed, shape.sm_scale, 2, MERGE_LAUNCH, None)
+    with pytest.raises(RuntimeError, match="plan metadata holds"):
+        run(meta[:-1], layout, shape.sm_scale, 2, MERGE_LAUNCH, None)
 
 
 def test_warm_up_runs_each_kernel_set_once():
