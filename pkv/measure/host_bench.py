@@ -48,6 +48,9 @@ CASES: dict[str, list[int]] = {
     # FlashInfer, and the adaptive engine's plan() against FlashInfer's is the cost of its route
     # check. Each record names the route its engine took.
     "b8_short": [512, 1 * K, 1536, 2 * K, 2560, 3 * K, 3584, 4 * K],
+    # One long prompt among short rows: a block table padded to the long row is 64 x 8192 entries,
+    # the page lists the plan carries instead 8,698 ints (pkv.engines.persistentkv.page_lists_pay).
+    "skewed_b64": [128 * K] + [100] * 63,
 }
 PLANNERS = ("native", "numpy")
 COLUMNS = ("plan_us", "issue_us", "wait_us", "wall_us")
