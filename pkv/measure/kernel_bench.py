@@ -5,7 +5,8 @@ script times FlashInfer's decode paths (fa2 CUDA-core, fa2 tensor-core, holistic
 and the fa3 backend, reported but never the baseline), TensorRT-LLM's XQA as FlashInfer ships it,
 vLLM's PagedAttention and Triton decode where they are built, a sweep of PersistentKV split
 points planned on the host, and a sweep of the decode step planned on the GPU (both planners and
-both merges of pkv.engines.device_step, the plan launch included in its time), all with the L2 flushed before
+both merges of pkv.engines.device_step at the host-planned best's ring depth, the plan launch
+included in its time), all with the L2 flushed before
 each timed call and CUDA events around the call alone, each checked against float64. A baseline
 that cannot run here is recorded with the reason. It reports each time as a ratio to
 FlashInfer's fastest path and to XQA, the device-planned step's as a ratio to the host-planned
@@ -124,11 +125,13 @@ def device_step_configs(batch: int, num_sms: int, ring_stages=RING_STAGES):
                 yield f"plan_kernel+{merge}:balanced:{waves}w:st{stages}", config, stages
 
 
-def device_step_runs(step, q, k, v, shape, num_sms: int):
-    """(label, run) of each device-planned configuration: run plans on the GPU and decodes."""
+def device_step_runs(step, q, k, v, shape, num_sms: int, stages: int):
+    """(label, run) of each device-planned configuration at one ring depth (the host-planned
+    best's: both paths run the same decode kernels, and a third of the sweep keeps the benchmark
+    inside one device run): run plans on the GPU and decodes."""
     table = torch.from_numpy(step.block_table).to(q.device)
     lens = torch.from_numpy(step.seq_lens).to(q.device)
-    for label, config, stages in device_step_configs(step.batch_size, num_sms, ring_stages_for(q.device)):
+    for label, config, stages in device_step_configs(step.batch_size, num_sms, (stages,)):
         workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, device=q.device, stages=stages,
                                      **config._asdict())
         out = torch.empty_like(q)
@@ -231,8 +234,11 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layo
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     clusters = torch.cuda.get_device_capability(0)[0] >= 9
 
+    host_configs = {label: (route, stages) for label, route, stages in
+                    persistentkv_configs(len(seq_lens), num_sms, clusters, ring_stages_for(device))}
+
     def host_planned_runs():
-        for label, route, stages in persistentkv_configs(len(seq_lens), num_sms, clusters, ring_stages_for(device)):
+        for label, (route, stages) in host_configs.items():
             engine = _engine(shape, route, stages)
             yield label, (lambda engine=engine, plan=engine.plan(step): engine.run(q, pk, pv, plan))
 
@@ -240,16 +246,14 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layo
     out = best_run()
     torch.cuda.synchronize()
     rows["persistentkv"] = dict(median_us=sweep[best_label], config=best_label, **errors(out))
-    device_sweep, device_label, device_run = checked_sweep(name, device_step_runs(step, q, pk, pv, shape, num_sms),
-                                                           errors, q.dtype, reps, flusher)
+    device_runs = device_step_runs(step, q, pk, pv, shape, num_sms, host_configs[best_label][1])
+    device_sweep, device_label, device_run = checked_sweep(name, device_runs, errors, q.dtype, reps, flusher)
     rows["persistentkv_device_planned"] = dict(median_us=device_sweep[device_label], config=device_label,
                                                **errors(device_run()))
     breakdown = None
     if len(seq_lens) == 1:
         unfused = min((label for label in sweep if label.startswith("bucket:")), key=sweep.get)
-        route, stages = {label: (r, st) for label, r, st in persistentkv_configs(1, num_sms, False,
-                                                                                   ring_stages_for(device))}[unfused]
-        engine = _engine(shape, route, stages)
+        engine = _engine(shape, *host_configs[unfused])
         breakdown = dict(config=unfused, **b1_breakdown(engine, engine.plan(step), q, pk, pv, flusher, reps))
     fi_label = min((label for label in BEST_OF_ROLES if "median_us" in rows[label]),
                    key=lambda label: rows[label]["median_us"], default=None)
