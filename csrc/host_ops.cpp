@@ -71,6 +71,13 @@ int32_t* pack_step(Tensor& packed, const Tensor& seq_lens, const Tensor& pages,
   return std::copy_n(seq_lens.data_ptr<int32_t>(), seq_lens.numel(), cursor);
 }
 
+// The packed plan's buffer. Pinned (CUDA builds of torch only), its upload is a true async copy,
+// and torch's host allocator keeps the block until that copy has run; pageable, the copy stages it
+// before returning.
+Tensor packed_buffer(int64_t ints, bool pinned) {
+  return at::empty({ints}, at::TensorOptions().dtype(at::kInt).pinned_memory(pinned));
+}
+
 // The layout's first fields (step_plan.h): the page table's form and size, then the route's.
 std::vector<int64_t> layout_head(int64_t route, int64_t batch, const Tensor& pages,
                                  const std::optional<Tensor>& page_indptr) {
@@ -82,7 +89,7 @@ std::tuple<Tensor, std::vector<int64_t>> plan_workqueue(const Tensor& seq_lens, 
                                                         int64_t num_kv_heads, bool balanced, int64_t num_splits,
                                                         int64_t max_splits, int64_t target_ctas,
                                                         int64_t min_tiles_per_split,
-                                                        const std::optional<Tensor>& page_indptr) {
+                                                        const std::optional<Tensor>& page_indptr, bool pinned) {
   check_step(seq_lens, block_table, page_indptr, num_kv_heads);
   TORCH_CHECK(num_splits >= 1 && max_splits >= 1 && target_ctas >= 0 && min_tiles_per_split >= 1,
               "pkv: split policy needs num_splits >= 1, max_splits >= 1, target_ctas >= 0 and "
@@ -95,8 +102,8 @@ std::tuple<Tensor, std::vector<int64_t>> plan_workqueue(const Tensor& seq_lens, 
   const int64_t widest = pkv::workqueue_row_splits(lens, batch, num_kv_heads, policy, row_splits.data());
   const int64_t num_tasks = pkv::workqueue_num_tasks(row_splits.data(), batch, num_kv_heads);
   const int64_t num_pairs = batch * num_kv_heads;
-  Tensor packed = at::empty({page_table_ints(block_table, page_indptr) + batch + 5 * num_tasks + num_pairs + 1},
-                            seq_lens.options());
+  Tensor packed =
+      packed_buffer(page_table_ints(block_table, page_indptr) + batch + 5 * num_tasks + num_pairs + 1, pinned);
   int32_t* tasks = pack_step(packed, seq_lens, block_table, page_indptr);
   int32_t* split_offsets = tasks + 5 * num_tasks;
   pkv::fill_workqueue(lens, row_splits.data(), batch, num_kv_heads, tasks, split_offsets);
@@ -109,7 +116,7 @@ std::tuple<Tensor, std::vector<int64_t>> plan_workqueue(const Tensor& seq_lens, 
 
 std::tuple<Tensor, std::vector<int64_t>> plan_buckets(const Tensor& seq_lens, const Tensor& block_table,
                                                       int64_t num_kv_heads, int64_t num_splits, bool exact,
-                                                      const std::optional<Tensor>& page_indptr) {
+                                                      const std::optional<Tensor>& page_indptr, bool pinned) {
   check_step(seq_lens, block_table, page_indptr, num_kv_heads);
   TORCH_CHECK(num_splits >= 1, "pkv: num_splits must be >= 1, got ", num_splits);
   const int64_t batch = seq_lens.size(0);
@@ -117,7 +124,7 @@ std::tuple<Tensor, std::vector<int64_t>> plan_buckets(const Tensor& seq_lens, co
   for (int64_t i = 0; i < batch; ++i) {
     TORCH_CHECK(lens[i] >= 1, "pkv: bucket plans need seq_lens >= 1, seq_lens[", i, "] is ", lens[i]);
   }
-  Tensor packed = at::empty({page_table_ints(block_table, page_indptr) + 2 * batch}, seq_lens.options());
+  Tensor packed = packed_buffer(page_table_ints(block_table, page_indptr) + 2 * batch, pinned);
   int32_t* rows = pack_step(packed, seq_lens, block_table, page_indptr);
   const auto launches = pkv::plan_bucket_launches(lens, batch, num_splits, exact, rows);
   std::vector<int64_t> layout = layout_head(pkv::kRouteBuckets, batch, block_table, page_indptr);
@@ -137,10 +144,11 @@ std::tuple<Tensor, std::vector<int64_t>> plan_buckets(const Tensor& seq_lens, co
 TORCH_LIBRARY_FRAGMENT(pkv, m) {
   m.def(
       "plan_workqueue(Tensor seq_lens, Tensor block_table, int num_kv_heads, bool balanced, int num_splits, "
-      "int max_splits, int target_ctas, int min_tiles_per_split, Tensor? page_indptr=None) -> (Tensor, int[])");
+      "int max_splits, int target_ctas, int min_tiles_per_split, Tensor? page_indptr=None, bool pinned=False) "
+      "-> (Tensor, int[])");
   m.def(
       "plan_buckets(Tensor seq_lens, Tensor block_table, int num_kv_heads, int num_splits, bool exact, "
-      "Tensor? page_indptr=None) -> (Tensor, int[])");
+      "Tensor? page_indptr=None, bool pinned=False) -> (Tensor, int[])");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CPU, m) {

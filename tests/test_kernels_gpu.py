@@ -205,6 +205,7 @@ def test_run_plan_matches_per_op_launches(route, group, fused):
         native_plan, spec_plan = native.plan(step), spec.plan(step)
         assert native_plan.layout == spec_plan.layout
         assert torch.equal(native_plan.meta, spec_plan.meta)
+        assert native_plan.host_meta.is_pinned(), "the native plan is packed into pinned memory (async upload)"
         _, expected, _ = _run_poisoned(spec, step, q, k, v)
         out = native.run(q, k, v, native_plan)
         torch.cuda.synchronize()

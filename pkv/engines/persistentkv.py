@@ -229,6 +229,8 @@ class PersistentKVEngine(Engine):
         self.device = torch.device(device)
         # On the CPU the engine plans (tests read its packed plans back) but cannot run.
         self.ops = ops.load() if self.device.type == "cuda" else ops.load_planner()
+        # Plans bound for a GPU are packed into pinned memory (an async upload); a CPU-only torch has none.
+        self._pinned_plans = self.device.type == "cuda"
         self.shape = shape
         self.policy = policy if policy is not None else PinnedRoutePolicy(pinned_route("workqueue", None))
         self.cuda_graph = bool(cuda_graph)
@@ -259,8 +261,10 @@ class PersistentKVEngine(Engine):
             host_meta, layout, schedule = self._pack_buckets(step, splits, route.bucket_mode, lists)
         else:
             raise ValueError(f"persistentkv cannot run route {route.name!r}")
-        # A pageable source is staged by cudaMemcpyAsync before it returns, so this upload
-        # neither waits for the GPU nor races the release of the host buffer.
+        # The native planner packs into pinned memory on a GPU: the upload is a true async copy,
+        # and torch's host allocator keeps the block until it has run. A pageable source (the
+        # numpy planner's) is staged by cudaMemcpyAsync before it returns. Neither waits for the
+        # GPU nor races the release of the host buffer.
         plan = DevicePlan(route=route.name, step=step, num_splits=splits,
                           meta=host_meta.to(self.device, non_blocking=True), layout=layout, host_meta=host_meta,
                           num_kv_heads=hkv, group_size=g, bucket_mode=route.bucket_mode, merge=route.merge,
@@ -276,7 +280,7 @@ class PersistentKVEngine(Engine):
             lens, pages, indptr = _step_tensors(step, lists)
             meta, layout = self.ops.plan_workqueue(lens, pages, hkv, policy.kind == "balanced", policy.num_splits,
                                                    policy.max_splits, policy.target_ctas, policy.min_tiles_per_split,
-                                                   indptr)
+                                                   indptr, self._pinned_plans)
             return meta, list(layout), None
         host = plan_workqueue(step, hkv, self.shape.group_size, policy)
         layout = _layout_head(ROUTE_WORKQUEUE, step, lists, host.num_slots) + [host.num_tasks, host.max_splits]
@@ -286,7 +290,8 @@ class PersistentKVEngine(Engine):
         hkv = self.shape.num_kv_heads
         if self.planner == "native":
             lens, pages, indptr = _step_tensors(step, lists)
-            meta, layout = self.ops.plan_buckets(lens, pages, hkv, num_splits, mode == "exact", indptr)
+            meta, layout = self.ops.plan_buckets(lens, pages, hkv, num_splits, mode == "exact", indptr,
+                                                 self._pinned_plans)
             return meta, list(layout), None
         host = plan_buckets(step, hkv, self.shape.group_size, num_splits, mode=mode)
         layout = _layout_head(ROUTE_BUCKET, step, lists, sum(launch.num_slots(hkv) for launch in host.launches))
