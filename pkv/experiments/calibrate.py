@@ -183,31 +183,37 @@ class _SplitSweep:
                  "steps": len(timed_trace.steps), "timed_by_splits": timed_by_splits, "timed_fi": timed_fi}
         (self._uniform if fits_cap else self._swept).append(swept)
 
+    def _fit_splits(self, traces: list[dict], field: str, problem: str) -> tuple[dict, object]:
+        """(summed device us by shared split count, fit_split_count's fit) of traces decided
+        together, each trace's sweep recorded under its name as fitting ``field``."""
+        shared = set.intersection(*(set(t["timed_by_splits"]) for t in traces))
+        if not shared:
+            raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' = "
+                              f"{[t['name'] for t in traces]}: {problem}")
+        summed = {s: sum(t["timed_by_splits"][s].total_us for t in traces) for s in sorted(shared)}
+        split_fit = fit_split_count(summed)
+        for t in traces:
+            self.records[t["name"]] = {
+                "route": t["route"], "fits": field, "steps": t["steps"],
+                "selected_splits": split_fit.num_splits, "selected_at_edge": split_fit.at_edge,
+                "fastest_splits": split_fit.fastest, "tied_splits": list(split_fit.tied),
+                "fitted_with": [u["name"] for u in traces],
+                "device_us_total_by_splits": {str(s): timed.total_us for s, timed in t["timed_by_splits"].items()},
+                "flashinfer_device_us_total": t["timed_fi"].total_us,
+            }
+        return summed, split_fit
+
     def operating_points(self) -> dict:
         """{regime: {"num_splits": S (, "route": R)}} of each swept regime, recording every trace's sweep."""
         points = {}
         for regime in dict.fromkeys(t["regime"] for t in self._swept):
             field = regime_field(regime, "num_splits")
             traces = [t for t in self._swept if t["regime"] == regime]
-            shared = set.intersection(*(set(t["timed_by_splits"]) for t in traces))
-            if not shared:
-                raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' = "
-                                  f"{[t['name'] for t in traces]}: traces that fit {field} share no split candidate")
-            summed = {s: sum(t["timed_by_splits"][s].total_us for t in traces) for s in sorted(shared)}
-            split_fit = fit_split_count(summed)
+            summed, split_fit = self._fit_splits(traces, field, f"traces that fit {field} share no split candidate")
             points[regime] = {"num_splits": split_fit.num_splits}
             if split_fit.at_edge:
                 print(f"pkv calibrate: {field}: the fastest split count, {split_fit.num_splits}, is at the edge of "
                       f"the candidates {sorted(summed)}; widening them may find a faster one", file=sys.stderr)
-            for t in traces:
-                self.records[t["name"]] = {
-                    "route": t["route"], "fits": field, "steps": t["steps"],
-                    "selected_splits": split_fit.num_splits, "selected_at_edge": split_fit.at_edge,
-                    "fastest_splits": split_fit.fastest, "tied_splits": list(split_fit.tied),
-                    "fitted_with": [u["name"] for u in traces],
-                    "device_us_total_by_splits": {str(s): timed.total_us for s, timed in t["timed_by_splits"].items()},
-                    "flashinfer_device_us_total": t["timed_fi"].total_us,
-                }
             if regime == FEW_ROWS:
                 # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at break-even
                 # on its GPU). Here the calibration seed's steps decide, in device time; as for the
@@ -229,29 +235,19 @@ class _SplitSweep:
         if not self._uniform:
             return None
         field = "uniform_target_ctas"
+        problem = f"the traces that fit {field} need one max_active and a shared split candidate"
         batches = {t["max_active"] for t in self._uniform}
-        shared = set.intersection(*(set(t["timed_by_splits"]) for t in self._uniform))
-        if len(batches) > 1 or not shared:
+        if len(batches) > 1:
             raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' = "
-                              f"{[t['name'] for t in self._uniform]}: the traces that fit {field} need one "
-                              f"max_active and a shared split candidate")
-        summed = {s: sum(t["timed_by_splits"][s].total_us for t in self._uniform) for s in sorted(shared)}
-        split_fit = fit_split_count(summed)
+                              f"{[t['name'] for t in self._uniform]}: {problem}")
+        _, split_fit = self._fit_splits(self._uniform, field, problem)
         (batch,) = batches
         regime_splits = points.get(regime_of(batch), {}).get("num_splits",
                                                              self.calib.regime(regime_of(batch)).num_splits)
         target = split_fit.num_splits * batch * self.shape.num_kv_heads if split_fit.num_splits < regime_splits else 0
         for t in self._uniform:
-            self.records[t["name"]] = {
-                "route": t["route"], "fits": field, "steps": t["steps"],
-                "selected_splits": split_fit.num_splits, "selected_at_edge": split_fit.at_edge,
-                "fastest_splits": split_fit.fastest, "tied_splits": list(split_fit.tied),
-                "fitted_with": [u["name"] for u in self._uniform],
-                "device_us_total_by_splits": {str(s): timed.total_us for s, timed in t["timed_by_splits"].items()},
-                "flashinfer_device_us_total": t["timed_fi"].total_us,
-                "uniform_target_ctas": {"fitted": target, "regime_splits": regime_splits,
-                                        "applied": self.settings.performance_result},
-            }
+            self.records[t["name"]]["uniform_target_ctas"] = {
+                "fitted": target, "regime_splits": regime_splits, "applied": self.settings.performance_result}
         return target
 
     def gate_steps(self, points: dict) -> dict[str, list[dict]]:

@@ -101,7 +101,6 @@ class RoutePolicy:
         self._estimator = Estimator(calib, num_kv_heads=num_kv_heads, group_size=group_size, head_dim=head_dim,
                                     kv_dtype_bytes=kv_dtype_bytes)
         self._num_kv_heads = int(num_kv_heads)
-        self._uniform_ctas = calib.uniform_target_ctas
         self._capped: dict[tuple[StepRoute, int], StepRoute] = {}  # (route, splits) -> the route with them
         self._group_supported = self.group_size in calib.supported_group_sizes
         # Everything per regime is resolved once here: choose() runs on every decode step.
@@ -111,7 +110,10 @@ class RoutePolicy:
             candidate = None
             if params.route != ROUTE_FLASHINFER:
                 candidate = variants.route(params.route, params.num_splits, calib.workqueue_split_kind)
-            self._regimes[name] = (params.min_context_tokens, candidate, params.margin)
+            # The uniform cap: the fixed rule's workqueue only (the balanced rule has its own budget).
+            capped = candidate is not None and candidate.name == ROUTE_WORKQUEUE and candidate.split_kind == "fixed"
+            uniform_ctas = calib.uniform_target_ctas if capped else 0
+            self._regimes[name] = (params.min_context_tokens, candidate, params.margin, uniform_ctas)
 
     def candidate(self, batch_size: int) -> StepRoute | None:
         """The PersistentKV route a step of this many rows is estimated on; None where its regime
@@ -130,13 +132,13 @@ class RoutePolicy:
             longest = max(lens)
         else:
             longest = int(lens.max())  # builtins.max would walk the array element by element
-        gate, candidate, margin = self._regimes[regime_of(batch)]
+        gate, candidate, margin, uniform_ctas = self._regimes[regime_of(batch)]
         if longest < gate:
             return GATE_CONTEXT
         if candidate is None:
             return GATE_REGIME
-        if self._uniform_ctas and candidate.name == ROUTE_WORKQUEUE and candidate.split_kind == "fixed":
-            splits = uniform_split_count(lens, longest, self._num_kv_heads, candidate.num_splits, self._uniform_ctas)
+        if uniform_ctas:
+            splits = uniform_split_count(lens, longest, self._num_kv_heads, candidate.num_splits, uniform_ctas)
             if splits != candidate.num_splits:
                 candidate = self._capped_route(candidate, splits)
         estimator = self._estimator
