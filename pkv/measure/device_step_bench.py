@@ -148,41 +148,29 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
     rows["host_planned_balanced"]["target_ctas"] = wave
 
     # The step planned on the GPU, by each planner, over the block table and over page lists
-    # (FlashInfer's indptr / indices: one more dependent read a CTA), eager and replayed.
+    # (FlashInfer's indptr / indices: one more dependent read a CTA), eager and replayed; then the
+    # balanced rule planned on the GPU (the plan kernel) on the host-planned balanced row's budget.
     host_lens = step.seq_lens  # what a serving scheduler holds: the eager length check reads these
     lists = PageLists.from_step(step, "cuda")
-    for planner in PLANNERS:
-        workspace = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits, planner=planner)
-        for suffix, page_table in (("", table), ("_lists", lists)):
+    device_steps = [(PLANNER_ROWS[p], dict(planner=p), (("", table), ("_lists", lists))) for p in PLANNERS]
+    device_steps.append(("device_planned_balanced", dict(split_kind="balanced", target_ctas=wave), (("", table),)))
+    for name, options, forms in device_steps:
+        workspace = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits, **options)
+        for suffix, page_table in forms:
             out = torch.empty_like(q)
 
-            def eager(page_table=page_table, out=out):
+            def eager(page_table=page_table, out=out, workspace=workspace):
                 return workspace.run(q, k, v, page_table, lens, out, host_lens=host_lens)
-            rows[PLANNER_ROWS[planner] + suffix] = _timed_row(
-                eager, flusher, reps, out=out, reference=reference, launches=_recorded_launches(workspace, eager))
+            rows[name + suffix] = _timed_row(eager, flusher, reps, out=out, reference=reference,
+                                             launches=_recorded_launches(workspace, eager))
         graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
         graphed.run(q, table, lens)
         (graph,) = graphed.captured_graphs()
-        replay = graph.replay
-        rows[PLANNER_ROWS[planner] + "_graph"] = _timed_row(lambda: graphed.run(q, table, lens), flusher, reps,
-                                                            device_fn=replay, replay=replay)
-
-    # The balanced rule planned on the GPU (the plan kernel), on the host-planned row's budget.
-    workspace = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits, split_kind="balanced",
-                                 target_ctas=wave)
-    out = torch.empty_like(q)
-
-    def eager_balanced():
-        return workspace.run(q, k, v, table, lens, out, host_lens=host_lens)
-    rows["device_planned_balanced"] = _timed_row(eager_balanced, flusher, reps, out=out, reference=reference,
-                                                 launches=_recorded_launches(workspace, eager_balanced))
-    graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
-    graphed.run(q, table, lens)
-    (graph,) = graphed.captured_graphs()
-    rows["device_planned_balanced_graph"] = _timed_row(lambda: graphed.run(q, table, lens), flusher, reps,
-                                                       device_fn=graph.replay, replay=graph.replay)
-    for row in ("device_planned_balanced", "device_planned_balanced_graph"):
-        rows[row]["target_ctas"] = wave
+        rows[name + "_graph"] = _timed_row(lambda graphed=graphed: graphed.run(q, table, lens), flusher, reps,
+                                           device_fn=graph.replay, replay=graph.replay)
+        if "target_ctas" in options:
+            for suffix in (*(suffix for suffix, _ in forms), "_graph"):
+                rows[name + suffix]["target_ctas"] = options["target_ctas"]
 
     # The serving form: the caller has written the step into the bucket's buffers; the host asks
     # the route and replays. The pinned policy keeps the case's route on this split count; the
