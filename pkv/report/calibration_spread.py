@@ -13,7 +13,6 @@ calibration gives every measured decode step of Table 2's synthetic traces on th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import yaml
 from pkv.atomic_io import write_text_atomic
 from pkv.measure.calibration_probe import trace_steps
 from pkv.pipeline.traces import synthetic_trace
-from pkv.policy.calibration import load_calibration, regime_field
+from pkv.policy.calibration import load_calibration_record, regime_field
 from pkv.policy.choose import RoutePolicy
 from pkv.policy.regime import REGIMES
 from pkv.refusal import exit_on_refusal
@@ -44,11 +43,12 @@ CONSTANTS = ("beta_gbps", "lambda_us", "c_min", "flashinfer_plan_us", "persisten
 def spread(paths: list[Path]) -> dict:
     """{"decisions": [{name, values, agree}], "constants": [{name, values, mean, rel_spread}],
     "steps": step_decisions(...), "performance_result": False where any file is a CPU-profile calibration}."""
-    calibs = [load_calibration(path) for path in paths]  # a bad file is a refusal naming it
+    loaded = [load_calibration_record(path) for path in paths]  # a bad file is a refusal naming it
+    calibs = [calib for calib, _ in loaded]
     gpus = sorted({c.gpu for c in calibs})
     # A calibration of the CPU profile says so in its measurements (pkv.experiments.calibrate).
-    cpu_profile = any(((json.loads(Path(path).read_text()).get("provenance") or {}).get("measurements") or {})
-                      .get("performance_result") is False for path in paths)
+    cpu_profile = any(((record.get("provenance") or {}).get("measurements") or {}).get("performance_result") is False
+                      for _, record in loaded)
     decisions = []
     for regime in REGIMES:
         for param in DECISION_PARAMS:
