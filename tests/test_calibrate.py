@@ -3,6 +3,7 @@ calibration record they write: its two mapping forms and the errors of a bad one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -147,6 +148,65 @@ def test_the_uniform_traces_steps_stay_out_of_c_min_and_the_plan_times(monkeypat
     assert sweep.persistentkv_plan_us == [1.0, 1.0] and sweep.flashinfer_plan_us == [2.0]
     assert [t["name"] for t in sweep._swept] == ["bimodal_b8"] and [t["name"] for t in sweep._uniform] == [
         "homogeneous_b8"]
+
+
+def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_only(monkeypatch):
+    """skew_target_ctas: the skewed steps of the trace (the ones the rule applies to) timed on the
+    fixed rule at the regime's fitted split count and on the balanced rule at each budget; the
+    fewest waves within 1% of the fastest, where they beat the fixed rule by more than 1%, else 0.
+    None of its steps joins C_min or the plan times."""
+    from pkv.config import ConfigError
+    from pkv.experiments import calibrate
+
+    timed_routes = []
+    us_by_waves = {1: 90.0, 2: 80.0, 3: 80.5, 4: 85.0}
+
+    class FakeTrace:
+        def __init__(self, cfg, settings, shape, trace):
+            self.kv_dtype_bytes = 2
+            # One skewed step and one with two long rows (not skewed).
+            self.steps = [types.SimpleNamespace(batch_size=4, seq_lens=[9000, 100, 100, 100]),
+                          types.SimpleNamespace(batch_size=4, seq_lens=[9000, 9000, 100, 100])]
+
+        def persistentkv(self, route):
+            timed_routes.append((route.split_kind, route.num_splits, route.target_ctas, len(self.steps)))
+            us = fixed_us if route.split_kind == "fixed" else us_by_waves[route.target_ctas // 132]
+            return types.SimpleNamespace(samples=["pkv"], plan_us=[1.0], total_us=us)
+
+        def flashinfer(self):
+            return types.SimpleNamespace(samples=["fi"], plan_us=[2.0], total_us=100.0)
+
+    monkeypatch.setattr(calibrate, "_TimedTrace", FakeTrace)
+    fixed_us = 88.0
+    calib = dataclasses.replace(START, num_sms=132)
+    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True),
+                        shape=types.SimpleNamespace(num_kv_heads=8), calib=calib)
+    assert sweep.skew_target_ctas({}) is None  # no skewed trace: the calibration keeps its own
+    sweep.run(types.SimpleNamespace(trace="skewed", max_active=64, route="workqueue", split_candidates=[],
+                                    wave_candidates=[1, 2, 3, 4], fits="skew_target_ctas"))
+    assert timed_routes == [] and sweep.samples == [] and sweep.persistentkv_plan_us == []
+    assert sweep.skew_target_ctas({MANY_ROWS: {"num_splits": 20}}) == 2 * 132  # 3 waves tie 2 within 1%
+    assert timed_routes[0] == ("fixed", 20, 0, 1)  # the regime's fitted count, on the one skewed step
+    assert {r[2] for r in timed_routes[1:]} == {132, 264, 396, 528}
+    record = sweep.records["skewed_b64"]
+    assert record["fits"] == "skew_target_ctas" and record["steps"] == 1 and record["regime_splits"] == 20
+    assert record["device_us_total_by_waves"] == {"1": 90.0, "2": 80.0, "3": 80.5, "4": 85.0}
+    assert record["skew_target_ctas"]["fitted"] == 264 and record["skew_target_ctas"]["tied_waves"] == [2, 3]
+    assert record["skew_target_ctas"]["speedup_over_fixed"] == pytest.approx(88.0 / 80.0)
+    assert record["flashinfer_device_us_total"] == 100.0
+    # Within 1% of the fixed rule: no budget.
+    fixed_us = 80.5
+    sweep._skewed, sweep.records = [], {}
+    sweep.run(types.SimpleNamespace(trace="skewed", max_active=64, route="workqueue", split_candidates=[],
+                                    wave_candidates=[1, 2, 3, 4], fits="skew_target_ctas"))
+    assert sweep.skew_target_ctas({}) == 0
+    assert timed_routes[-6][1] == START.regime(MANY_ROWS).num_splits  # no fitted count: the calibration's
+    # A trace without a skewed step fits nothing.
+    FakeTrace.__init__ = lambda self, *args: setattr(self, "steps", [types.SimpleNamespace(
+        batch_size=2, seq_lens=[100, 100])]) or setattr(self, "kv_dtype_bytes", 2)
+    with pytest.raises(ConfigError, match="none of its steps is skewed"):
+        sweep.run(types.SimpleNamespace(trace="bimodal", max_active=8, route="workqueue", split_candidates=[],
+                                        wave_candidates=[2], fits="skew_target_ctas"))
 
 
 def test_a_closed_regime_stays_closed_when_the_timings_are_not_a_performance_result():

@@ -65,6 +65,23 @@ def test_report_names_the_uniform_cap_and_the_sweep_it_came_from(tmp_path):
     assert "  uniform cap 256 CTAs (0: none; the regime's split count is 24), applied" in text
 
 
+def test_report_names_the_skew_budget_and_its_sweep(tmp_path):
+    import dataclasses
+
+    path = tmp_path / "calibration.json"
+    skewed = {"fits": "skew_target_ctas", "steps": 49, "regime_splits": 20, "fixed_device_us_total": 220.0,
+              "device_us_total_by_waves": {"1": 210.0, "2": 200.0, "12": 230.0}, "flashinfer_device_us_total": 240.0,
+              "skew_target_ctas": {"fitted": 264, "selected_waves": 2, "tied_waves": [2], "selected_at_edge": False,
+                                   "speedup_over_fixed": 1.1, "num_sms": 132, "applied": True}}
+    measured = {**MEASURED, "split_sweeps": {**MEASURED["split_sweeps"], "skewed_b64": skewed}}
+    save_calibration(path, dataclasses.replace(CALIB, skew_target_ctas=264), {"measurements": measured})
+    text = calibration_report.report(path)
+    assert "skewed steps balanced over about 264 workqueue CTAs\nG routed: 1, 4" in text
+    assert "skewed_b64 -> skew_target_ctas (49 skewed steps): fixed S=20: 1.091, 1w: 1.143, 2w*: 1.200, 12w: 1.043" \
+        in text
+    assert "  skew budget 264 CTAs (0: the fixed rule; 1.100x the fixed rule at 2 waves of 132 SMs), applied" in text
+
+
 def test_report_of_a_file_written_before_the_regimes(tmp_path):
     # Schema /1: the flat calibration, and measurements named by the flat fields they fitted.
     flat = {"gpu": "fake", "num_sms": 4, "beta_gbps": 100.0, "lambda_us": 5.0, "c_min": 1.0,

@@ -146,10 +146,20 @@ def test_bad_gate_probe_names_the_entry_and_its_values(override, value):
      "experiment.calibration_traces[3]", "second time"),
     (["experiment.calibration_traces.2.fits=uniform_target_ctas"], "experiment.calibration_traces",
      "one max_active"),
+    (["experiment.calibration_traces.4.wave_candidates=[]"], "experiment.calibration_traces[4]",
+     "needs wave_candidates"),
+    (["experiment.calibration_traces.4.split_candidates=[20]"], "experiment.calibration_traces[4]",
+     "no split_candidates"),
+    (["experiment.calibration_traces.4.route=bucket_exact"], "experiment.calibration_traces[4].fits",
+     "skew_target_ctas"),
+    (["experiment.calibration_traces.1.wave_candidates=[2]"], "experiment.calibration_traces[1]",
+     "wave_candidates only"),
+    (["experiment.calibration_traces.4.wave_candidates=[65]"], "experiment.calibration_traces[4]", "in [1, 64]"),
 ])
 def test_a_bad_calibration_trace_names_the_entry_and_its_value(overrides, field, value):
-    """The uniform cap's traces: a known fit, the workqueue at two rows or more, one max_active and a
-    shared candidate among them, and no trace swept twice (its record would be overwritten)."""
+    """The uniform cap's and the skew budget's traces: a known fit, the workqueue at two rows or more,
+    one max_active and a shared candidate among the uniform ones, wave candidates (in bounds) only
+    and all of them for the skew budget, and no trace swept twice (its record would be overwritten)."""
     with pytest.raises(ConfigError) as err:
         compose(["out=x", "experiment=calibrate", *overrides])
     msg = str(err.value)

@@ -122,6 +122,9 @@ def test_engine_options_override_the_calibration_once():
     capped = dataclasses.replace(PAPER, uniform_target_ctas=256)
     assert apply_engine_options(capped, num_splits=12).uniform_target_ctas == 0
     assert apply_engine_options(capped, bucket_num_splits=40).uniform_target_ctas == 256
+    skewed = dataclasses.replace(PAPER, skew_target_ctas=264)
+    assert apply_engine_options(skewed, num_splits=12).skew_target_ctas == 0
+    assert apply_engine_options(skewed, bucket_num_splits=40).skew_target_ctas == 264
     opened = PAPER.with_regime("few_rows", route="persistentkv_bucket")
     assert apply_engine_options(opened, open_few_rows=True).few_rows.route == "persistentkv_bucket"
     assert kernel_variants("bucket_masked", "fused") == KernelVariants("masked", "fused")
@@ -172,3 +175,40 @@ def test_uniform_batches_take_at_most_the_calibrated_ctas_and_ragged_ones_their_
     # The balanced rule has its own budget: no cap.
     balanced = RoutePolicy(dataclasses.replace(calib, workqueue_split_kind="balanced"), **SHAPE)
     assert balanced.choose(uniform).route.num_splits == 20
+
+
+def test_skewed_steps_take_the_balanced_rule_with_the_calibrated_budget(make_step):
+    """skew_target_ctas gives a workqueue step whose longest row holds more than 2/3 of its tokens
+    the balanced rule with that task budget; other steps, a calibration without it and a run whose
+    rule is already balanced keep their route."""
+    import numpy as np
+
+    from pkv.policy.choose import is_skewed
+
+    # Margins opened, so the rule's route, not the estimate against FlashInfer, is what is tested.
+    calib = dataclasses.replace(PAPER, skew_target_ctas=264, uniform_target_ctas=256).with_all_regimes(margin=0.1)
+    calib = calib.with_regime("few_rows", route="persistentkv_workqueue")
+    policy = RoutePolicy(calib, **SHAPE)
+    skewed = make_step([131072] + [100] * 63)  # the kernel benchmark's skewed batch
+    decision = policy.choose(skewed)
+    assert decision.route == StepRoute("persistentkv_workqueue", 20, "balanced", target_ctas=264)
+    assert decision.route is policy.choose(make_step([131072] + [200] * 63)).route  # built once
+    # The estimate is of the balanced route.
+    assert decision.estimates["persistentkv_workqueue"] == pytest.approx(
+        Estimator(calib, **SHAPE).total_us(skewed.seq_lens, decision.route))
+    # Short batches count as lists, long ones as arrays: the same decision.
+    assert policy.choose(make_step([65536, 1000, 2000])).route == StepRoute("persistentkv_workqueue", 32, "balanced",
+                                                                          target_ctas=264)
+    # Two long rows among short ones, a ragged B8 and a uniform one are not skewed.
+    assert policy.choose(make_step([131072] * 2 + [100] * 62)).route == StepRoute("persistentkv_workqueue", 20)
+    assert policy.choose(make_step([32768] * 4 + [4096] * 4)).route.split_kind == "fixed"
+    assert policy.choose(make_step([32768] * 8)).route == StepRoute("persistentkv_workqueue", 4)
+    unset = dataclasses.replace(calib, skew_target_ctas=0)
+    assert RoutePolicy(unset, **SHAPE).choose(skewed).route == StepRoute("persistentkv_workqueue", 20)
+    # The boundary: more than twice the other rows' tokens together.
+    assert is_skewed(3, 2001, 3001) and not is_skewed(3, 2000, 3000) and not is_skewed(1, 5000, 5000)
+    assert is_skewed(64, int(np.int64(131072)), int(np.int64(131072 + 6300)))
+    # The B1 bucket route and a pinned balanced rule are left as they are.
+    assert policy.choose(make_step([131072])).route.name == "persistentkv_bucket"
+    balanced = RoutePolicy(dataclasses.replace(calib, workqueue_split_kind="balanced"), **SHAPE)
+    assert balanced.choose(skewed).route == StepRoute("persistentkv_workqueue", 20, "balanced")

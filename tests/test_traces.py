@@ -83,6 +83,20 @@ def test_bimodal_partial_block_has_at_most_one_long():
         assert (prompts[4:] == 64 * K).sum() <= 1
 
 
+def test_skewed_holds_one_long_prompt_early_in_every_block_of_64():
+    prompts = _prompts(synthetic_trace("skewed", 64 * 40, 5))
+    blocks = prompts.reshape(-1, 64)
+    is_long = blocks == 128 * K
+    assert (is_long.sum(axis=1) == 1).all()
+    slots = np.argmax(is_long, axis=1)
+    assert slots.max() < 16 and len(set(slots.tolist())) > 8  # seeded among the first 16
+    short = blocks[~is_long]
+    assert short.min() >= 64 and short.max() <= 1 * K
+    # The CPU profile replays the first 16 requests: the long one is among them.
+    for seed in range(20):
+        assert (_prompts(synthetic_trace("skewed", 16, seed)) == 128 * K).sum() == 1
+
+
 def test_uniform_covers_its_range():
     prompts = _prompts(synthetic_trace("uniform", 2000, 3))
     assert prompts.min() >= 4 * K and prompts.max() <= 64 * K

@@ -40,8 +40,8 @@ def test_dry_run_plans_every_rule_for_the_cpu(tmp_path):
     # config.yaml calibrates once more on the same seed and compares the two (calibration/spread.md).
     assert counts["calibrate_repeat"] == 1 and counts["calibration_spread"] == 1
     assert f"{tmp_path}/cpu/calibration/repeat1/calibration.json" in proc.stdout
-    # 6 synthetic traces, the fixture and two Azure traces, each on the 5 held-out seeds
-    assert counts["evaluate"] == 45
+    # 7 synthetic traces, the fixture and two Azure traces, each on the 5 held-out seeds
+    assert counts["evaluate"] == 50
     assert counts["isolated"] == 3
     assert f"{tmp_path}/cpu/tables/table8.tex" in proc.stdout
     # An edit of the calibration's sweeps, probes or tolerance is a new calibration.
@@ -52,7 +52,7 @@ def test_gpu_smoke_axes_cover_every_family(tmp_path):
     proc = _snakemake("-n", "--configfile", "config/gpu_smoke.yaml", "--config", "gpu=h200",
                       f"artifacts_root={tmp_path}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for family in ("bucketed", "homogeneous", "bimodal", "uniform", "zipf"):
+    for family in ("bucketed", "homogeneous", "bimodal", "uniform", "zipf", "skewed"):
         assert re.search(rf"evaluate/{family}_b\d+/seed20260623/adaptive\.json", proc.stdout), family
     assert "seed20260624" not in proc.stdout
     assert "gpu=h200" in proc.stdout or "h200/" in proc.stdout

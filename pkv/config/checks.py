@@ -113,14 +113,21 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
             raise bad("split_candidates", "auto split needs at least one candidate")
     if exp.driver == "calibrate":
         for i, ct in enumerate(exp.calibration_traces):
-            if ct.route not in ("bucket_exact", "workqueue") or not ct.split_candidates:
-                raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(ct),
-                            "needs route bucket_exact or workqueue and at least one split candidate")
-            if ct.fits not in CALIBRATION_FITS or (ct.fits == "uniform_target_ctas"
+            if ct.fits not in CALIBRATION_FITS or (ct.fits != "num_splits"
                                                    and (ct.route != "workqueue" or ct.max_active < 2)):
                 raise _fail(where, f"experiment.calibration_traces[{i}].fits", ct.fits,
-                            f"must be one of {list(CALIBRATION_FITS)} (uniform_target_ctas with route workqueue "
-                            f"and max_active >= 2)")
+                            f"must be one of {list(CALIBRATION_FITS)} (uniform_target_ctas and skew_target_ctas "
+                            f"with route workqueue and max_active >= 2)")
+            skew = ct.fits == "skew_target_ctas"
+            if skew and (not ct.wave_candidates or ct.split_candidates):
+                raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(ct),
+                            "fits skew_target_ctas: needs wave_candidates (task budgets in waves of the SMs) "
+                            "and no split_candidates (its fixed rule runs the regime's fitted split count)")
+            if not skew and (ct.route not in ("bucket_exact", "workqueue") or not ct.split_candidates
+                             or ct.wave_candidates):
+                raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(ct),
+                            "needs route bucket_exact or workqueue and at least one split candidate "
+                            "(wave_candidates only where it fits skew_target_ctas)")
         # Each trace's sweep is recorded under its name: a trace listed twice would lose one record.
         names = [(ct.trace, ct.max_active) for ct in exp.calibration_traces]
         for i, name in enumerate(names):
@@ -132,6 +139,10 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
                         or not set.intersection(*(set(ct.split_candidates) for ct in uniform))):
             raise _fail(where, "experiment.calibration_traces", [dataclasses.asdict(ct) for ct in uniform],
                         "the traces that fit uniform_target_ctas need one max_active and a shared split candidate")
+        skewed = [ct for ct in exp.calibration_traces if ct.fits == "skew_target_ctas"]
+        if skewed and not set.intersection(*(set(ct.wave_candidates) for ct in skewed)):
+            raise _fail(where, "experiment.calibration_traces", [dataclasses.asdict(ct) for ct in skewed],
+                        "the traces that fit skew_target_ctas need a shared wave candidate")
     for name, key in exp.variant_keys.items():
         if not key or "=" in name:
             raise _fail(where, f"experiment.variant_keys.{name}", key, "must map a name to a config key")

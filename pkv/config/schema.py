@@ -93,6 +93,9 @@ BATCH = Bound(1, 4096, "rows of one decode step")
 REQUESTS = Bound(1, 65_536, "requests of one run")
 # kMaxMergeSlots (csrc/decode_constants.h): the merge keeps one weight per split in shared memory.
 SPLITS = Bound(1, 1024, "the merge kernel's kMaxMergeSlots")
+# A task budget in waves of the GPU's SMs: the balanced rule caps a row at 64 splits, which 64
+# waves of any GPU's SMs exceed for every batch.
+WAVES = Bound(1, 64, "task budgets in waves of the GPU's SMs")
 # A prompt length multiplier: at 1024 a 4K-token prompt is already the longest context.
 LENGTH_SCALE = Bound(0, 1024, "multiplies prompt lengths", lo_open=True)
 # Step counts of one process: 100K decode steps of a long batch are hours of GPU time.
@@ -157,7 +160,7 @@ class EngineConfig:
 
 
 # What a calibration trace's split sweep fits (CalibrationTraceConfig.fits).
-CALIBRATION_FITS = ("num_splits", "uniform_target_ctas")
+CALIBRATION_FITS = ("num_splits", "uniform_target_ctas", "skew_target_ctas")
 
 
 @dataclass
@@ -171,8 +174,12 @@ class CalibrationTraceConfig:
     route: str = MISSING
     split_candidates: List[int] = bounded(bound=SPLITS, default_factory=list)
     # "num_splits": the regime's split count (above); "uniform_target_ctas": a batch of rows of one
-    # length (the workqueue) fits Calibration.uniform_target_ctas instead
+    # length (the workqueue) fits Calibration.uniform_target_ctas instead; "skew_target_ctas": the
+    # workqueue's skewed steps (pkv.policy.choose.is_skewed) fit Calibration.skew_target_ctas from
+    # wave_candidates, against the regime's fitted split count, and need no split_candidates
     fits: str = "num_splits"
+    # skew_target_ctas: the balanced rule's task budgets to time, in waves of the GPU's SMs
+    wave_candidates: List[int] = bounded(bound=WAVES, default_factory=list)
 
 
 @dataclass

@@ -27,9 +27,16 @@ from pkv.experiments.common import (
 from pkv.measure.calibration_probe import measure_launch_us, measure_read_gbps, time_steps, trace_steps
 from pkv.measure.kv_data import make_kv_pages, resolve_dtype
 from pkv.policy.calibration import Calibration, regime_field, save_calibration
-from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy
+from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, is_skewed
 from pkv.policy.estimator import Estimator
-from pkv.policy.fits import fit_c_min, fit_context_gate, fit_regime_route, fit_split_count, group_size_holds
+from pkv.policy.fits import (
+    SPLIT_TIE_FRACTION,
+    fit_c_min,
+    fit_context_gate,
+    fit_regime_route,
+    fit_split_count,
+    group_size_holds,
+)
 from pkv.policy.regime import FEW_ROWS, SINGLE_ROW, regime_of
 from pkv.policy.route import FLASHINFER_ROUTE, ROUTE_BUCKET, ROUTE_WORKQUEUE, SCHEDULES, StepRoute
 from pkv.shape import ModelShape
@@ -60,6 +67,8 @@ def run(cfg: PkvConfig) -> list[Path]:
     for ct in exp.calibration_traces:
         sweep.run(ct)
     operating_points = sweep.operating_points()
+    uniform_ctas = sweep.uniform_target_ctas(operating_points)
+    skew_ctas = sweep.skew_target_ctas(operating_points)
     # The probes run the operating points just fitted, as the route policy will.
     probes = _GateProbes(cfg, settings, shape, _apply(calib, operating_points),
                          sweep.gate_steps(operating_points), exp.gate_tolerance)
@@ -68,7 +77,6 @@ def run(cfg: PkvConfig) -> list[Path]:
     context_gates = probes.fit_context_gates(start)
     group_fit = probes.fit_group_sizes(start)
     calib = _apply(calib, operating_points)
-    uniform_ctas = sweep.uniform_target_ctas(operating_points)
     if settings.performance_result:
         # CPU timings say nothing about a GPU: there the fits are recorded and the configured
         # gates kept (in the profile's tokens, gates_for_profile).
@@ -77,6 +85,8 @@ def run(cfg: PkvConfig) -> list[Path]:
         calib = dataclasses.replace(calib, supported_group_sizes=tuple(group_fit["fitted"]))
         if uniform_ctas is not None:
             calib = dataclasses.replace(calib, uniform_target_ctas=uniform_ctas)
+        if skew_ctas is not None:
+            calib = dataclasses.replace(calib, skew_target_ctas=skew_ctas)
     calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(sweep.flashinfer_plan_us),
                                 persistentkv_plan_us=statistics.median(sweep.persistentkv_plan_us))
     estimator = Estimator(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
@@ -155,11 +165,15 @@ class _SplitSweep:
         self.records, self.kv_dtype_bytes = {}, 2
         self._swept: list[dict] = []  # traces that fit their regime's split count
         self._uniform: list[dict] = []  # traces that fit Calibration.uniform_target_ctas
+        self._skewed: list[dict] = []  # traces that fit Calibration.skew_target_ctas
 
     def run(self, ct) -> None:
         trace = dataclasses.replace(load_trace_option(ct.trace), max_active=ct.max_active)
         timed_trace = _TimedTrace(self.cfg, self.settings, self.shape, trace)
         self.kv_dtype_bytes = timed_trace.kv_dtype_bytes
+        if ct.fits == "skew_target_ctas":
+            self._add_skewed(ct, trace, timed_trace)
+            return
         route_name, bucket_mode = SCHEDULES[ct.route]
         # The uniform traces fit their cap alone: their steps stay out of C_min and the plan times, so
         # the cap changes no other decision (their few-CTA steps carry the wave loss that the
@@ -248,6 +262,64 @@ class _SplitSweep:
         for t in self._uniform:
             self.records[t["name"]]["uniform_target_ctas"] = {
                 "fitted": target, "regime_splits": regime_splits, "applied": self.settings.performance_result}
+        return target
+
+    def _add_skewed(self, ct, trace, timed_trace) -> None:
+        """Keep a trace that fits skew_target_ctas, cut to its skewed steps (the steps the rule
+        applies to), for skew_target_ctas: its fixed rule runs the regime's split count, which is
+        fitted after every trace has run. Like the uniform traces, its steps stay out of C_min and
+        the plan times."""
+        timed_trace.steps = [s for s in timed_trace.steps
+                             if is_skewed(s.batch_size, int(max(s.seq_lens)), int(sum(s.seq_lens)))]
+        name = trace_name(trace)
+        if not timed_trace.steps:
+            raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' entry {name} "
+                              f"fits skew_target_ctas but none of its steps is skewed (a longest row holding more "
+                              f"than 2/3 of the step's tokens): use a trace family such as skewed")
+        self._skewed.append({"name": name, "max_active": trace.max_active, "regime": regime_of(trace.max_active),
+                             "waves": [int(w) for w in ct.wave_candidates], "timed_trace": timed_trace})
+
+    def skew_target_ctas(self, points: dict) -> int | None:
+        """Calibration.skew_target_ctas from the skewed traces (None where there are none): the
+        balanced rule's budget, in CTAs, with the least device time summed over their skewed steps
+        (the fewest waves among those within SPLIT_TIE_FRACTION of it), where it beats the fixed rule
+        at each regime's fitted split count by more than that fraction; else 0 (the fixed rule)."""
+        if not self._skewed:
+            return None
+        field = "skew_target_ctas"
+        shared = set.intersection(*(set(t["waves"]) for t in self._skewed))
+        if not shared:
+            raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' = "
+                              f"{[t['name'] for t in self._skewed]}: the traces that fit {field} need a shared "
+                              f"wave candidate")
+        num_sms = self.calib.num_sms
+        fixed_total, by_waves = 0.0, dict.fromkeys(sorted(shared), 0.0)
+        for t in self._skewed:
+            regime_splits = points.get(t["regime"], {}).get("num_splits", self.calib.regime(t["regime"]).num_splits)
+            timed_trace = t.pop("timed_trace")  # its K/V pages are freed once this trace is timed
+            fixed = StepRoute(ROUTE_WORKQUEUE, regime_splits, "fixed")
+            fixed_us = timed_trace.persistentkv(fixed).total_us
+            waves_us = {w: timed_trace.persistentkv(dataclasses.replace(fixed, split_kind="balanced",
+                                                                         target_ctas=w * num_sms)).total_us
+                        for w in t["waves"]}
+            fixed_total += fixed_us
+            for w in by_waves:
+                by_waves[w] += waves_us[w]
+            self.records[t["name"]] = {
+                "route": ROUTE_WORKQUEUE, "fits": field, "steps": len(timed_trace.steps),
+                "fitted_with": [u["name"] for u in self._skewed], "regime_splits": regime_splits,
+                "fixed_device_us_total": fixed_us,
+                "device_us_total_by_waves": {str(w): us for w, us in waves_us.items()},
+                "flashinfer_device_us_total": timed_trace.flashinfer().total_us,
+            }
+        wave_fit = fit_split_count(by_waves)
+        gain = fixed_total / by_waves[wave_fit.num_splits]
+        target = wave_fit.num_splits * num_sms if gain > 1.0 + SPLIT_TIE_FRACTION else 0
+        for t in self._skewed:
+            self.records[t["name"]][field] = {
+                "fitted": target, "selected_waves": wave_fit.num_splits, "tied_waves": list(wave_fit.tied),
+                "selected_at_edge": wave_fit.at_edge, "speedup_over_fixed": gain, "num_sms": num_sms,
+                "applied": self.settings.performance_result}
         return target
 
     def gate_steps(self, points: dict) -> dict[str, list[dict]]:

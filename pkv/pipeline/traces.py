@@ -2,7 +2,8 @@
 
 A trace is a list of :class:`Request`. Each family isolates one scheduling factor: context length
 (``homogeneous``), a small set of fixed context budgets (``bucketed``), length raggedness
-(``bimodal``), and broad or heavy-tailed length spreads (``uniform``, ``zipf``).
+(``bimodal``), broad or heavy-tailed length spreads (``uniform``, ``zipf``), and one long context
+among many short ones (``skewed``).
 
 Lengths are in tokens with K = 1024:
 
@@ -15,6 +16,11 @@ Lengths are in tokens with K = 1024:
 - ``uniform``: prompts drawn uniformly from 4K..64K.
 - ``zipf``: prompts drawn from a bounded power law p(n) ~ n^-ZIPF_EXPONENT on 1K..64K
   (exponent 1.2: the median is about 5.4K while about one prompt in nine is longer than 32K).
+- ``skewed``: blocks of 64 requests, each holding one long prompt (128K) at a seeded position
+  among its first 16 and 63 short prompts drawn uniformly from 64..1K: a long-document request
+  served beside chat turns, so that in most steps of a 64-row batch one row holds most of the
+  tokens (pkv.policy.choose.is_skewed). The long prompt comes early in its block, so a replay of
+  the first 16 requests (the CPU profile's) holds one too.
 
 Every draw comes from ``numpy.random.default_rng`` seeded by ``(seed, family)``, with separate
 child streams for prompt lengths, decode lengths and arrivals: the same seed gives the same trace,
@@ -31,7 +37,7 @@ import numpy as np
 
 K = 1024
 
-TRACE_FAMILIES = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf")
+TRACE_FAMILIES = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf", "skewed")
 ARRIVAL_PROCESSES = ("burst", "poisson")
 
 BUCKETED_PROMPT_LENS = (8 * K, 16 * K, 32 * K, 64 * K)
@@ -42,6 +48,10 @@ BIMODAL_BLOCK = 4  # one long request per three short ones
 UNIFORM_RANGE = (4 * K, 64 * K)
 ZIPF_RANGE = (1 * K, 64 * K)
 ZIPF_EXPONENT = 1.2
+SKEWED_LONG_LEN = 128 * K
+SKEWED_SHORT_RANGE = (64, 1 * K)
+SKEWED_BLOCK = 64  # one long request per 63 short ones
+SKEWED_LONG_WINDOW = 16  # the long request's position in its block: one of the first 16
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,12 @@ def _prompt_lens(family: str, n: int, rng: np.random.Generator) -> np.ndarray:
         u = rng.random(n)
         x = (lo**a1 + u * (hi**a1 - lo**a1)) ** (1.0 / a1)
         return np.clip(np.rint(x), lo, hi).astype(np.int64)
+    if family == "skewed":
+        num_blocks = -(-n // SKEWED_BLOCK)
+        long_at = np.arange(num_blocks) * SKEWED_BLOCK + rng.integers(0, SKEWED_LONG_WINDOW, size=num_blocks)
+        prompt = rng.integers(SKEWED_SHORT_RANGE[0], SKEWED_SHORT_RANGE[1], size=n, endpoint=True, dtype=np.int64)
+        prompt[long_at[long_at < n]] = SKEWED_LONG_LEN
+        return prompt
     raise AssertionError(family)  # unreachable: checked by _check_args
 
 

@@ -57,6 +57,9 @@ class Calibration:
     # A workqueue step whose rows have about one length takes about this many CTAs where its
     # regime's split count would give more (pkv.policy.choose, uniform_split_count); 0: no cap.
     uniform_target_ctas: int = 0
+    # A workqueue step one row dominates (pkv.policy.choose, is_skewed) gives its rows splits by the
+    # balanced rule with about this many tasks instead of the regime's fixed split count; 0: never.
+    skew_target_ctas: int = 0
     flashinfer_plan_us: float = 0.0  # measured host planning per step, charged to each route
     persistentkv_plan_us: float = 0.0
     flashinfer_ctas_per_row_head: float = 1.0
@@ -80,9 +83,11 @@ class Calibration:
         if not isinstance(groups, (list, tuple)) or not groups or not all(is_int(g) and g >= 1 for g in groups):
             raise CalibrationError(f"field supported_group_sizes={groups!r}: must be a non-empty list of integers >= 1")
         object.__setattr__(self, "supported_group_sizes", tuple(int(g) for g in groups))
-        if not is_int(self.uniform_target_ctas) or self.uniform_target_ctas < 0:
-            raise CalibrationError(f"field uniform_target_ctas={self.uniform_target_ctas!r}: must be an integer >= 0")
-        object.__setattr__(self, "uniform_target_ctas", int(self.uniform_target_ctas))
+        for name in ("uniform_target_ctas", "skew_target_ctas"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                raise CalibrationError(f"field {name}={value!r}: must be an integer >= 0")
+            object.__setattr__(self, name, int(value))
         if self.workqueue_split_kind not in SPLIT_KINDS:
             raise CalibrationError(f"field workqueue_split_kind={self.workqueue_split_kind!r}: must be one of "
                                    f"{list(SPLIT_KINDS)}")

@@ -12,6 +12,12 @@ step; fewer CTAs than one resident wave avoid it (docs/performance.md, "Split co
 in the kernel benchmark"). Ragged batches keep the regime's split count, which their long rows
 need.
 
+A workqueue step one row dominates (a skewed step: ``is_skewed``) gives its rows splits by the
+balanced rule where the calibration measured that faster (``Calibration.skew_target_ctas``): under
+the fixed rule that row's S x Hkv tasks carry most of the step's bytes while the other rows'
+tasks finish early, so the step ends on a partial wave of long tasks; the balanced rule cuts the
+long row into as many tasks as its share of the budget.
+
 A run that pins one schedule (the standalone PersistentKV engine of an ablation) uses
 ``PinnedRoutePolicy``: every step on one route, built from the same calibration.
 """
@@ -76,6 +82,13 @@ UNIFORM_LENGTH_FRACTION = 0.9
 UNIFORM_CTA_TOLERANCE = 1.5
 
 
+def is_skewed(batch: int, longest: int, tokens: int) -> bool:
+    """Whether a step of ``batch`` rows, the longest of ``longest`` tokens and ``tokens`` in all,
+    is skewed: more than one row, and the longest holds more than 2/3 of the tokens (more than
+    twice all the other rows together; in integers, so the boundary is exact)."""
+    return batch > 1 and 3 * longest > 2 * tokens
+
+
 def uniform_split_count(lens, longest: int, num_kv_heads: int, num_splits: int, target_ctas: int) -> int:
     """The split count of a workqueue step under the uniform cap: the count whose CTAs come nearest
     ``target_ctas`` (B x Hkv x S, S >= 1), where those CTAs lie within UNIFORM_CTA_TOLERANCE of the
@@ -110,10 +123,14 @@ class RoutePolicy:
             candidate = None
             if params.route != ROUTE_FLASHINFER:
                 candidate = variants.route(params.route, params.num_splits, calib.workqueue_split_kind)
-            # The uniform cap: the fixed rule's workqueue only (the balanced rule has its own budget).
-            capped = candidate is not None and candidate.name == ROUTE_WORKQUEUE and candidate.split_kind == "fixed"
-            uniform_ctas = calib.uniform_target_ctas if capped else 0
-            self._regimes[name] = (params.min_context_tokens, candidate, params.margin, uniform_ctas)
+            # The uniform cap and the skew rule: the fixed rule's workqueue only (the balanced rule
+            # has its own budget).
+            fixed = candidate is not None and candidate.name == ROUTE_WORKQUEUE and candidate.split_kind == "fixed"
+            uniform_ctas = calib.uniform_target_ctas if fixed else 0
+            skew_route = None
+            if fixed and calib.skew_target_ctas:
+                skew_route = dataclasses.replace(candidate, split_kind="balanced", target_ctas=calib.skew_target_ctas)
+            self._regimes[name] = (params.min_context_tokens, candidate, params.margin, uniform_ctas, skew_route)
 
     def candidate(self, batch_size: int) -> StepRoute | None:
         """The PersistentKV route a step of this many rows is estimated on; None where its regime
@@ -132,17 +149,19 @@ class RoutePolicy:
             longest = max(lens)
         else:
             longest = int(lens.max())  # builtins.max would walk the array element by element
-        gate, candidate, margin, uniform_ctas = self._regimes[regime_of(batch)]
+        gate, candidate, margin, uniform_ctas, skew_route = self._regimes[regime_of(batch)]
         if longest < gate:
             return GATE_CONTEXT
         if candidate is None:
             return GATE_REGIME
-        if uniform_ctas:
+        tokens = total_tokens(lens)
+        if skew_route is not None and is_skewed(batch, longest, tokens):
+            candidate = skew_route
+        elif uniform_ctas:
             splits = uniform_split_count(lens, longest, self._num_kv_heads, candidate.num_splits, uniform_ctas)
             if splits != candidate.num_splits:
                 candidate = self._capped_route(candidate, splits)
         estimator = self._estimator
-        tokens = total_tokens(lens)
         flashinfer_us = estimator.total_us(lens, FLASHINFER_ROUTE, tokens)
         candidate_us = estimator.total_us(lens, candidate, tokens)
         speedup = flashinfer_us / candidate_us

@@ -48,12 +48,17 @@ def operating_points(calib) -> list[str]:
         lines.append(f"{REGIME_LABELS[regime]} {route}")
     if calib.uniform_target_ctas:  # the uniform cap, where the calibration set one
         lines.append(f"uniform batches about {calib.uniform_target_ctas} workqueue CTAs")
+    if calib.skew_target_ctas:  # the skew rule, where the calibration set one
+        lines.append(f"skewed steps balanced over about {calib.skew_target_ctas} workqueue CTAs")
     return [*lines, f"G routed: {', '.join(str(g) for g in calib.supported_group_sizes)}"]
 
 
 def split_sweeps(sweeps: dict) -> list[str]:
     lines = []
     for name, sweep in sweeps.items():
+        if "device_us_total_by_waves" in sweep:
+            lines += _skew_sweep(name, sweep)
+            continue
         fi = float(sweep["flashinfer_device_us_total"])
         cells = []
         # In split order: the file's keys are strings, sorted as text ("12" before "2").
@@ -77,6 +82,21 @@ def split_sweeps(sweeps: dict) -> list[str]:
             lines.append(f"  B2-7 route {route['fitted']} ({float(route['speedup']):.3f}x, "
                          f"{'applied' if route['applied'] else 'not applied'})")
     return lines
+
+
+def _skew_sweep(name: str, sweep: dict) -> list[str]:
+    """A trace that fit skew_target_ctas: FlashInfer's time over the fixed rule's and over the
+    balanced rule's at each budget (in waves of the SMs, the selected one starred)."""
+    fi = float(sweep["flashinfer_device_us_total"])
+    fit = sweep["skew_target_ctas"]
+    cells = [f"fixed S={sweep['regime_splits']}: {_ratio(fi, float(sweep['fixed_device_us_total']))}"]
+    for waves, us in sorted(sweep["device_us_total_by_waves"].items(), key=lambda item: int(item[0])):
+        mark = "*" if int(waves) == int(fit["selected_waves"]) else ""
+        cells.append(f"{waves}w{mark}: {_ratio(fi, float(us))}")
+    return [f"{name} -> skew_target_ctas ({sweep['steps']} skewed steps): " + ", ".join(cells),
+            f"  skew budget {fit['fitted']} CTAs (0: the fixed rule; {float(fit['speedup_over_fixed']):.3f}x the "
+            f"fixed rule at {fit['selected_waves']} waves of {fit['num_sms']} SMs), "
+            f"{'applied' if fit['applied'] else 'not applied'}"]
 
 
 def context_gates(gates: dict, calib) -> list[str]:

@@ -56,7 +56,8 @@ def spread(paths: list[Path]) -> dict:
             decisions.append({"name": regime_field(regime, param), "values": values, "agree": len(set(values)) == 1})
     for name, get in (("supported_group_sizes", lambda c: tuple(c.supported_group_sizes)),
                       ("workqueue_split_kind", lambda c: c.workqueue_split_kind),
-                      ("uniform_target_ctas", lambda c: c.uniform_target_ctas)):
+                      ("uniform_target_ctas", lambda c: c.uniform_target_ctas),
+                      ("skew_target_ctas", lambda c: c.skew_target_ctas)):
         values = [get(c) for c in calibs]
         decisions.append({"name": name, "values": values, "agree": len(set(values)) == 1})
     constants = []

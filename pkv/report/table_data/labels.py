@@ -65,6 +65,7 @@ _FAMILY_LABELS = {
     "uniform": "Uniform",
     "zipf": "Zipf",
     "homogeneous": "Homogeneous",
+    "skewed": "Skewed",
 }
 
 
