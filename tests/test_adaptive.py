@@ -184,6 +184,24 @@ def test_adaptive_split_options_reach_the_plans_that_run(options, lens, route, s
     assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
 
 
+def test_a_skewed_step_runs_the_balanced_rule_with_the_calibrated_budget():
+    """With skew_target_ctas set, a step one row dominates is planned by the balanced rule (the long
+    row cut into more tasks than the regime's fixed count gives it) and matches float64; a ragged
+    step that is not skewed keeps the fixed rule."""
+    calib = dataclasses.replace(CALIB, flashinfer_plan_us=1e4, skew_target_ctas=24)
+    engine = build_engine("adaptive", shape=SHAPE, device="cpu", policy=_policy(calib))
+    skewed = [4000] + [20, 33, 17, 40, 25, 31, 18]
+    step, q, k, v = inputs(skewed)
+    plan = engine.plan(step)
+    assert plan.decision.route == StepRoute(ROUTE_WORKQUEUE, 4, "balanced", target_ctas=24)
+    splits = schedule.row_splits(np.array(skewed), SHAPE.num_kv_heads, plan.decision.route.split_policy)
+    assert splits[0] > 4 and (splits[1:] == 1).all()  # more than the fixed rule's 4 for the long row
+    out = engine.run(q, k, v, plan)
+    assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
+    step, q, k, v = inputs([300, 40, 1000, 77, 500, 600, 700, 800])
+    assert engine.plan(step).decision.route == StepRoute(ROUTE_WORKQUEUE, 4)
+
+
 def test_adaptive_variants_reach_the_plans_that_run():
     calib = dataclasses.replace(CALIB, flashinfer_plan_us=1e4)
     policy = _policy(calib, variants=KernelVariants(bucket_mode="masked", merge="fused"))
