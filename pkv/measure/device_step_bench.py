@@ -126,25 +126,24 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
     lens = torch.from_numpy(step.seq_lens).cuda()
     rows = {}
 
-    host = PersistentKVEngine(shape, policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, splits)))
-    host.prepare(step, q, k, v)
-    plan = host.plan(step)
-    reference = host.run(q, k, v, plan)
-    # Device time of the kernels alone; wall and host time with the host plan each step needs.
-    rows["host_planned"] = _timed_row(lambda: host.run(q, k, v, host.plan(step)), flusher, reps,
-                                      device_fn=lambda: host.run(q, k, v, plan))
-    # The balanced split rule on a budget of one wave of CTAs: every task about the same number of
-    # tiles, so a long row among short ones gets more splits than the fixed count (the skewed case,
-    # where the fixed count leaves some SMs two of the long row's CTAs and others one).
+    # The host-planned step on the case's fixed split count, then on the balanced split rule with a
+    # budget of one wave of CTAs: every task about the same number of tiles, so a long row among
+    # short ones gets more splits than the fixed count (the skewed case, where the fixed count
+    # leaves some SMs two of the long row's CTAs and others one). Device time of the kernels alone;
+    # wall and host time with the host plan each step needs.
     wave = WAVE_CTAS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count
-    balanced = PersistentKVEngine(shape, policy=PinnedRoutePolicy(
-        StepRoute(ROUTE_WORKQUEUE, splits, split_kind="balanced", target_ctas=wave)))
-    balanced.prepare(step, q, k, v)
-    balanced_plan = balanced.plan(step)
-    out = balanced.run(q, k, v, balanced_plan)
-    rows["host_planned_balanced"] = _timed_row(lambda: balanced.run(q, k, v, balanced.plan(step)), flusher, reps,
-                                               device_fn=lambda: balanced.run(q, k, v, balanced_plan), out=out,
-                                               reference=reference)
+    reference = None
+    for label, route in (("host_planned", StepRoute(ROUTE_WORKQUEUE, splits)),
+                         ("host_planned_balanced",
+                          StepRoute(ROUTE_WORKQUEUE, splits, split_kind="balanced", target_ctas=wave))):
+        host = PersistentKVEngine(shape, policy=PinnedRoutePolicy(route))
+        host.prepare(step, q, k, v)
+        plan = host.plan(step)
+        out = host.run(q, k, v, plan)
+        rows[label] = _timed_row(lambda host=host: host.run(q, k, v, host.plan(step)), flusher, reps,
+                                 device_fn=lambda host=host, plan=plan: host.run(q, k, v, plan),
+                                 out=None if reference is None else out, reference=reference)
+        reference = out if reference is None else reference
     rows["host_planned_balanced"]["target_ctas"] = wave
 
     # The step planned on the GPU, by each planner, over the block table and over page lists
