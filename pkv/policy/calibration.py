@@ -205,12 +205,22 @@ def load_calibration(path) -> Calibration:
 
 
 def recorded_profile(record: Mapping) -> str | None:
-    """The profile ("gpu" or "cpu") the run that wrote a calibration record ran under, from its
-    provenance's resolved config; None where the record does not say (a hand-written file)."""
+    """The profile ("gpu" or "cpu") the run that wrote a calibration record ran under: its
+    provenance's resolved config says, else its measurements (marked not a performance result on
+    the CPU profile), else its source line; None where the record does not say (a hand-written
+    file). The one place a calibration's profile is read."""
     provenance = record.get("provenance")
-    config = provenance.get("config") if isinstance(provenance, Mapping) else None
+    provenance = provenance if isinstance(provenance, Mapping) else {}
+    config = provenance.get("config")
     profile = config.get("profile") if isinstance(config, Mapping) else None
-    return profile if isinstance(profile, str) else None
+    if isinstance(profile, str):
+        return profile
+    measured = provenance.get("measurements")
+    if isinstance(measured, Mapping) and isinstance(measured.get("performance_result"), bool):
+        return "gpu" if measured["performance_result"] else "cpu"
+    calib = record.get("calibration")
+    source = str(calib.get("source", "")) if isinstance(calib, Mapping) else ""
+    return "cpu" if "profile cpu" in source else None
 
 
 def load_calibration_record(path) -> tuple[Calibration, dict]:

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from pkv.policy.calibration import LEGACY_FIELDS, load_calibration, regime_field
+from pkv.policy.calibration import LEGACY_FIELDS, load_calibration, recorded_profile, regime_field
 from pkv.policy.regime import FEW_ROWS, MANY_ROWS, REGIMES, SINGLE_ROW
 from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER
 from pkv.refusal import exit_on_refusal
@@ -119,9 +119,7 @@ def context_gates(gates: dict, calib) -> list[str]:
 
 def profile_note(record: dict) -> str | None:
     """Why the fitted routes, gates and group sizes below read "not applied", where a profile says so."""
-    measured = (record.get("provenance") or {}).get("measurements") or {}
-    source = str((record.get("calibration") or {}).get("source", ""))
-    if measured.get("performance_result") is not False and "profile cpu" not in source:
+    if recorded_profile(record) != "cpu":
         return None
     # The conf/gpu file the run started from: cpu.yaml, or a GPU's file tried through the CPU profile.
     gpu = (((record.get("provenance") or {}).get("config") or {}).get("gpu") or {})

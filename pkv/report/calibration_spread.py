@@ -22,7 +22,7 @@ import yaml
 from pkv.atomic_io import write_text_atomic
 from pkv.measure.calibration_probe import trace_steps
 from pkv.pipeline.traces import synthetic_trace
-from pkv.policy.calibration import load_calibration_record, regime_field
+from pkv.policy.calibration import load_calibration_record, recorded_profile, regime_field
 from pkv.policy.choose import RoutePolicy
 from pkv.policy.regime import REGIMES
 from pkv.refusal import exit_on_refusal
@@ -46,9 +46,7 @@ def spread(paths: list[Path]) -> dict:
     loaded = [load_calibration_record(path) for path in paths]  # a bad file is a refusal naming it
     calibs = [calib for calib, _ in loaded]
     gpus = sorted({c.gpu for c in calibs})
-    # A calibration of the CPU profile says so in its measurements (pkv.experiments.calibrate).
-    cpu_profile = any(((record.get("provenance") or {}).get("measurements") or {}).get("performance_result") is False
-                      for _, record in loaded)
+    cpu_profile = any(recorded_profile(record) == "cpu" for _, record in loaded)
     decisions = []
     for regime in REGIMES:
         for param in DECISION_PARAMS:
