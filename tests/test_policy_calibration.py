@@ -165,3 +165,15 @@ def test_regime_lookup():
         "persistentkv_bucket", "flashinfer", "flashinfer", "persistentkv_workqueue", "persistentkv_workqueue"]
     with pytest.raises(ValueError, match="unknown regime"):
         PAPER.regime("b4")
+
+
+def test_a_calibrations_profile_is_read_from_its_config_then_its_measurements_then_its_source():
+    from pkv.policy.calibration import recorded_profile
+
+    assert recorded_profile({"provenance": {"config": {"profile": "gpu"},
+                                            "measurements": {"performance_result": False}}}) == "gpu"
+    assert recorded_profile({"provenance": {"measurements": {"performance_result": False}}}) == "cpu"
+    assert recorded_profile({"provenance": {"measurements": {"performance_result": True}}}) == "gpu"
+    assert recorded_profile({"calibration": {"source": "calibrate rule: seed 1, profile cpu (not ...)"}}) == "cpu"
+    assert recorded_profile({"calibration": {"source": "config"}, "provenance": None}) is None
+    assert recorded_profile({}) is None
