@@ -92,6 +92,10 @@ def test_gpu_constants_are_checked_by_the_calibration():
         compose(["out=x", "gpu.regimes.few_rows.route=diagonal"])
     with pytest.raises((ConfigError, CalibrationError), match=r"conf/gpu/cpu\.yaml: regimes\.many_rows\b.*margin=0"):
         compose(["out=x", "gpu.regimes.many_rows.margin=0"])
+    with pytest.raises((ConfigError, CalibrationError), match=r"skew_target_ctas.*4294967296"):
+        compose(["out=x", "gpu.skew_target_ctas=4294967296"])
+    with pytest.raises((ConfigError, CalibrationError), match=r"skew_target_ctas=-1"):
+        compose(["out=x", "gpu.skew_target_ctas=-1"])
 
 
 def test_every_gpu_option_is_in_the_regimes_form():

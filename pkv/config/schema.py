@@ -308,6 +308,8 @@ GPU_BOUNDS: Dict[str, Bound] = {
     "persistentkv_plan_us": Bound(0, 1e6, "microseconds per step"),
     "flashinfer_ctas_per_row_head": Bound(0, 1024, "CTAs per (row, KV head)", lo_open=True),
     "supported_group_sizes": HEADS,
+    "uniform_target_ctas": Bound(0, 2**31 - 1, "CTAs of one step; a plan indexes its tasks in int32"),
+    "skew_target_ctas": Bound(0, 2**31 - 1, "CTAs of one step; a plan indexes its tasks in int32"),
     "regimes.*.num_splits": SPLITS,
     "regimes.*.min_context_tokens": Bound(0, MAX_CONTEXT_TOKENS, "tokens; see MAX_CONTEXT_TOKENS"),
     "regimes.*.margin": Bound(0, 100, "estimated speedup a route needs", lo_open=True),
