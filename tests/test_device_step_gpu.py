@@ -405,6 +405,47 @@ class _RouteByBatch:
         return RouteDecision(route, "test", {})
 
 
+def test_a_calibrated_policy_replays_the_skew_rule_and_the_fixed_rule_in_one_bucket():
+    """The route policy with skew_target_ctas: a step one row dominates replays the balanced rule's
+    graph, the others of the same bucket the fixed rule's; every replay with fresh lengths matches
+    float64 and plans the tasks the host planner gives the same route."""
+    from pkv.engines.device_step import device_step_config
+    from pkv.engines.routed_graphs import RoutedGraphStep
+    from pkv.policy import Calibration, RegimeParams, RoutePolicy
+
+    pytest.importorskip("flashinfer")
+    shape = ModelShape()
+    open_regime = RegimeParams("persistentkv_workqueue", 16, 0, 0.1)  # every step on the workqueue
+    calib = Calibration(gpu="h200", num_sms=132, beta_gbps=4300.0, lambda_us=5.0, c_min=0.25,
+                        single_row=RegimeParams("persistentkv_bucket", 16, 0, 0.1), few_rows=open_regime,
+                        many_rows=open_regime, skew_target_ctas=264)
+    policy = RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
+                         head_dim=shape.head_dim)
+    rng = np.random.default_rng(23)
+    max_pages = 4200
+    k, v = _pool(shape, torch.float16, 30000, seed=11)
+    routed = RoutedGraphStep(policy, shape, k, v, max_pages=max_pages, batch_buckets=(8,), debug_checks=True)
+    batches = [([60000, 17, 100, 5, 33, 16, 1, 2000], "balanced"), ([20000, 20000, 17, 1, 4097, 65], "fixed"),
+               ([4000] * 8, "fixed"), ([33000, 1, 15, 16, 17], "balanced"), ([5000, 5000, 100], "fixed"),
+               ([9000, 10, 20], "balanced")]
+    for trial, (lengths, kind) in enumerate(batches * 2):
+        step, table, lens = _tables(lengths, 30000, max_pages, rng)
+        q = make_queries(len(lengths), shape, torch.float16, "cuda", seed=300 + trial)
+        buffers = routed.buffers(len(lengths))
+        buffers.q.copy_(q)
+        buffers.block_table.copy_(table)
+        buffers.seq_lens.copy_(lens)
+        buffers.out.fill_(float("nan"))
+        out = routed.run(step.seq_lens).clone()
+        torch.cuda.synchronize()
+        _check(out, step, q, k, v, torch.float16)
+        route = routed.last_route
+        assert route.split_kind == kind and route.target_ctas == (264 if kind == "balanced" else 0), (trial, route)
+        host = plan_workqueue(step, shape.num_kv_heads, shape.group_size, route.split_policy)
+        graph_counts = routed._graphed(device_step_config(route)).step.counts.tolist()
+        assert graph_counts == [host.num_tasks, host.max_splits], (trial, lengths)
+
+
 @pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
 @pytest.mark.parametrize("planner", ["plan_kernel", "in_decode", "balanced"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
