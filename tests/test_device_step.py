@@ -350,7 +350,7 @@ def test_a_device_step_refuses_a_split_rule_its_planner_cannot_run():
     from pkv.policy.route import ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
     from pkv.shape import ModelShape
 
-    with pytest.raises(ValueError, match="the 'balanced' split rule needs planner 'plan_kernel'"):
+    with pytest.raises(ValueError, match="the 'balanced' split rule, which planner 'in_decode' cannot run"):
         DeviceDecodeStep(ModelShape(), max_batch=2, num_splits=2, device="cpu", planner="in_decode",
                          split_kind="balanced")
     with pytest.raises(ValueError, match="split_kind must be one of"):

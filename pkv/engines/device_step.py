@@ -80,12 +80,19 @@ def device_step_config(route, planner: str | None = None) -> DeviceStepConfig:
     workqueue = route.name == ROUTE_WORKQUEUE
     planner = planner or device_planner(route.name)
     split_kind = route.split_kind if workqueue else "fixed"
-    if split_kind != "fixed" and planner != "plan_kernel":
-        raise ValueError(f"device step: the route {describe_route(route)} (S={route.num_splits}) names the "
-                         f"{split_kind!r} split rule, which planner {planner!r} cannot run (its grid gives every row "
-                         f"the same split count); pin planner 'plan_kernel', or none")
+    check_planner_runs_rule(planner, split_kind,
+                            f"device step: the route {describe_route(route)} (S={route.num_splits}) names")
     return DeviceStepConfig(int(route.num_splits), device_merge(route.merge), planner, split_kind,
                             int(route.target_ctas) if workqueue else 0)
+
+
+def check_planner_runs_rule(planner: str, split_kind: str, where: str) -> None:
+    """Refuse a split rule the planner cannot run: the in-decode grid gives every row the same
+    split count, so only the plan kernel runs a rule other than the fixed one. ``where`` opens the
+    error with what named the pair."""
+    if split_kind != "fixed" and planner != "plan_kernel":
+        raise ValueError(f"{where} the {split_kind!r} split rule, which planner {planner!r} cannot run (its grid "
+                         f"gives every row the same split count); it needs planner 'plan_kernel'")
 
 
 def check_lengths(host_lens, row_pages, page_size: int, where: str = "DeviceDecodeStep") -> None:
@@ -124,9 +131,7 @@ class DeviceDecodeStep:
             raise ValueError(f"DeviceDecodeStep: target_ctas must be in 0..2^31-1, got {target_ctas!r}")
         if split_kind not in SPLIT_KINDS:
             raise ValueError(f"DeviceDecodeStep: split_kind must be one of {SPLIT_KINDS}, got {split_kind!r}")
-        if split_kind != "fixed" and planner != "plan_kernel":
-            raise ValueError(f"DeviceDecodeStep: the {split_kind!r} split rule needs planner 'plan_kernel' (the "
-                             f"{planner!r} grid gives every row num_splits splits)")
+        check_planner_runs_rule(planner, split_kind, "DeviceDecodeStep: the step names")
         check_ring_stages(stages, device, "DeviceDecodeStep")
         self.shape = shape
         self.max_batch = int(max_batch)
