@@ -237,11 +237,18 @@ def row_splits(seq_lens, num_kv_heads: int, policy: SplitPolicy) -> np.ndarray:
     return _row_splits_from_tiles(n, int(num_kv_heads), policy).astype(np.int32)
 
 
+def balanced_tiles_per_task(total_tiles: int, live_rows: int, num_kv_heads: int, policy: SplitPolicy) -> int:
+    """The balanced rule's tiles per task for a step of ``live_rows`` rows with tokens holding
+    ``total_tiles`` tiles in all (SplitPolicy): the one place the rule's budget is divided, which
+    the cost model's fast paths call with their own counts (csrc/split_rule.h is the kernel's)."""
+    target = policy.target_ctas or max(int(live_rows), 1) * int(num_kv_heads) * policy.num_splits
+    return max(policy.min_tiles_per_split, -(-int(total_tiles) * int(num_kv_heads) // target))
+
+
 def _requested_splits(n: np.ndarray, num_kv_heads: int, policy: SplitPolicy) -> np.ndarray:
     if policy.kind == "fixed":
         return np.minimum(policy.num_splits, n)
-    target = policy.target_ctas or max(int(np.count_nonzero(n)), 1) * num_kv_heads * policy.num_splits
-    tiles_per_task = max(policy.min_tiles_per_split, int(_ceil_div(int(n.sum()) * num_kv_heads, target)))
+    tiles_per_task = balanced_tiles_per_task(int(n.sum()), int(np.count_nonzero(n)), num_kv_heads, policy)
     return np.clip(_ceil_div(n, tiles_per_task), 1, policy.max_splits)
 
 

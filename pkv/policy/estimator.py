@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pkv.pipeline.counters import PARTIAL_STATE_BYTES
-from pkv.pipeline.schedule import TILE_TOKENS, nonempty_splits, row_splits, row_tiles
+from pkv.pipeline.schedule import TILE_TOKENS, balanced_tiles_per_task, nonempty_splits, row_splits, row_tiles
 from pkv.policy.calibration import Calibration
 from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, StepRoute
 
@@ -123,11 +123,10 @@ class Estimator:
             if policy.kind == "fixed":  # rows past the table's reach: the planner's own rule
                 splits = row_splits(lens, hkv, policy).astype(np.int64)
             else:
-                # The balanced rule of pkv.pipeline.schedule.row_splits, inlined: its general form
-                # costs 7 us more a step at 256 rows, and this runs on every decode step.
+                # The balanced rule of pkv.pipeline.schedule.row_splits in three array operations: its
+                # general form costs 7 us more a step at 256 rows, and this runs on every decode step.
                 tiles = (lens + (TILE_TOKENS - 1)) // TILE_TOKENS
-                target = policy.target_ctas or max(int(np.count_nonzero(tiles)), 1) * hkv * policy.num_splits
-                per_task = max(policy.min_tiles_per_split, -(-int(tiles.sum()) * hkv // target))
+                per_task = balanced_tiles_per_task(int(tiles.sum()), int(np.count_nonzero(tiles)), hkv, policy)
                 requested = np.minimum(np.maximum(-(-tiles // per_task), 1), policy.max_splits)
                 splits = -(-tiles // -(-tiles // requested))
             merged_rows = int(splits[splits > 1].sum())
@@ -168,8 +167,7 @@ class Estimator:
             cap = policy.num_splits
             requested = [cap if cap < n else n for n in tiles]
         else:
-            target = policy.target_ctas or max(sum(1 for n in tiles if n), 1) * self.hkv * policy.num_splits
-            per_task = max(policy.min_tiles_per_split, -(-sum(tiles) * self.hkv // target))
+            per_task = balanced_tiles_per_task(sum(tiles), sum(1 for n in tiles if n), self.hkv, policy)
             requested = [min(max(-(-n // per_task), 1), policy.max_splits) for n in tiles]
         # Splits past ceil(n / ceil(n / s)) would own no tiles (schedule.nonempty_splits).
         return [-(-n // -(-n // s)) for n, s in zip(tiles, requested)]
