@@ -118,8 +118,12 @@ def test_a_uniform_trace_fits_the_cap_in_ctas_and_only_below_the_regimes_split_c
     assert sweep.uniform_target_ctas({MANY_ROWS: {"num_splits": 4}}) == 0
     sweep.calib = START.with_regime(MANY_ROWS, num_splits=3)
     assert sweep.uniform_target_ctas({}) == 0
-    sweep._uniform.append(_swept("homogeneous_b4", 4, FEW_ROWS, {4: 100.0}, 99.0))
-    with pytest.raises(ConfigError, match="need one max_active and a shared split candidate"):
+    # The uniform traces are fitted together, over the split counts they share.
+    sweep._uniform.append(_swept("homogeneous_b8_other", 8, MANY_ROWS, {6: 100.0, 24: 80.0}, 99.0))
+    assert sweep.uniform_target_ctas({MANY_ROWS: {"num_splits": 24}}) == 0  # 24 is the fastest of 6 and 24
+    assert sweep.records["homogeneous_b8"]["fitted_with"] == ["homogeneous_b8", "homogeneous_b8_other"]
+    sweep._uniform[1] = _swept("homogeneous_b8_other", 8, MANY_ROWS, {16: 100.0}, 99.0)
+    with pytest.raises(ConfigError, match="share no split candidate"):
         sweep.uniform_target_ctas({})
 
 

@@ -249,13 +249,9 @@ class _SplitSweep:
         if not self._uniform:
             return None
         field = "uniform_target_ctas"
-        problem = f"the traces that fit {field} need one max_active and a shared split candidate"
-        batches = {t["max_active"] for t in self._uniform}
-        if len(batches) > 1:
-            raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' = "
-                              f"{[t['name'] for t in self._uniform]}: {problem}")
-        _, split_fit = self._fit_splits(self._uniform, field, problem)
-        (batch,) = batches
+        # One max_active and a shared split candidate: pkv.config.checks refuses any other set.
+        _, split_fit = self._fit_splits(self._uniform, field, f"the traces that fit {field} share no split candidate")
+        batch = self._uniform[0]["max_active"]
         regime_splits = points.get(regime_of(batch), {}).get("num_splits",
                                                              self.calib.regime(regime_of(batch)).num_splits)
         target = split_fit.num_splits * batch * self.shape.num_kv_heads if split_fit.num_splits < regime_splits else 0
