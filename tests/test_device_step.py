@@ -635,4 +635,9 @@ def test_the_benchmark_repeats_an_eager_steps_op_calls_alone(reference_ops, plan
     out.fill_(float("nan"))
     launches()
     assert torch.equal(out, want)
+    # Each op call alone, by name: the plan kernel's planner plans, then decodes; the in-decode grid
+    # decodes, then merges.
+    assert [name for name, _ in launches.by_op] == (
+        ["plan_workqueue_on_device", "run_workqueue_planned_on_device"] if planner == "plan_kernel"
+        else ["bucket_decode", "merge_states"])
     torch.testing.assert_close(out.double(), _float64(step, q, k, v), rtol=1e-5, atol=1e-5)

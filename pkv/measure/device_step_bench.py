@@ -20,6 +20,8 @@ launch_host_us for the step's op calls alone (dispatch and launch), so the rest 
 
 from __future__ import annotations
 
+import functools
+
 import sys
 
 import numpy as np
@@ -83,6 +85,9 @@ def _timed_row(fn, flusher, reps, *, out=None, reference=None, device_fn=None, r
         row["replay_host_us"] = time_host_us(replay, reps=reps)
     if launches is not None:
         row["launch_host_us"] = time_host_us(launches, reps=reps)
+        # Each op call alone: which launch's host cost grows with the batch (docs/performance.md,
+        # "Where the eager device step's host time goes").
+        row["launch_host_us_by_op"] = {name: time_host_us(call, reps=reps) for name, call in launches.by_op}
     if out is not None:
         row["max_abs_diff_vs_host"] = float((out.float() - reference.float()).abs().max())
     return row
@@ -98,23 +103,36 @@ class _OpRecorder:
         op = getattr(self._ops, name)
 
         def record(*args, **kwargs):
-            self.calls.append((op, args, kwargs))
+            self.calls.append((name, functools.partial(op, *args, **kwargs)))
             return op(*args, **kwargs)
         return record
 
 
-def _recorded_launches(workspace: DeviceDecodeStep, step_fn):
-    """A callable that repeats the op calls one eager ``step_fn`` made on ``workspace``, with the
-    same tensors and none of the Python checks around them: the dispatch and launch share of the
-    step's host time."""
+class _RecordedLaunches:
+    """The op calls of one eager step, repeatable: called, it makes them all in order; ``by_op``
+    holds (op name, call) of each, numbered where an op is called twice."""
+
+    def __init__(self, calls) -> None:
+        names = [name for name, _ in calls]
+        self.by_op = [(f"{name}#{names[:i].count(name) + 1}" if names.count(name) > 1 else name, call)
+                      for i, (name, call) in enumerate(calls)]
+
+    def __call__(self) -> None:
+        for _, call in self.by_op:
+            call()
+
+
+def _recorded_launches(workspace: DeviceDecodeStep, step_fn) -> _RecordedLaunches:
+    """The op calls one eager ``step_fn`` made on ``workspace``, repeatable with the same tensors
+    and none of the Python checks around them: the dispatch and launch share of the step's host
+    time, in all and per op."""
     ops, recorder = workspace.ops, _OpRecorder(workspace.ops)
     workspace.ops = recorder
     try:
         step_fn()
     finally:
         workspace.ops = ops
-    calls = recorder.calls
-    return lambda: [op(*args, **kwargs) for op, args, kwargs in calls]
+    return _RecordedLaunches(recorder.calls)
 
 
 def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> dict:
