@@ -101,3 +101,31 @@ def test_pages_stored_nhd_hold_the_same_values_with_the_token_stride_of_nhd():
     q = make_queries(2, shape, torch.float32, "cpu", seed=4)
     assert torch.equal(dense_decode(q.double(), nhd.double(), nhd.double(), step_lens, table),
                        dense_decode(q.double(), k.double(), k.double(), step_lens, table))
+
+
+def test_pages_are_drawn_in_chunks_that_bound_the_temporaries_and_one_chunk_draws_the_whole_pool(monkeypatch):
+    """A pool within one chunk draws the bits of one draw of all its pages (keys, values, needles,
+    strengths, in that order); a pool of several chunks is as reproducible and as peaked."""
+    import pkv.measure.kv_data as kv_data
+
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=16)
+    k, v = make_kv_pages(6, shape, 4, torch.float64, "cpu", seed=7)
+    gen = torch.Generator().manual_seed(7)
+    dims = (6, 2, 4, 16)
+    keys, values = torch.randn(dims, generator=gen), torch.randn(dims, generator=gen) * kv_data.VALUE_STD
+    needle = torch.rand(dims[:3], generator=gen) < 1.0 / kv_data.NEEDLE_EVERY
+    strength = torch.empty(dims[:3]).exponential_(generator=gen) * kv_data.NEEDLE_SCALE
+    u = kv_data.attention_directions(shape)
+    keys = keys + torch.where(needle, strength, torch.zeros_like(strength))[..., None] * u[None, :, None, :]
+    assert torch.equal(k, keys.double()) and torch.equal(v, values.double())
+
+    monkeypatch.setattr(kv_data, "GENERATION_CHUNK_ELEMENTS", 2 * 4 * 16 * 2)  # two pages a chunk
+    big = make_kv_pages(301, shape, 4, torch.float32, "cpu", seed=7)
+    again = make_kv_pages(301, shape, 4, torch.float32, "cpu", seed=7)
+    assert all(torch.equal(a, b) for a, b in zip(big, again))
+    assert big[0].shape == (301, 2, 4, 16) and torch.isfinite(big[0]).all() and torch.isfinite(big[1]).all()
+    # Every chunk draws its own keys: no two chunks repeat.
+    assert not torch.equal(big[0][:2], big[0][2:4])
+    # Needles along u in every part of the pool: scores along u reach well above the noise.
+    along = torch.einsum("phtd,hd->pht", big[0], u)
+    assert float(along.max()) > 5.0 and abs(float(big[1].std()) - kv_data.VALUE_STD) < 0.02

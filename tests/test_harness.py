@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from pkv.measure import harness
 from pkv.engines.reference import ReferenceEngine
@@ -109,6 +110,34 @@ def test_run_trace_stops_when_an_engine_disagrees_with_the_baseline():
     broken = {"sdpa": SdpaEngine(SHAPE, "cpu"), "broken": DropsLastTile(SHAPE)}
     with pytest.raises(CorrectnessError, match="'broken' disagrees with baseline 'sdpa'"):
         run_trace(tiny_spec(), SHAPE, broken, "sdpa", progress=False)
+
+
+class OffByRounding(SdpaEngine):
+    """Another library's kernel that rounds differently: one output element off by 4e-3, twice
+    the paper's max |e|, which is far below a wrong output's relative error."""
+
+    def run(self, q, k_pages, v_pages, plan):
+        out = super().run(q, k_pages, v_pages, plan).clone()
+        out.view(-1)[0] += 4e-3
+        return out
+
+
+def test_the_papers_bound_binds_the_engines_under_study_and_other_baselines_are_held_to_the_relative_limit(
+        monkeypatch):
+    # The float16 limit, so that one element's 4e-3 is a rounding difference at this tiny shape.
+    monkeypatch.setitem(harness.REF_REL_LIMIT, torch.float32, 1e-2)
+    engines = {"sdpa": SdpaEngine(SHAPE, "cpu"), "other": OffByRounding(SHAPE, "cpu")}
+    results = run_trace(tiny_spec(), SHAPE, engines, "sdpa", progress=False)
+    assert results["other"]["max_abs_err"] == pytest.approx(4e-3, rel=1e-3)  # recorded, not refused
+    held = OffByRounding(SHAPE, "cpu")
+    held.held_to_paper_bound = True
+    with pytest.raises(CorrectnessError, match=r"'held' disagrees with baseline 'sdpa'.*bound 0.002"):
+        run_trace(tiny_spec(), SHAPE, {"sdpa": SdpaEngine(SHAPE, "cpu"), "held": held}, "sdpa", progress=False)
+    # A wrong output is refused whoever computed it.
+    broken = DropsLastTile(SHAPE)
+    broken.held_to_paper_bound = False
+    with pytest.raises(CorrectnessError, match=r"'broken' disagrees with baseline 'sdpa'.*bound 1e-02"):
+        run_trace(tiny_spec(), SHAPE, {"sdpa": SdpaEngine(SHAPE, "cpu"), "broken": broken}, "sdpa", progress=False)
 
 
 def test_run_trace_with_mlp_tail_and_progress(monkeypatch, capsys):

@@ -42,6 +42,8 @@ class AdaptivePlan:
 class AdaptiveEngine(Engine):
     """Asks the route policy per step, then plans and runs the route it chose."""
 
+    held_to_paper_bound = True
+
     def __init__(self, policy, persistent: Engine, fallback: Engine) -> None:
         if not hasattr(persistent, "plan_route"):
             raise ValueError(

@@ -51,6 +51,14 @@ class Engine:
 
     name: str = "engine"
     implementation: str = "engine"
+    # Whether the paper's serving bound against the baseline's output (pkv.measure.accuracy:
+    # max |e| 2e-3, mean |e| 3e-4) binds this engine on every step: it does for the engines under
+    # study (PersistentKV's routes and what stands in for them). Another library's kernel, held to
+    # it, would fail a run for its own rounding: XQA, at about 4e-4 relative error against float64
+    # (FlashInfer 3e-4), differs from FlashInfer by 2-4e-3 on a few outputs of some H200 runs. Such
+    # baselines are held to the float64 check and to the same relative limit against the
+    # baseline's output (pkv.measure.harness.REF_REL_LIMIT); their max |e| is still recorded.
+    held_to_paper_bound: bool = False
 
     def prepare(self, step, q, k_pages, v_pages) -> None:
         """Untimed one-off work before a step is timed (kernel JIT, variant probes).

@@ -220,6 +220,7 @@ class DevicePlan:
 
 class PersistentKVEngine(Engine):
     name = "persistentkv"
+    held_to_paper_bound = True
 
     def __init__(self, shape, *, policy=None, device: str = "cuda", cuda_graph: bool = False, stages: int = 2,
                  planner: str = "native"):

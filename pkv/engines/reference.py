@@ -144,6 +144,8 @@ def _compute_dtype(q: torch.Tensor, k_pages: torch.Tensor) -> torch.dtype:
 class ReferenceEngine(Engine):
     """PersistentKV's routes executed with torch ops (same constructor as the CUDA engine)."""
 
+    held_to_paper_bound = True
+
     def __init__(self, shape, *, policy=None, device="cpu", planner: str = "host") -> None:
         if planner not in ("host", "device"):
             raise ValueError(f"ReferenceEngine: planner must be 'host' or 'device', got {planner!r}")

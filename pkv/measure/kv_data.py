@@ -22,6 +22,11 @@ NEEDLE_EVERY = 64
 NEEDLE_SCALE = 2.5
 # Value vectors are scaled so fp16 outputs keep rounding well below the paper's 2e-3 bound.
 VALUE_STD = 0.5
+# Pages are drawn in chunks of about this many elements a tensor, so the float32 temporaries of a
+# pool of gigabytes stay a few hundred MB: a model step holds one pool per layer and sizes its
+# layers to the free memory, and a whole-pool draw needed three more pools' worth at its peak.
+# A pool within one chunk draws the same bits as one draw of all its pages.
+GENERATION_CHUNK_ELEMENTS = 1 << 24
 
 _DTYPES = {
     "float16": torch.float16,
@@ -72,17 +77,24 @@ def make_kv_pages(num_pages, shape, page_size, dtype, device, seed, peaked=True,
     device = torch.device(device)
     gen = _generator(seed, device)
     dims = (num_pages, shape.num_kv_heads, page_size, shape.head_dim)
-    keys = torch.randn(dims, generator=gen, device=device)
-    values = torch.randn(dims, generator=gen, device=device) * VALUE_STD
-    if peaked:
-        u = attention_directions(shape, direction_seed).to(device)
-        needle = torch.rand(dims[:3], generator=gen, device=device) < 1.0 / NEEDLE_EVERY
-        strength = torch.empty(dims[:3], device=device).exponential_(generator=gen) * NEEDLE_SCALE
-        # Queries have norm sqrt(d) along u and scores carry 1/sqrt(d), so a needle of
-        # strength s adds about s to its score.
-        boost = torch.where(needle, strength, torch.zeros_like(strength))
-        keys = keys + boost[..., None] * u[None, :, None, :]
-    return keys.to(dtype), values.to(dtype)
+    k_pages = torch.empty(dims, dtype=dtype, device=device)
+    v_pages = torch.empty(dims, dtype=dtype, device=device)
+    u = attention_directions(shape, direction_seed).to(device) if peaked else None
+    chunk = max(1, GENERATION_CHUNK_ELEMENTS // math.prod(dims[1:]))
+    for start in range(0, num_pages, chunk):
+        part = (min(chunk, num_pages - start), *dims[1:])
+        keys = torch.randn(part, generator=gen, device=device)
+        values = torch.randn(part, generator=gen, device=device) * VALUE_STD
+        if peaked:
+            needle = torch.rand(part[:3], generator=gen, device=device) < 1.0 / NEEDLE_EVERY
+            strength = torch.empty(part[:3], device=device).exponential_(generator=gen) * NEEDLE_SCALE
+            # Queries have norm sqrt(d) along u and scores carry 1/sqrt(d), so a needle of
+            # strength s adds about s to its score.
+            boost = torch.where(needle, strength, torch.zeros_like(strength))
+            keys = keys + boost[..., None] * u[None, :, None, :]
+        k_pages[start:start + part[0]] = keys
+        v_pages[start:start + part[0]] = values
+    return k_pages, v_pages
 
 
 def make_queries(batch, shape, dtype, device, seed, peaked=True, *, direction_seed: int = 0):
