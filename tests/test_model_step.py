@@ -162,14 +162,17 @@ def test_cpu_profile_keeps_the_attention_and_shrinks_the_rest(tmp_path):
 
 
 def _write_run(root, trace, seed, ratio_adaptive, skipped_reason="not available: CUDA graphs need a CUDA device",
-               adaptive_routes=None):
+               adaptive_routes=None, rest_ms=7.0, host_ms=0.4):
+    """One run's model-step files: FlashInfer's eager step takes 10 ms, the adaptive one 10 /
+    ratio_adaptive; the rest of the model ``rest_ms`` and attention's read floor 2 ms."""
     run_id = uuid.uuid4().hex
     prov = {"git_commit": "a" * 40, "gpu_name": "FAKE-GPU"}
     model = {"name": "llama3_8b", "layers_run": 32, "layers_model": 32, "dtype": "float16"}
     for label, step_ms in (("flashinfer_eager", 10.0), ("adaptive_eager", 10.0 / ratio_adaptive)):
         metrics = {"cuda_ms_per_step": step_ms, "wall_ms_per_step": step_ms + 0.5, "cuda_tok_s": 8e3 / step_ms,
-                   "host_ms_per_step": 0.4, "attention_share": 0.3, "floor_step_ms_per_step": 9.0,
-                   "layers_run": 32, "layers_model": 32, "model": model}
+                   "host_ms_per_step": host_ms, "attention_share": (step_ms - rest_ms) / step_ms,
+                   "attention_cuda_ms_per_step": step_ms - rest_ms, "floor_attention_ms_per_step": 2.0,
+                   "floor_step_ms_per_step": rest_ms + 2.0, "layers_run": 32, "layers_model": 32, "model": model}
         if label == "adaptive_eager" and adaptive_routes:
             metrics["routes"] = adaptive_routes
         rec = result_envelope("model_step", {"name": trace}, label, baseline_engine="flashinfer_eager", run_id=run_id,
@@ -200,6 +203,30 @@ def test_table9_renders_ratios_ceiling_and_captured_fraction(tmp_path):
     tex = tables.render_table(9, root, "tex")
     assert r"\begin{table}" in tex and r"$1.060{\pm}0.014\times$" in tex
     json.dumps(table9(root)["blocks"], default=str)
+
+
+def test_table9_leaves_out_the_share_and_ceiling_of_a_step_bound_by_its_host(tmp_path):
+    """An eager step whose device waits on the host: the step less the same step without attention
+    (here 10 - 9.5 ms) is below attention's read floor (2 ms), so no share or ceiling is shown; the
+    ratios stay."""
+    from pkv.report.table_data.model_step import HOST_BOUND
+
+    root = tmp_path / "artifacts"
+    _write_run(root, "bimodal_b8", 20260623, 1.02, rest_ms=9.5)
+    _write_run(root, "bimodal_b8", 20260624, 1.04, rest_ms=7.0)  # one seed separable: still left out
+    ctx = table9(root)
+    rows = {r["label"]: r for r in ctx["blocks"][0]["rows"]}
+    adaptive = rows["adaptive_eager"]
+    assert adaptive["cuda"].mean == pytest.approx(1.03)
+    for key in ("attention_share", "ceiling", "captured"):
+        assert adaptive[key].reason == HOST_BOUND
+    assert rows["flashinfer_eager"]["ceiling"].reason == HOST_BOUND
+    assert "bound by its host" in tables.render_table(9, root, "md")
+    # Attention above its floor, but the host takes longer to issue the step than the device runs it.
+    root = tmp_path / "slow_host"
+    _write_run(root, "bimodal_b8", 20260623, 1.02, host_ms=12.0)
+    adaptive = {r["label"]: r for r in table9(root)["blocks"][0]["rows"]}["adaptive_eager"]
+    assert adaptive["ceiling"].reason == HOST_BOUND and adaptive["cuda"].mean == pytest.approx(1.02)
 
 
 def test_table9_names_rows_that_ran_flashinfer_and_one_reason_once(tmp_path):

@@ -24,6 +24,25 @@ ENGINE_ORDER = ("adaptive", "xqa", "flashinfer")
 MODE_ORDER = ("eager", "graph")
 MODE_LABELS = {"eager": "eager", "graph": "CUDA graph"}
 COLUMNS = ("tok_s", "step_ms", "attention_share", "host_ms", "cuda", "wall", "ceiling", "captured")
+# Why attention's share and the ceiling are left out where the step is bound by its host.
+HOST_BOUND = ("the step is bound by its host (its host time per step is at least its device time, or its "
+              "attention time comes out below the read floor): the device waits between launches, so the "
+              "step with attention left out is not shorter by attention's time, and attention's share and "
+              "the ceiling cannot be taken from it")
+
+
+def separable(rec: dict) -> bool:
+    """Whether a record's step splits into attention and the rest (the step less the same step
+    without attention): not where the host takes as long to issue the step as the device to run
+    it, nor where that difference is below the read floor of attention's KV, which no kernel
+    reaches. Either way the device waited on the host, as eager steps of a whole model do on a
+    fast GPU, and the difference is not attention's time."""
+    m = rec.get("metrics") or {}
+    attention, floor = m.get("attention_cuda_ms_per_step"), m.get("floor_attention_ms_per_step")
+    host, device = m.get("host_ms_per_step"), m.get("cuda_ms_per_step")
+    if None in (attention, floor, host, device):
+        return False
+    return host < device and attention >= floor
 
 
 def _label_parts(label: str) -> tuple[str, str]:
@@ -39,7 +58,8 @@ def _order(label: str) -> tuple:
 
 def row_values(seeds: dict, label: str, where: str, problems: list) -> dict[str, list]:
     """Per held-out seed: the row's own metrics and its ratios to the same-mode baseline of the same run."""
-    values: dict[str, list] = {k: [] for k in (*COLUMNS, "layers", "baseline_route_only")}
+    values: dict[str, Any] = {k: [] for k in (*COLUMNS, "layers", "baseline_route_only")}
+    values["undefined"] = {}  # column -> why it has no value on some seed
     for seed in sorted(seeds):
         records = {path.stem: rec for path, rec in seeds[seed]}
         rec = records.get(label)
@@ -52,7 +72,10 @@ def row_values(seeds: dict, label: str, where: str, problems: list) -> dict[str,
         m = rec["metrics"]
         values["tok_s"].append(metric(rec, "cuda_tok_s"))
         values["step_ms"].append(metric(rec, "cuda_ms_per_step"))
-        values["attention_share"].append(metric(rec, "attention_share"))
+        if separable(rec):
+            values["attention_share"].append(metric(rec, "attention_share"))
+        else:
+            values["undefined"]["attention_share"] = HOST_BOUND
         values["host_ms"].append(metric(rec, "host_ms_per_step"))
         values["layers"].append((m.get("layers_run"), m.get("layers_model")))
         base = records.get(rec.get("baseline_engine") or "")
@@ -66,14 +89,18 @@ def row_values(seeds: dict, label: str, where: str, problems: list) -> dict[str,
         if not all(v and v > 0 for v in (cuda, wall, mine_cuda, mine_wall, floor)):
             problems.append(f"{where} seed {seed}: step times missing or zero")
             continue
-        ratio, ceiling = cuda / mine_cuda, cuda / floor
+        ratio = cuda / mine_cuda
         values["cuda"].append(ratio)
         values["wall"].append(wall / mine_wall)
-        values["ceiling"].append(ceiling)
         # A routed engine whose every step took FlashInfer's route ran the baseline's kernels: its
         # ratio is FlashInfer against itself, and there is no gain to have captured.
         baseline_route_only = took_baseline_route_only([rec])
         values["baseline_route_only"].append(baseline_route_only)
+        if not separable(base):
+            values["undefined"]["ceiling"] = values["undefined"]["captured"] = HOST_BOUND
+            continue
+        ceiling = cuda / floor
+        values["ceiling"].append(ceiling)
         if label != rec.get("baseline_engine") and ceiling > 1 and not baseline_route_only:
             values["captured"].append((ratio - 1) / (ceiling - 1))
     return values
@@ -85,7 +112,10 @@ def _cells(values: dict, notes: Notes, label: str, problems: list) -> dict[str, 
     cells: dict[str, Any] = {}
     for key in COLUMNS:
         vals = [v for v in values[key] if v is not None]
-        if vals:
+        if key in values["undefined"]:
+            # Not a mean over the seeds where it happens to be defined: the column is left out.
+            cells[key] = notes.missing(values["undefined"][key])
+        elif vals:
             cells[key] = mean_std(vals, decimals[key], "×" if key in ("cuda", "wall", "ceiling") else "")
         elif key == "captured" and values["cuda"]:
             cells[key] = None  # the baseline's own row, or a ceiling at parity: nothing to capture
