@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pkv import ops
+from pkv.cuda_graphs import capture_graph
 from pkv.engines.persistentkv import check_ring_stages
 from pkv.page_table import PageLists, check_page_table, device_token_limits, host_row_pages, kernel_operands
 from pkv.pipeline.schedule import SPLIT_KINDS, max_workqueue_tasks, workqueue_split_policy
@@ -301,17 +302,14 @@ class GraphedDecodeStep:
 
     def _capture(self, key, static) -> tuple:
         static_q, static_table, static_lens, static_out = static
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # first launches outside capture: the shared-memory opt-in
-            self.step.run(static_q, self.k_pages, self.v_pages, static_table, static_lens, static_out)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         debug = None
-        with torch.cuda.graph(graph):
-            if self.debug_checks:
+
+        def step():
+            nonlocal debug
+            if self.debug_checks:  # the captured run's result tensor is the one replays write
                 debug = _first_out_of_range(static_lens, device_token_limits(static_table, self.k_pages.shape[2]))
             self.step.run(static_q, self.k_pages, self.v_pages, static_table, static_lens, static_out)
+        graph = capture_graph(step)
         self._graphs[key] = (graph, *static, debug)
         return self._graphs[key]
 

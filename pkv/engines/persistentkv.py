@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pkv import ops
+from pkv.cuda_graphs import capture_graph
 from pkv.engines.base import Engine, check_decode_inputs
 from pkv.pipeline.schedule import BucketLaunch, BucketPlan, SplitPolicy, WorkqueuePlan, plan_buckets, plan_workqueue
 from pkv.policy.choose import PinnedRoutePolicy, describe_policy, pinned_route
@@ -416,14 +417,7 @@ class _GraphedStep:
         self.plan = dataclasses.replace(plan, meta=plan.meta.clone())
         self.out = torch.empty_like(q)
         scratch = engine.scratch(plan, q.device)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up outside capture (smem opt-in, lazy init)
-            engine._launch(self.q, k_pages, v_pages, self.plan, self.out, *scratch)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            engine._launch(self.q, k_pages, v_pages, self.plan, self.out, *scratch)
+        self.graph = capture_graph(lambda: engine._launch(self.q, k_pages, v_pages, self.plan, self.out, *scratch))
         self.scratch = scratch
 
     def replay(self, q, plan: DevicePlan) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 
 from pkv.engines.device_step import (PLANNERS, DeviceDecodeStep, DeviceStepConfig, GraphedDecodeStep, check_lengths,
                                      device_step_config)
+from pkv.cuda_graphs import capture_graph
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.page_table import PageLists, host_row_entries, list_lengths
 from pkv.policy.route import ROUTE_FLASHINFER
@@ -223,13 +224,6 @@ class RoutedGraphStep:
                                         self.use_tensor_cores)
         path.plan(host_lens, host_table, full.q.dtype, self.k_pages.dtype)
         if graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # first run outside capture: kernel loading and JIT
-                path.run(full, self.k_pages, self.v_pages)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                path.run(full, self.k_pages, self.v_pages)
+            graph = capture_graph(lambda: path.run(full, self.k_pages, self.v_pages))
             self._flashinfer[bucket] = (path, graph)
         graph.replay()

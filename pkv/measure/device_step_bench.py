@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from pkv.atomic_io import write_json_atomic
+from pkv.cuda_graphs import capture_graph
 from pkv.engines import build_engine
 from pkv.engines.device_step import PLANNERS, DeviceDecodeStep, GraphedDecodeStep
-from pkv.engines.flashinfer import BEST_OF_ROLES
+from pkv.engines.flashinfer import BEST_OF_ROLES, FlashInferGraphDecode
 from pkv.engines.persistentkv import PersistentKVEngine
 from pkv.engines.routed_graphs import RoutedGraphStep
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
@@ -50,7 +51,10 @@ K = 1024
 PLANNER_ROWS = {"plan_kernel": "device_planned", "in_decode": "in_decode"}
 ROWS = ("host_planned", "host_planned_balanced",
         *(f"{PLANNER_ROWS[p]}{suffix}" for p in PLANNERS for suffix in ("", "_lists", "_graph")),
-        "device_planned_balanced", "device_planned_balanced_graph", "routed_graph", "flashinfer")
+        "device_planned_balanced", "device_planned_balanced_graph", "routed_graph", "flashinfer",
+        "flashinfer_graph_tc", "flashinfer_graph_cc")
+# FlashInfer's CUDA-graph rows: row name -> tensor cores.
+FLASHINFER_GRAPH_ROWS = {"flashinfer_graph_tc": True, "flashinfer_graph_cc": False}
 # The balanced rule's budget: one wave of the stages = 2 decode kernels, three CTAs an SM
 # (docs/performance.md, "Register spills at stages = 2").
 WAVE_CTAS_PER_SM = 3
@@ -59,6 +63,9 @@ WAVE_CTAS_PER_SM = 3
 CASES = {
     "b1_32k": ([32 * K], 32, ROUTE_BUCKET),
     "b1_128k": ([128 * K], 32, ROUTE_BUCKET),
+    # One long row and three short ones, like Table 9's bimodal B4 steps (docs/performance.md, "Table 9:
+    # the model-shaped step"), at the H200's calibrated B2-7 split count.
+    "b4_bimodal": ([64 * K, 4 * K, 7 * K, 8704], 24, ROUTE_WORKQUEUE),
     "b8_bimodal": ([64 * K, 64 * K, 4 * K, 5632, 7 * K, 8704, 10 * K, 12 * K], 24, ROUTE_WORKQUEUE),
     # The same with a ninth, short row: the in-decode grid's CTAs of one row lie B apart in launch
     # order, which is a multiple of the GPU's 8 GPCs at B8 and not at B9 (docs/performance.md, "The
@@ -212,6 +219,24 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
             best = (label, device_us, time_wall_us(lambda: engine.run(q, k, v, engine.plan(step)), reps=reps),
                     time_host_us(lambda: engine.run(q, k, v, engine.plan(step)), reps=reps))
     rows["flashinfer"] = {"path": best[0], "device_us": best[1], "wall_us": best[2], "host_us": best[3]}
+
+    # FlashInfer's CUDA-graph mode, as serving engines and Table 9's graph rows run it: its decode
+    # wrapper on tensor and on CUDA cores, planned on the host every step outside the graph, the
+    # graph replayed (the holistic path has no graph mode). Device time of the replay alone.
+    for label, tensor_cores in FLASHINFER_GRAPH_ROWS.items():
+        decode = FlashInferGraphDecode(shape, len(lengths), table.shape[1], 16, q.device, tensor_cores)
+        fi_out = torch.empty_like(q)
+
+        def plan_on_host(decode=decode):
+            decode.plan(step.kv_indptr, step.kv_indices, step.kv_last_page_len, q.dtype, k.dtype)
+        plan_on_host()
+        graph = capture_graph(lambda decode=decode, fi_out=fi_out: decode.run(q, k, v, out=fi_out))
+
+        def planned_replay(graph=graph, plan_on_host=plan_on_host):
+            plan_on_host()
+            graph.replay()
+        rows[label] = _timed_row(planned_replay, flusher, reps, device_fn=graph.replay, replay=graph.replay,
+                                 out=fi_out, reference=reference)
     log(f"{name:<11} S={splits:<3}" + "".join(
         f"{label:>22} {r['device_us']:7.1f} / {r['wall_us']:7.1f} / {r['host_us']:6.1f}" for label, r in rows.items()))
     return {"seq_lens": list(map(int, lengths)), "num_splits": splits, "routed_route": route, "engines": rows}
@@ -221,7 +246,7 @@ def main(argv=None) -> int:
     args = bench_parser(__doc__, CASES, reps=30, seed=20260622).parse_args(argv)
     config = {"cases": args.cases, "reps": args.reps}
     if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/7", config, args.seed)
+        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/8", config, args.seed)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -230,7 +255,7 @@ def main(argv=None) -> int:
     flusher = L2Flusher("cuda")
     cases = {name: run_case(name, *CASES[name], ModelShape(), flusher, args.reps, args.seed, log)
              for name in args.cases}
-    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/7", "cases": cases,
+    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/8", "cases": cases,
                                  "provenance": collect_provenance(config=config, seed=args.seed)})
     return 0
 

@@ -24,6 +24,7 @@ import torch
 
 from pkv.engines.base import EngineUnavailable, upload_block_table
 from pkv.engines.device_step import PLANNER_LABELS, DeviceDecodeStep, device_planner, device_step_config
+from pkv.cuda_graphs import capture_graph
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.measure.model_step import ModelStep, skip_attend
 from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE
@@ -119,14 +120,9 @@ class GraphPath:
             self.prologue(key, static)
             return self.model.forward(static.x, static.table, static.lens, attend)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # first launches outside capture: JIT loads, shared-memory opt-ins
-            body()
-        torch.cuda.current_stream().wait_stream(side)
-        static.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(static.graph):
-            static.out = body()
+        def captured():
+            static.out = body()  # the graph's output buffer: the captured run's is the one replays write
+        static.graph = capture_graph(captured)
         self._static[key] = static
 
     def prepare(self, step, x) -> None:
