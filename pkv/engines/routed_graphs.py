@@ -28,9 +28,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pkv.cuda_graphs import capture_graph
 from pkv.engines.device_step import (PLANNERS, DeviceDecodeStep, DeviceStepConfig, GraphedDecodeStep, check_lengths,
                                      device_step_config)
-from pkv.cuda_graphs import capture_graph
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.page_table import PageLists, host_row_entries, list_lengths
 from pkv.policy.route import ROUTE_FLASHINFER

@@ -7,7 +7,9 @@ and over page lists (pkv.page_table), replayed from a CUDA graph; the same with 
 (planner "in_decode"), eager and replayed; the balanced rule planned on the GPU, eager and
 replayed; replayed through the routed graphs a serving engine would hold
 (pkv.engines.routed_graphs: the route asked of the policy with the host's lengths, then the
-replay over static buffers the caller writes); FlashInfer's fastest decode path for reference.
+replay over static buffers the caller writes); FlashInfer's fastest decode path for reference,
+and its CUDA-graph decode on tensor and on CUDA cores (planned on the host, then replayed), the mode
+serving engines run it in.
 Device time is CUDA events with an L2 flush before each call (median); wall time is a
 synchronized step with the host work it needs (plan and run; for the graph, copying the step's
 inputs and the replay); host time is how long the host takes to return from that work, with the
@@ -21,7 +23,6 @@ launch_host_us for the step's op calls alone (dispatch and launch), so the rest 
 from __future__ import annotations
 
 import functools
-
 import sys
 
 import numpy as np

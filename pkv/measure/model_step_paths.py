@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from pkv.cuda_graphs import capture_graph
 from pkv.engines.base import EngineUnavailable, upload_block_table
 from pkv.engines.device_step import PLANNER_LABELS, DeviceDecodeStep, device_planner, device_step_config
-from pkv.cuda_graphs import capture_graph
 from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.measure.model_step import ModelStep, skip_attend
 from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE
