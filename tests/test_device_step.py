@@ -396,7 +396,7 @@ def test_ring_depths_follow_the_gpus_shared_memory(monkeypatch):
     import torch
 
     from pkv.engines import persistentkv
-    from pkv.measure.kernel_bench import device_step_configs, persistentkv_configs
+    from pkv.measure.kernel_bench import BALANCED_WAVES, device_step_configs, persistentkv_configs
 
     for optin, per_sm, depths in ((232448, 233472, (2, 3, 4)), (101376, 102400, (2, 3)), (0, 102400, (2, 3))):
         props = SimpleNamespace(shared_memory_per_block_optin=optin, shared_memory_per_multiprocessor=per_sm)
@@ -409,7 +409,7 @@ def test_ring_depths_follow_the_gpus_shared_memory(monkeypatch):
     # The device sweep covers the host sweep's balanced budgets, under the plan kernel only.
     balanced = [config for _, config, _ in device_step_configs(8, 132, ring_stages=(2,))
                 if config.split_kind != "fixed"]
-    assert {(c.planner, c.target_ctas) for c in balanced} == {("plan_kernel", w * 132) for w in (1, 2, 4, 8)}
+    assert {(c.planner, c.target_ctas) for c in balanced} == {("plan_kernel", w * 132) for w in BALANCED_WAVES}
     # At B1 the host sweep has no balanced rule, so neither has the device sweep.
     assert {config.split_kind for _, config, _ in device_step_configs(1, 132, ring_stages=(2,))} == {"fixed"}
 

@@ -58,6 +58,11 @@ CASES: dict[str, list[int]] = {
     # One long prompt among short rows: the fixed split count deals the long row's CTAs unevenly
     # over the SMs (192 on 132 at S = 24), the balanced rule gives them about one wave.
     "skewed_b64": [128 * K] + [100] * 63,
+    # 64 short rows of 128 to 1136 tokens, as a skewed trace's steps after its long row ends: the
+    # fixed rule at the B8+ count gives every row one-tile splits (about 8K CTAs and a merge), which
+    # ran at 0.69x FlashInfer on the H200 (docs/performance.md, "The skew rule"); the sweep's
+    # smaller split counts and balanced budgets are the candidates.
+    "short_b64": [128 + 16 * i for i in range(64)],
 }
 B1_SPLITS = (16, 24, 32, 48, 64, 96)
 # The cluster merge holds a (row, KV head)'s splits in one cluster of at most 16 CTAs.
@@ -66,7 +71,7 @@ B1_CLUSTER_SPLITS = (8, 12, 16)
 # kernels (396 CTAs on an H200), where 8 and 16 land just past them (docs/performance.md, "Split
 # counts and waves in the kernel benchmark").
 WORKQUEUE_SPLITS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
-BALANCED_WAVES = (1, 2, 4, 8)  # target CTAs = waves x SMs
+BALANCED_WAVES = (1, 2, 3, 4, 8)  # target CTAs = waves x SMs (3: the H200's fitted skew budget)
 CONFIRM_ROUNDS = 5  # interleaved rounds that re-time the fastest FlashInfer, XQA and PersistentKV
 # Baselines timed on every case. FlashInfer's best is the fastest of BEST_OF_ROLES; its fa3
 # backend is timed and reported beside them, never picked (pkv.engines.flashinfer).
