@@ -3,8 +3,10 @@
 # land under $OUT. Needs .whl/ filled as scripts/device_site.sh says.
 #   DAG_CONFIG=config/gpu_smoke.yaml (default): the reduced DAG (calibration seed, one held-out
 #     seed, every trace family and ablation, the Nsight profile), about 5 minutes on an H200;
-#   DAG_CONFIG=config/config.yaml: the full DAG (five held-out seeds), 15-20 minutes: where jobs
-#     have a shorter time limit, run it in parts with DAG_TIMEOUT and RESUME_FROM.
+#   DAG_CONFIG=config/config.yaml: the full DAG (five held-out seeds), about 50 minutes on an H200
+#     (the build 48 s, the calibration 160 s, a model-step job about 20 s, an evaluate job about
+#     10 s, vLLM's build about 5 minutes): where runs have a shorter time limit, run it in parts
+#     with DAG_TIMEOUT and RESUME_FROM.
 #   DAG_TIMEOUT=<s>: stop the DAG after this long. RESUME=1 continues a stopped run whose
 #     artifacts/<gpu>/ is in place (left on the machine, or unpacked from artifacts.tgz, which
 #     keeps file times): the copied tree's files are dated back so that only missing and
@@ -19,8 +21,8 @@
 #   DAG_UNTIL="<rule> ...": run only these rules' jobs and what they need (snakemake --until), so the
 #     full DAG runs in parts that each finish whole rules, for example, each resumed from the last
 #     (job counts of DAG_CONFIG=config/config.yaml):
-#       DAG_UNTIL="calibrate_repeat evaluate"   the calibrations and Table 2 (48 jobs)
-#       DAG_UNTIL="model_step"                  Table 9 (40 jobs)
+#       DAG_UNTIL="calibrate_repeat evaluate"   the calibrations and Table 2 (53 jobs)
+#       DAG_UNTIL="model_step"                  the calibration and Table 9 (42 jobs)
 #       (nothing)                               the ablations, benchmarks, profile, tables, figures
 #   PKV_SOURCE_STAMP=<file from `python -m pkv.provenance --stamp`, carried>: results name that
 #     commit when the copied sources match it (default .device/source_stamp.json if present).
