@@ -117,3 +117,19 @@ def test_figure_is_the_same_file_when_redrawn(tmp_path):
         assert (tmp_path / "a" / f"serving_ratio.{ext}").read_bytes() == \
             (tmp_path / "b" / f"serving_ratio.{ext}").read_bytes(), ext
     json.dumps(figure_data.serving_ratio(FIXTURE).series)  # series are plain data
+
+
+def test_ratio_bars_rise_from_parity_or_fall_below_it():
+    """A ratio of 0.957 is a bar below the 1.0 line and 1.06 one above it, each ending at its value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from pkv.report.figures import _ratio_bars
+
+    ax = Figure().add_subplot()
+    _ratio_bars(ax, [0, 1], [0.957, 1.06], width=0.4)
+    (low, high) = ax.patches
+    assert low.get_y() == 1.0 and low.get_height() == pytest.approx(-0.043)
+    assert high.get_y() == 1.0 and high.get_y() + high.get_height() == pytest.approx(1.06)

@@ -76,6 +76,12 @@ def _draw_kernel_floor(fig, s) -> None:
     ax.legend(fontsize=8)
 
 
+def _ratio_bars(ax, xs, means, **kwargs) -> None:
+    """Ratio bars that rise from parity (1.0) or fall below it, so a gain or a loss of a few
+    percent reads as a bar and not as the top of a bar drawn from zero."""
+    ax.bar(xs, [m - 1.0 for m in means], bottom=1.0, **kwargs)
+
+
 def _draw_serving(fig, s) -> None:
     ax = fig.add_subplot()
     rows = s["rows"]
@@ -85,7 +91,7 @@ def _draw_serving(fig, s) -> None:
         spreads = [(sum((v - m) ** 2 for v in r[key]) / (len(r[key]) - 1)) ** 0.5 if len(r[key]) > 1 else 0.0
                    for r, m in zip(rows, means)]
         xs = [i + offset for i in range(len(rows))]
-        ax.bar(xs, means, width=0.34, yerr=spreads, capsize=3, alpha=0.6, label=f"{label} tok/s ratio")
+        _ratio_bars(ax, xs, means, width=0.34, yerr=spreads, capsize=3, alpha=0.6, label=f"{label} tok/s ratio")
         for x, r in zip(xs, rows):
             ax.plot([x] * len(r[key]), r[key], "k.", markersize=4)
     ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
@@ -144,8 +150,8 @@ def _draw_model_step(fig, s) -> None:
             x = i - 0.4 + width * (k + 0.5)
             mean = sum(vals) / len(vals)
             spread = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
-            ax.bar(x, mean, width=width, yerr=spread, capsize=3, alpha=0.6, color=f"C{k}",
-                   label=key if i == next(j for j, rr in enumerate(rows) if rr["series"].get(key)) else None)
+            _ratio_bars(ax, [x], [mean], width=width, yerr=spread, capsize=3, alpha=0.6, color=f"C{k}",
+                        label=key if i == next(j for j, rr in enumerate(rows) if rr["series"].get(key)) else None)
             ax.plot([x] * len(vals), vals, "k.", markersize=4)
     ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
     ax.set_xticks(range(len(rows)), [r["label"] for r in rows], rotation=30, ha="right", fontsize=8)
