@@ -194,12 +194,15 @@ def test_a_skewed_step_runs_the_balanced_rule_with_the_calibrated_budget():
     step, q, k, v = inputs(skewed)
     plan = engine.plan(step)
     assert plan.decision.route == StepRoute(ROUTE_WORKQUEUE, 4, "balanced", target_ctas=24)
+    # What results count the step by, on the adaptive plan and the plan that runs.
+    assert plan.split_rule == plan.inner.split_rule == "balanced (24 CTAs)"
     splits = schedule.row_splits(np.array(skewed), SHAPE.num_kv_heads, plan.decision.route.split_policy)
     assert splits[0] > 4 and (splits[1:] == 1).all()  # more than the fixed rule's 4 for the long row
     out = engine.run(q, k, v, plan)
     assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
     step, q, k, v = inputs([300, 40, 1000, 77, 500, 600, 700, 800])
     assert engine.plan(step).decision.route == StepRoute(ROUTE_WORKQUEUE, 4)
+    assert engine.plan(step).split_rule == "fixed"
 
 
 def test_adaptive_variants_reach_the_plans_that_run():

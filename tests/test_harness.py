@@ -21,7 +21,8 @@ SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=32)
 METRIC_KEYS = {
     "steps", "decode_tokens", "cuda_ms_total", "wall_ms_total", "cuda_ms_per_step",
     "wall_ms_per_step", "plan_ms_per_step", "issue_ms_per_step", "cuda_tok_s", "wall_tok_s", "max_abs_err", "mean_abs_err",
-    "ref_max_rel_err", "routes", "selected_route", "num_splits", "counters", "implementation", "per_step",
+    "ref_max_rel_err", "routes", "selected_route", "num_splits", "split_rules", "counters", "implementation",
+    "per_step",
 }
 COUNTER_KEYS = {"launches_per_step", "decode_ctas_per_sm", "useful_kv_mib", "merge_mib",
                 "merge_launches"}
@@ -85,6 +86,10 @@ def test_run_trace_returns_the_contract_metrics_for_every_engine():
     assert results["sdpa"]["max_abs_err"] == 0.0
     assert results["workqueue"]["routes"] == {"persistentkv_workqueue": steps}
     assert results["workqueue"]["num_splits"] == 4
+    # Workqueue steps are counted by split rule; other routes have none.
+    assert results["workqueue"]["split_rules"] == {"fixed": steps}
+    assert results["buckets"]["split_rules"] == {} and results["sdpa"]["split_rules"] == {}
+    assert {s["split_rule"] for s in results["workqueue"]["per_step"]} == {"fixed"}
     assert results["buckets"]["selected_route"] == "persistentkv_bucket"
     assert results["sdpa"]["selected_route"] == "flashinfer"
     assert results["sdpa"]["counters"]["launches_per_step"] == 1.0

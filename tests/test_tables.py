@@ -387,3 +387,20 @@ def test_header_names_the_sources_of_a_dirty_commit():
     inputs.add({"provenance": {"git_commit": "0123456789abcdef", "git_dirty": True, "source_digest": "feedbeef"}})
     inputs.add({"provenance": {"git_commit": "fedcba9876543210", "git_dirty": False, "source_digest": "00aa"}})
     assert inputs.header()["commit"] == "0123456789ab-dirty (sources feedbeef), fedcba987654"
+
+
+def test_the_selected_route_names_the_steps_a_calibrated_rule_moved_off_the_fixed_split_count():
+    """Table 2's route cell: the most common route and split count, then each rule other than the
+    fixed count with its steps over the seeds (the skew rule's balanced steps)."""
+    from pkv.report.table_data.labels import selected_route
+
+    def rec(rules):
+        return {"metrics": {"selected_route": "persistentkv_workqueue", "num_splits": 20, "split_rules": rules}}
+
+    route, text = selected_route([rec({"fixed": 25, "balanced (396 CTAs)": 39}), rec({"fixed": 17, "balanced (396 CTAs)": 47})])
+    assert route == "persistentkv_workqueue"
+    assert text == "PersistentKV workqueue, split 20; balanced (396 CTAs) on 86 of 128 workqueue steps"
+    # Every step on the fixed count, or results from before steps were counted by rule: no clause.
+    assert selected_route([rec({"fixed": 64})])[1] == "PersistentKV workqueue, split 20"
+    assert selected_route([{"metrics": {"selected_route": "persistentkv_workqueue", "num_splits": 20}}])[1] == (
+        "PersistentKV workqueue, split 20")

@@ -38,6 +38,10 @@ class AdaptivePlan:
     def num_splits(self):
         return int(self.decision.route.num_splits)
 
+    @property
+    def split_rule(self):
+        return self.decision.route.split_rule
+
 
 class AdaptiveEngine(Engine):
     """Asks the route policy per step, then plans and runs the route it chose."""

@@ -36,6 +36,7 @@ class EnginePlan:
     schedule: Any = None
     num_splits: int | None = None
     merge: str = "launch"  # the route's merge kind (pkv.policy.route.MERGE_KINDS)
+    split_rule: str | None = None  # the workqueue's split rule (pkv.policy.route.StepRoute.split_rule)
     tensors: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 

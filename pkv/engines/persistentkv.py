@@ -126,6 +126,7 @@ class DevicePlan:
     group_size: int
     bucket_mode: str = "exact"
     merge: str = MERGE_LAUNCH
+    split_rule: str | None = None  # StepRoute.split_rule of the route planned
     _schedule: object = None
 
     @property
@@ -270,7 +271,7 @@ class PersistentKVEngine(Engine):
         plan = DevicePlan(route=route.name, step=step, num_splits=splits,
                           meta=host_meta.to(self.device, non_blocking=True), layout=layout, host_meta=host_meta,
                           num_kv_heads=hkv, group_size=g, bucket_mode=route.bucket_mode, merge=route.merge,
-                          _schedule=schedule)
+                          split_rule=route.split_rule, _schedule=schedule)
         if plan.widest_split > MAX_MERGE_SPLITS:
             raise ValueError(f"persistentkv merges at most {MAX_MERGE_SPLITS} splits per (row, KV head), "
                              f"the plan has {plan.widest_split}")

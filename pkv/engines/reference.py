@@ -182,7 +182,8 @@ class ReferenceEngine(Engine):
         else:
             schedule = plan_workqueue(step, self.shape.num_kv_heads, self.shape.group_size, policy)
         splits = int(policy.num_splits) if policy.kind == "fixed" else int(schedule.max_splits)
-        plan = EnginePlan(route=ROUTE_WORKQUEUE, step=step, schedule=schedule, num_splits=splits, merge=route.merge)
+        plan = EnginePlan(route=ROUTE_WORKQUEUE, step=step, schedule=schedule, num_splits=splits, merge=route.merge,
+                          split_rule=route.split_rule)
         if route.merge == MERGE_FUSED:
             # One completion counter per (row, kvh) pair, zero at rest (the fused variant's plan).
             pairs = len(step.seq_lens) * self.shape.num_kv_heads

@@ -128,6 +128,7 @@ class _EngineRecord:
         self.ref_max_rel_err = 0.0
         self.routes: Counter = Counter()
         self.splits: Counter = Counter()
+        self.split_rules: Counter = Counter()  # workqueue steps per split rule (StepRoute.split_rule)
         self.counters: list = []
         self.per_step: list[dict] = []
 
@@ -137,10 +138,13 @@ class _EngineRecord:
         ``position`` is the engine's place in the step's rotated order (0: it ran first)."""
         route = getattr(plan, "route", None)
         splits = getattr(plan, "num_splits", None)
+        split_rule = getattr(plan, "split_rule", None)
         if route is not None:
             self.routes[route] += 1
         if splits is not None:
             self.splits[int(splits)] += 1
+        if split_rule is not None:
+            self.split_rules[split_rule] += 1
         self.steps += 1
         self.decode_tokens += step.batch_size
         self.wall_us += wall_us
@@ -149,8 +153,9 @@ class _EngineRecord:
         self.cuda_us += cuda_us
         self.per_step.append({
             "step": int(step.step), "batch": int(step.batch_size), "max_len": int(max(step.seq_lens)),
-            "route": route, "variant": getattr(plan, "kernel_variant", None), "plan_us": plan_us,
-            "issue_us": issue_us, "wall_us": wall_us, "cuda_us": cuda_us, "position": int(position)})
+            "route": route, "split_rule": split_rule, "variant": getattr(plan, "kernel_variant", None),
+            "plan_us": plan_us, "issue_us": issue_us, "wall_us": wall_us, "cuda_us": cuda_us,
+            "position": int(position)})
 
     def metrics(self, implementation: str) -> dict:
         selected = self.routes.most_common(1)[0][0] if self.routes else None
@@ -175,6 +180,8 @@ class _EngineRecord:
             "routes": dict(sorted(self.routes.items())),
             "selected_route": selected,
             "num_splits": splits,
+            # Workqueue steps per split rule: the skew rule's balanced steps beside the fixed ones.
+            "split_rules": dict(sorted(self.split_rules.items())),
             "counters": counters.summarize(self.counters),
             "implementation": implementation,
             # One entry per measured step, so a ratio can be traced to the steps behind it.

@@ -82,6 +82,16 @@ class StepRoute:
         """The workqueue's split rule (pkv.pipeline.schedule.workqueue_split_policy)."""
         return workqueue_split_policy(self.split_kind, self.num_splits, self.target_ctas)
 
+    @functools.cached_property
+    def split_rule(self) -> str | None:
+        """The workqueue's split rule as results count steps by: "fixed", or "balanced" with its task
+        budget ("balanced (396 CTAs)"); None on other routes (a bucket's grid is the fixed count)."""
+        if self.name != ROUTE_WORKQUEUE:
+            return None
+        if self.split_kind == "fixed":
+            return "fixed"
+        return f"{self.split_kind} ({self.target_ctas} CTAs)" if self.target_ctas else self.split_kind
+
 
 FLASHINFER_ROUTE = StepRoute(ROUTE_FLASHINFER)
 
