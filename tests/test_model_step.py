@@ -318,3 +318,21 @@ def test_graph_replay_matches_eager_for_other_lengths(role, pinned_merge):
         assert rel < 2e-2, (role, lengths, rel)
         if pinned_merge is not None:
             assert graph.route == ROUTE_WORKQUEUE, graph.route  # the device step ran, not FlashInfer
+
+
+def test_a_model_step_record_counts_workqueue_steps_by_split_rule():
+    """Like Table 2's files, Table 9's count the steps each split rule ran (the skew rule's balanced
+    steps beside the fixed ones), per step and per run; steps off the workqueue have none."""
+    import types
+
+    from pkv.measure.model_step_run import _Record
+
+    record = _Record()
+    us = dict(wall_us=1.0, cuda_us=1.0, plan_us=0.0, issue_us=0.0, rest_us=0.5, floor_us=0.1)
+    for rule, route in (("fixed", "persistentkv_workqueue"), ("balanced (396 CTAs)", "persistentkv_workqueue"),
+                        ("balanced (396 CTAs)", "persistentkv_workqueue"), (None, "flashinfer")):
+        record.add(types.SimpleNamespace(step=1, batch_size=2, seq_lens=[3, 4]), route, 0, rule, **us)
+    metrics = record.metrics(2, 2, "graph", "test")
+    assert metrics["split_rules"] == {"balanced (396 CTAs)": 2, "fixed": 1}
+    assert [s["split_rule"] for s in metrics["per_step"]] == ["fixed", "balanced (396 CTAs)", "balanced (396 CTAs)",
+                                                              None]

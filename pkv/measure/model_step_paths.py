@@ -41,6 +41,7 @@ class EagerPath:
         self.label, self.engine, self.model = label, engine, model
         self.implementation = engine.implementation if engine is not None else "no attention"
         self._inputs = None
+        self.route = self.split_rule = None  # of the step last planned
 
     def route_of(self, plan) -> str | None:
         return getattr(plan, "route", None)
@@ -57,6 +58,7 @@ class EagerPath:
         tables, _ = upload_block_table(step, device)
         self._inputs = (x, tables["block_table"], tables["seq_lens"], plan)
         self.route = self.route_of(plan)
+        self.split_rule = getattr(plan, "split_rule", None)
 
     def issue(self) -> torch.Tensor:
         x, table, lens, plan = self._inputs
@@ -95,7 +97,7 @@ class GraphPath:
         self.label, self.model, self.max_pages = label, model, int(max_pages)
         self._static: dict = {}
         self._current = None
-        self.route = None
+        self.route = self.split_rule = None  # of the step last planned (StepRoute.split_rule)
 
     # Subclasses: the key of the graph a step replays, its host plan, and the attention it captures.
     def key(self, step):
@@ -265,7 +267,7 @@ class AdaptiveGraphPath(GraphPath):
 
     def plan(self, step, x) -> None:
         route = self._route(step)
-        self.route = route.name
+        self.route, self.split_rule = route.name, route.split_rule
         if route.name == ROUTE_FLASHINFER:
             self.flashinfer_path.plan(step, x)
             self._current = None

@@ -55,17 +55,20 @@ class _Record:
         self.ref_rel = None
         self.rel_vs_eager = None
         self.routes: dict = {}
+        self.split_rules: dict = {}  # workqueue steps per split rule (StepRoute.split_rule)
         self.per_step: list = []
 
-    def add(self, step, route, position: int, **us) -> None:
+    def add(self, step, route, position: int, split_rule: str | None = None, **us) -> None:
         self.steps += 1
         self.tokens += step.batch_size
         for key in self.sums:
             self.sums[key] += us[key]
         self.routes[route] = self.routes.get(route, 0) + 1
+        if split_rule is not None:
+            self.split_rules[split_rule] = self.split_rules.get(split_rule, 0) + 1
         self.per_step.append({"step": int(step.step), "batch": int(step.batch_size),
-                              "max_len": int(max(step.seq_lens)), "route": route, "position": position,
-                              **{k: float(v) for k, v in us.items()}})
+                              "max_len": int(max(step.seq_lens)), "route": route, "split_rule": split_rule,
+                              "position": position, **{k: float(v) for k, v in us.items()}})
 
     def metrics(self, layers_run: int, layers_model: int, mode: str, implementation: str) -> dict:
         per = {k.replace("_us", ""): v / 1e3 / self.steps for k, v in self.sums.items()}
@@ -92,6 +95,7 @@ class _Record:
             "ref_max_rel_err": self.ref_rel,
             "rel_err_vs_eager": self.rel_vs_eager,
             "routes": dict(sorted(self.routes.items(), key=lambda kv: str(kv[0]))),
+            "split_rules": dict(sorted(self.split_rules.items())),
             "selected_route": max(self.routes, key=self.routes.get) if self.routes else None,
             "per_step": self.per_step,
         }
@@ -165,7 +169,7 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
             path = paths[label]
             outs[label], plan_us, issue_us, wall_us, cuda_us = _time(path, step, x, flusher, device, measured)
             if measured:
-                records[label].add(step, path.route, position, plan_us=plan_us, issue_us=issue_us,
+                records[label].add(step, path.route, position, path.split_rule, plan_us=plan_us, issue_us=issue_us,
                                    wall_us=wall_us, cuda_us=cuda_us, rest_us=rest_us[path.mode], floor_us=floor_us)
                 records[label].kv_bytes += kv_bytes
         for label in labels:
