@@ -242,6 +242,10 @@ class _SplitSweep:
                         "applied": self.settings.performance_result, "speedup": speedup}
         return points
 
+    def _regime_splits(self, points: dict, regime: str) -> int:
+        """The regime's split count as fitted in ``points`` (operating_points), else the calibration's."""
+        return points.get(regime, {}).get("num_splits", self.calib.regime(regime).num_splits)
+
     def uniform_target_ctas(self, points: dict) -> int | None:
         """Calibration.uniform_target_ctas from the uniform traces (None where there are none): the
         fastest split count on them (fit_split_count) times their (row, KV head) pairs, or 0 (no
@@ -252,8 +256,7 @@ class _SplitSweep:
         # One max_active and a shared split candidate: pkv.config.checks refuses any other set.
         _, split_fit = self._fit_splits(self._uniform, field, f"the traces that fit {field} share no split candidate")
         batch = self._uniform[0]["max_active"]
-        regime_splits = points.get(regime_of(batch), {}).get("num_splits",
-                                                             self.calib.regime(regime_of(batch)).num_splits)
+        regime_splits = self._regime_splits(points, regime_of(batch))
         target = split_fit.num_splits * batch * self.shape.num_kv_heads if split_fit.num_splits < regime_splits else 0
         for t in self._uniform:
             self.records[t["name"]]["uniform_target_ctas"] = {
@@ -289,7 +292,7 @@ class _SplitSweep:
         num_sms = self.calib.num_sms
         fixed_total, by_waves = 0.0, dict.fromkeys(shared, 0.0)
         for t in self._skewed:
-            regime_splits = points.get(t["regime"], {}).get("num_splits", self.calib.regime(t["regime"]).num_splits)
+            regime_splits = self._regime_splits(points, t["regime"])
             timed_trace = t.pop("timed_trace")  # its K/V pages are freed once this trace is timed
             fixed = StepRoute(ROUTE_WORKQUEUE, regime_splits, "fixed")
             fixed_us = timed_trace.persistentkv(fixed).total_us

@@ -225,7 +225,7 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
     # wrapper on tensor and on CUDA cores, planned on the host every step outside the graph, the
     # graph replayed (the holistic path has no graph mode). Device time of the replay alone.
     for label, tensor_cores in FLASHINFER_GRAPH_ROWS.items():
-        decode = FlashInferGraphDecode(shape, len(lengths), table.shape[1], 16, q.device, tensor_cores)
+        decode = FlashInferGraphDecode(shape, len(lengths), table.shape[1], step.page_size, q.device, tensor_cores)
         fi_out = torch.empty_like(q)
 
         def plan_on_host(decode=decode):

@@ -59,9 +59,9 @@ CASES: dict[str, list[int]] = {
     # over the SMs (192 on 132 at S = 24), the balanced rule gives them about one wave.
     "skewed_b64": [128 * K] + [100] * 63,
     # 64 short rows of 128 to 1136 tokens, as a skewed trace's steps after its long row ends: the
-    # fixed rule at the B8+ count gives the rows splits of one or two tiles (6.8K CTAs and a merge), which
-    # ran at 0.69x FlashInfer on the H200 (docs/performance.md, "The skew rule"); the sweep's
-    # smaller split counts and balanced budgets are the candidates.
+    # fixed rule at the B8+ count gives the rows splits of one or two tiles (6.8K CTAs and a
+    # merge), which ran at 0.69x FlashInfer on the H200 (docs/performance.md, "The skew rule");
+    # the sweep's smaller split counts and balanced budgets are the candidates.
     "short_b64": [128 + 16 * i for i in range(64)],
     # Two long prompts among 62 short rows: not a skewed step (neither holds 2/3 of the tokens), so
     # the fixed rule ran it, at 0.97-1.00x FlashInfer on the H200 against 1.15x for the skewed steps.
