@@ -184,10 +184,11 @@ def test_adaptive_split_options_reach_the_plans_that_run(options, lens, route, s
     assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
 
 
-def test_a_skewed_step_runs_the_balanced_rule_with_the_calibrated_budget():
+def test_skewed_and_over_split_steps_run_the_balanced_rule_with_the_calibrated_budget():
     """With skew_target_ctas set, a step one row dominates is planned by the balanced rule (the long
     row cut into more tasks than the regime's fixed count gives it) and matches float64; a ragged
-    step that is not skewed keeps the fixed rule."""
+    step that is not skewed keeps the fixed rule. With over_split_balanced too, so does a step of
+    short rows."""
     calib = dataclasses.replace(CALIB, flashinfer_plan_us=1e4, skew_target_ctas=24)
     engine = build_engine("adaptive", shape=SHAPE, device="cpu", policy=_policy(calib))
     skewed = [4000] + [20, 33, 17, 40, 25, 31, 18]
@@ -203,6 +204,20 @@ def test_a_skewed_step_runs_the_balanced_rule_with_the_calibrated_budget():
     step, q, k, v = inputs([300, 40, 1000, 77, 500, 600, 700, 800])
     assert engine.plan(step).decision.route == StepRoute(ROUTE_WORKQUEUE, 4)
     assert engine.plan(step).split_rule == "fixed"
+    # With over_split_balanced, a step of rows short for 4 splits (a mean row under 2 x 32 x 4
+    # tokens) takes the same balanced route; the ragged step above is not over-split.
+    engine = build_engine("adaptive", shape=SHAPE, device="cpu",
+                          policy=_policy(dataclasses.replace(calib, over_split_balanced=True)))
+    assert engine.plan(step).split_rule == "fixed"
+    short = [200, 40, 250, 77, 190, 230, 130, 80]
+    step, q, k, v = inputs(short)
+    plan = engine.plan(step)
+    assert plan.decision.route == StepRoute(ROUTE_WORKQUEUE, 4, "balanced", target_ctas=24)
+    splits = schedule.row_splits(np.array(short), SHAPE.num_kv_heads, plan.decision.route.split_policy)
+    fixed = schedule.row_splits(np.array(short), SHAPE.num_kv_heads, schedule.SplitPolicy(num_splits=4))
+    assert splits.sum() < fixed.sum()  # fewer, longer tasks than the fixed rule's
+    out = engine.run(q, k, v, plan)
+    assert compare(out, dense_decode(q, k, v, step.seq_lens, step.block_table))["rel_err"] < 1e-9
 
 
 def test_adaptive_variants_reach_the_plans_that_run():

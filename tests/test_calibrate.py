@@ -154,43 +154,62 @@ def test_the_uniform_traces_steps_stay_out_of_c_min_and_the_plan_times(monkeypat
         "homogeneous_b8"]
 
 
-def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_only(monkeypatch):
+def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_it_on_over_split_ones(
+        monkeypatch):
     """skew_target_ctas: the skewed steps of the trace (the ones the rule applies to) timed on the
     fixed rule at the regime's fitted split count and on the balanced rule at each budget; the
     fewest waves within 1% of the fastest, where they beat the fixed rule by more than 1%, else 0.
-    None of its steps joins C_min or the plan times."""
+    over_split_balanced: the trace's over-split steps, timed in the same runs, where the budget
+    beats the fixed rule on them too. Steps of neither kind are not timed; none of the timed
+    steps joins C_min or the plan times."""
     from pkv.config import ConfigError
     from pkv.experiments import calibrate
 
     timed_routes = []
-    us_by_waves = {1: 90.0, 2: 80.0, 3: 80.5, 4: 85.0}
+    skewed_us_by_waves = {1: 90.0, 2: 80.0, 3: 80.5, 4: 85.0}
+    skewed = types.SimpleNamespace(batch_size=4, seq_lens=[9000, 100, 100, 100])
+    # Two long rows: neither skewed nor over-split (18,200 tokens >= 2 tiles x 20 splits x 4 rows).
+    neither = types.SimpleNamespace(batch_size=4, seq_lens=[9000, 9000, 100, 100])
+    over_split = types.SimpleNamespace(batch_size=4, seq_lens=[500, 400, 300, 600])
+
+    def step_us(route, step):
+        if step is over_split:
+            return over_split_us[route.split_kind]
+        return fixed_us if route.split_kind == "fixed" else skewed_us_by_waves[route.target_ctas // 132]
 
     class FakeTrace:
         def __init__(self, cfg, settings, shape, trace):
             self.kv_dtype_bytes = 2
-            # One skewed step and one with two long rows (not skewed).
-            self.steps = [types.SimpleNamespace(batch_size=4, seq_lens=[9000, 100, 100, 100]),
-                          types.SimpleNamespace(batch_size=4, seq_lens=[9000, 9000, 100, 100])]
+            self.steps = [skewed, neither, over_split]
+
+        def _timed(self, us_of):
+            samples = [types.SimpleNamespace(step=s, measured_us=us_of(s)) for s in self.steps]
+            return types.SimpleNamespace(samples=samples, plan_us=[1.0], total_us=sum(x.measured_us for x in samples))
 
         def persistentkv(self, route):
             timed_routes.append((route.split_kind, route.num_splits, route.target_ctas, len(self.steps)))
-            us = fixed_us if route.split_kind == "fixed" else us_by_waves[route.target_ctas // 132]
-            return types.SimpleNamespace(samples=["pkv"], plan_us=[1.0], total_us=us)
+            return self._timed(lambda s: step_us(route, s))
 
         def flashinfer(self):
-            return types.SimpleNamespace(samples=["fi"], plan_us=[2.0], total_us=100.0)
+            return self._timed(lambda s: 10.0 if s is over_split else 100.0)
 
     monkeypatch.setattr(calibrate, "_TimedTrace", FakeTrace)
-    fixed_us = 88.0
+    fixed_us, over_split_us = 88.0, {"fixed": 20.0, "balanced": 15.0}
     calib = dataclasses.replace(START, num_sms=132)
     sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True),
                         shape=types.SimpleNamespace(num_kv_heads=8), calib=calib)
-    assert sweep.skew_target_ctas({}) is None  # no skewed trace: the calibration keeps its own
-    sweep.run(types.SimpleNamespace(trace="skewed", max_active=64, route="workqueue", split_candidates=[],
-                                    wave_candidates=[1, 2, 3, 4], fits="skew_target_ctas"))
-    assert timed_routes == [] and sweep.samples == [] and sweep.persistentkv_plan_us == []
-    assert sweep.skew_target_ctas({MANY_ROWS: {"num_splits": 20}}) == 2 * 132  # 3 waves tie 2 within 1%
-    assert timed_routes[0] == ("fixed", 20, 0, 1)  # the regime's fitted count, on the one skewed step
+    assert sweep.balanced_rule_fits({}) is None  # no skewed trace: the calibration keeps its own
+
+    def fit(points):
+        sweep._skewed, sweep.records = [], {}
+        sweep.run(types.SimpleNamespace(trace="skewed", max_active=64, route="workqueue", split_candidates=[],
+                                        wave_candidates=[1, 2, 3, 4], fits="skew_target_ctas"))
+        return sweep.balanced_rule_fits(points)
+
+    timed_routes.clear()
+    assert fit({MANY_ROWS: {"num_splits": 20}}) == {"skew_target_ctas": 2 * 132, "over_split_balanced": True}
+    assert sweep.samples == [] and sweep.persistentkv_plan_us == []
+    assert timed_routes[0] == ("fixed", 20, 0, 2)  # the regime's fitted count, on the skewed and over-split steps
     assert {r[2] for r in timed_routes[1:]} == {132, 264, 396, 528}
     record = sweep.records["skewed_b64"]
     assert record["fits"] == "skew_target_ctas" and record["steps"] == 1 and record["regime_splits"] == 20
@@ -198,13 +217,21 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_only(monkey
     assert record["skew_target_ctas"]["fitted"] == 264 and record["skew_target_ctas"]["tied_waves"] == [2, 3]
     assert record["skew_target_ctas"]["speedup_over_fixed"] == pytest.approx(88.0 / 80.0)
     assert record["flashinfer_device_us_total"] == 100.0
-    # Within 1% of the fixed rule: no budget.
-    fixed_us = 80.5
-    sweep._skewed, sweep.records = [], {}
-    sweep.run(types.SimpleNamespace(trace="skewed", max_active=64, route="workqueue", split_candidates=[],
-                                    wave_candidates=[1, 2, 3, 4], fits="skew_target_ctas"))
-    assert sweep.skew_target_ctas({}) == 0
+    assert record["over_split_steps"] == {"steps": 1, "fixed_device_us_total": 20.0, "flashinfer_device_us_total": 10.0,
+                                          "device_us_total_by_waves": {"1": 15.0, "2": 15.0, "3": 15.0, "4": 15.0}}
+    assert record["over_split_balanced"]["fitted"] is True
+    assert record["over_split_balanced"]["speedup_over_fixed"] == pytest.approx(20.0 / 15.0)
+    # The balanced rule within 1% of the fixed one on the over-split steps: they keep the fixed rule.
+    over_split_us = {"fixed": 15.1, "balanced": 15.0}
+    assert fit({MANY_ROWS: {"num_splits": 20}}) == {"skew_target_ctas": 264, "over_split_balanced": False}
+    # Within 1% of the fixed rule on the skewed steps: no budget, so no over-split rule either.
+    fixed_us, over_split_us = 80.5, {"fixed": 20.0, "balanced": 15.0}
+    assert fit({}) == {"skew_target_ctas": 0, "over_split_balanced": False}
     assert timed_routes[-6][1] == START.regime(MANY_ROWS).num_splits  # no fitted count: the calibration's
+    # A split count at which no step is over-split: the rule is not fitted.
+    fixed_us = 88.0
+    assert fit({MANY_ROWS: {"num_splits": 4}}) == {"skew_target_ctas": 264, "over_split_balanced": False}
+    assert sweep.records["skewed_b64"]["over_split_balanced"]["steps"] == 0
     # A trace without a skewed step fits nothing.
     FakeTrace.__init__ = lambda self, *args: setattr(self, "steps", [types.SimpleNamespace(
         batch_size=2, seq_lens=[100, 100])]) or setattr(self, "kv_dtype_bytes", 2)

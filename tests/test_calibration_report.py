@@ -80,6 +80,23 @@ def test_report_names_the_skew_budget_and_its_sweep(tmp_path):
     assert "skewed_b64 -> skew_target_ctas (49 skewed steps): fixed S=20: 1.091, 1w: 1.143, 2w*: 1.200, 12w: 1.043" \
         in text
     assert "  skew budget 264 CTAs (0: the fixed rule; 1.100x the fixed rule at 2 waves of 132 SMs), applied" in text
+    assert "over-split" not in text  # a file from before the over-split rule
+
+    # With its over-split steps: their ratios to FlashInfer and whether the rule was opened.
+    skewed["over_split_steps"] = {"steps": 15, "fixed_device_us_total": 30.0, "flashinfer_device_us_total": 21.0,
+                                  "device_us_total_by_waves": {"1": 21.0, "2": 20.0, "12": 28.0}}
+    skewed["over_split_balanced"] = {"fitted": True, "steps": 15, "speedup_over_fixed": 1.5, "applied": True}
+    save_calibration(path, dataclasses.replace(CALIB, skew_target_ctas=264, over_split_balanced=True),
+                     {"measurements": measured})
+    text = calibration_report.report(path)
+    assert "skewed steps balanced over about 264 workqueue CTAs\nover-split steps balanced over the same budget" in text
+    assert "  over-split steps (15): fixed S=20: 0.700, 1w: 1.000, 2w*: 1.050, 12w: 0.750" in text
+    assert "  over-split rule open (1.500x the fixed rule at the budget of all skewed traces' over-split steps), " \
+           "applied" in text
+    skewed["over_split_steps"]["steps"] = 0
+    skewed["over_split_balanced"] = {"fitted": False, "steps": 0, "speedup_over_fixed": None, "applied": True}
+    save_calibration(path, dataclasses.replace(CALIB, skew_target_ctas=264), {"measurements": measured})
+    assert "  over-split steps: none at S=20, so the over-split rule stays closed" in calibration_report.report(path)
 
 
 def test_report_of_a_file_written_before_the_regimes(tmp_path):

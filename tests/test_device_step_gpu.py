@@ -406,9 +406,10 @@ class _RouteByBatch:
 
 
 def test_a_calibrated_policy_replays_the_skew_rule_and_the_fixed_rule_in_one_bucket():
-    """The route policy with skew_target_ctas: a step one row dominates replays the balanced rule's
-    graph, the others of the same bucket the fixed rule's; every replay with fresh lengths matches
-    float64 and plans the tasks the host planner gives the same route."""
+    """The route policy with skew_target_ctas and over_split_balanced: a step one row dominates and
+    a step of rows short for the split count replay the balanced rule's graph, the others of the
+    same bucket the fixed rule's; every replay with fresh lengths matches float64 and plans the
+    tasks the host planner gives the same route."""
     from pkv.engines.device_step import device_step_config
     from pkv.engines.routed_graphs import RoutedGraphStep
     from pkv.policy import Calibration, RegimeParams, RoutePolicy
@@ -418,7 +419,7 @@ def test_a_calibrated_policy_replays_the_skew_rule_and_the_fixed_rule_in_one_buc
     open_regime = RegimeParams("persistentkv_workqueue", 16, 0, 0.1)  # every step on the workqueue
     calib = Calibration(gpu="h200", num_sms=132, beta_gbps=4300.0, lambda_us=5.0, c_min=0.25,
                         single_row=RegimeParams("persistentkv_bucket", 16, 0, 0.1), few_rows=open_regime,
-                        many_rows=open_regime, skew_target_ctas=264)
+                        many_rows=open_regime, skew_target_ctas=264, over_split_balanced=True)
     policy = RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
                          head_dim=shape.head_dim)
     rng = np.random.default_rng(23)
@@ -427,7 +428,9 @@ def test_a_calibrated_policy_replays_the_skew_rule_and_the_fixed_rule_in_one_buc
     routed = RoutedGraphStep(policy, shape, k, v, max_pages=max_pages, batch_buckets=(8,), debug_checks=True)
     batches = [([60000, 17, 100, 5, 33, 16, 1, 2000], "balanced"), ([20000, 20000, 17, 1, 4097, 65], "fixed"),
                ([4000] * 8, "fixed"), ([33000, 1, 15, 16, 17], "balanced"), ([5000, 5000, 100], "fixed"),
-               ([9000, 10, 20], "balanced")]
+               ([9000, 10, 20], "balanced"),
+               # Over-split at S = 16 (mean row under 2 x 32 x 16 tokens), and just above it.
+               ([700, 900, 300, 1000, 5, 800, 600, 64], "balanced"), ([1100] * 7 + [900], "fixed")]
     for trial, (lengths, kind) in enumerate(batches * 2):
         step, table, lens = _tables(lengths, 30000, max_pages, rng)
         q = make_queries(len(lengths), shape, torch.float16, "cuda", seed=300 + trial)

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from pkv.policy import FLASHINFER_ROUTE, Estimator, KernelVariants, PinnedRoutePolicy, RoutePolicy, StepRoute
@@ -212,3 +213,35 @@ def test_skewed_steps_take_the_balanced_rule_with_the_calibrated_budget(make_ste
     assert policy.choose(make_step([131072])).route.name == "persistentkv_bucket"
     balanced = RoutePolicy(dataclasses.replace(calib, workqueue_split_kind="balanced"), **SHAPE)
     assert balanced.choose(skewed).route == StepRoute("persistentkv_workqueue", 20, "balanced")
+
+
+def test_over_split_steps_take_the_balanced_rule_where_the_calibration_opened_it(make_step):
+    """over_split_balanced gives a workqueue step whose mean row holds fewer than 2 tiles per split
+    of the regime's count (64 rows of about 500 tokens: the fixed rule's tasks hold one tile) the
+    skew rule's balanced route; without it, or without a skew budget, such a step keeps the fixed
+    rule, and steps with longer rows keep theirs."""
+    from pkv.policy.calibration import CalibrationError
+    from pkv.policy.choose import OVER_SPLIT_TILES, is_over_split
+    from pkv.pipeline.schedule import TILE_TOKENS
+
+    calib = dataclasses.replace(PAPER, skew_target_ctas=396, over_split_balanced=True).with_all_regimes(
+        margin=0.1, min_context_tokens=0)
+    policy = RoutePolicy(calib, **SHAPE)
+    rng = np.random.default_rng(5)
+    short = make_step(rng.integers(64, 1024, size=64).tolist())
+    balanced = StepRoute("persistentkv_workqueue", 20, "balanced", target_ctas=396)
+    assert policy.choose(short).route == balanced
+    assert policy.choose(make_step([500] * 8)).route == balanced  # 8 rows as a list, not an array
+    # Rows long enough for their splits, and a closed rule, keep the fixed rule.
+    assert policy.choose(make_step([4096] * 3 + [32768] * 5)).route == StepRoute("persistentkv_workqueue", 20)
+    closed = RoutePolicy(dataclasses.replace(calib, over_split_balanced=False), **SHAPE)
+    assert closed.choose(short).route.split_kind == "fixed"
+    # The boundary: a mean row of 2 tiles per split is not over-split; one token fewer is.
+    edge = OVER_SPLIT_TILES * TILE_TOKENS * 20
+    assert not is_over_split(4, 4 * edge, 20) and is_over_split(4, 4 * edge - 1, 20) and not is_over_split(1, 1, 20)
+    # The rule rides on the skew budget, and the calibration refuses it alone.
+    with pytest.raises(CalibrationError, match="over_split_balanced=True.*skew_target_ctas=0"):
+        dataclasses.replace(calib, skew_target_ctas=0)
+    with pytest.raises(CalibrationError, match="over_split_balanced='yes'"):
+        dataclasses.replace(calib, over_split_balanced="yes")
+    assert apply_engine_options(calib, num_splits=12).over_split_balanced is False

@@ -176,7 +176,8 @@ class CalibrationTraceConfig:
     # "num_splits": the regime's split count (above); "uniform_target_ctas": a batch of rows of one
     # length (the workqueue) fits Calibration.uniform_target_ctas instead; "skew_target_ctas": the
     # workqueue's skewed steps (pkv.policy.choose.is_skewed) fit Calibration.skew_target_ctas from
-    # wave_candidates, against the regime's fitted split count, and need no split_candidates
+    # wave_candidates, against the regime's fitted split count, and need no split_candidates; their
+    # over-split steps (is_over_split), timed in the same runs, fit Calibration.over_split_balanced
     fits: str = "num_splits"
     # skew_target_ctas: the balanced rule's task budgets to time, in waves of the GPU's SMs
     wave_candidates: List[int] = bounded(bound=WAVES, default_factory=list)

@@ -27,7 +27,7 @@ from pkv.experiments.common import (
 from pkv.measure.calibration_probe import measure_launch_us, measure_read_gbps, time_steps, trace_steps
 from pkv.measure.kv_data import make_kv_pages, resolve_dtype
 from pkv.policy.calibration import Calibration, regime_field, save_calibration
-from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, is_skewed
+from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, is_over_split, is_skewed
 from pkv.policy.estimator import Estimator, total_tokens
 from pkv.policy.fits import (
     SPLIT_TIE_FRACTION,
@@ -68,7 +68,7 @@ def run(cfg: PkvConfig) -> list[Path]:
         sweep.run(ct)
     operating_points = sweep.operating_points()
     uniform_ctas = sweep.uniform_target_ctas(operating_points)
-    skew_ctas = sweep.skew_target_ctas(operating_points)
+    balanced_fits = sweep.balanced_rule_fits(operating_points)
     # The probes run the operating points just fitted, as the route policy will.
     probes = _GateProbes(cfg, settings, shape, _apply(calib, operating_points),
                          sweep.gate_steps(operating_points), exp.gate_tolerance)
@@ -85,8 +85,8 @@ def run(cfg: PkvConfig) -> list[Path]:
         calib = dataclasses.replace(calib, supported_group_sizes=tuple(group_fit["fitted"]))
         if uniform_ctas is not None:
             calib = dataclasses.replace(calib, uniform_target_ctas=uniform_ctas)
-        if skew_ctas is not None:
-            calib = dataclasses.replace(calib, skew_target_ctas=skew_ctas)
+        if balanced_fits is not None:
+            calib = dataclasses.replace(calib, **balanced_fits)
     calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(sweep.flashinfer_plan_us),
                                 persistentkv_plan_us=statistics.median(sweep.persistentkv_plan_us))
     estimator = Estimator(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
@@ -264,25 +264,29 @@ class _SplitSweep:
         return target
 
     def _add_skewed(self, ct, trace, timed_trace) -> None:
-        """Keep a trace that fits skew_target_ctas, cut to its skewed steps (the steps the rule
-        applies to), for skew_target_ctas: its fixed rule runs the regime's split count, which is
-        fitted after every trace has run. Like the uniform traces, its steps stay out of C_min and
-        the plan times."""
-        timed_trace.steps = [s for s in timed_trace.steps
-                             if is_skewed(s.batch_size, int(max(s.seq_lens)), total_tokens(s.seq_lens))]
+        """Keep a trace that fits skew_target_ctas for balanced_rule_fits, which cuts it to the
+        steps the balanced rule may take (skewed and over-split ones: the latter depend on the
+        regime's split count, fitted after every trace has run). Like the uniform traces, its
+        steps stay out of C_min and the plan times."""
         name = trace_name(trace)
-        if not timed_trace.steps:
+        if not any(_is_skewed_step(s) for s in timed_trace.steps):
             raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' entry {name} "
                               f"fits skew_target_ctas but none of its steps is skewed (a longest row holding more "
                               f"than 2/3 of the step's tokens): use a trace family such as skewed")
         self._skewed.append({"name": name, "max_active": trace.max_active, "regime": regime_of(trace.max_active),
                              "waves": [int(w) for w in ct.wave_candidates], "timed_trace": timed_trace})
 
-    def skew_target_ctas(self, points: dict) -> int | None:
-        """Calibration.skew_target_ctas from the skewed traces (None where there are none): the
-        balanced rule's budget, in CTAs, with the least device time summed over their skewed steps
-        (the fewest waves among those within SPLIT_TIE_FRACTION of it), where it beats the fixed rule
-        at each regime's fitted split count by more than that fraction; else 0 (the fixed rule)."""
+    def balanced_rule_fits(self, points: dict) -> dict | None:
+        """Calibration.skew_target_ctas and .over_split_balanced from the skewed traces (None where
+        there are none).
+
+        skew_target_ctas: the balanced rule's budget, in CTAs, with the least device time summed
+        over their skewed steps (the fewest waves among those within SPLIT_TIE_FRACTION of it),
+        where it beats the fixed rule at each regime's fitted split count by more than that
+        fraction; else 0 (the fixed rule).
+        over_split_balanced: whether the balanced rule at that budget beats the fixed rule by more
+        than that fraction on the traces' over-split steps too (false where the budget is 0 or
+        none of their steps is over-split)."""
         if not self._skewed:
             return None
         field = "skew_target_ctas"
@@ -290,34 +294,44 @@ class _SplitSweep:
         # timed on every trace: the others could not be compared.
         shared = sorted(set.intersection(*(set(t["waves"]) for t in self._skewed)))
         num_sms = self.calib.num_sms
-        fixed_total, by_waves = 0.0, dict.fromkeys(shared, 0.0)
+        skewed, over_split = _BalancedTotals(shared), _BalancedTotals(shared)
         for t in self._skewed:
             regime_splits = self._regime_splits(points, t["regime"])
             timed_trace = t.pop("timed_trace")  # its K/V pages are freed once this trace is timed
+            timed_trace.steps = [s for s in timed_trace.steps
+                                 if _is_skewed_step(s) or is_over_split(s.batch_size, total_tokens(s.seq_lens),
+                                                                        regime_splits)]
             fixed = StepRoute(ROUTE_WORKQUEUE, regime_splits, "fixed")
-            fixed_us = timed_trace.persistentkv(fixed).total_us
-            waves_us = {w: timed_trace.persistentkv(dataclasses.replace(fixed, split_kind="balanced",
-                                                                         target_ctas=w * num_sms)).total_us
-                        for w in shared}
-            fixed_total += fixed_us
-            for w in by_waves:
-                by_waves[w] += waves_us[w]
+            timed = {"fixed": timed_trace.persistentkv(fixed), "flashinfer": timed_trace.flashinfer()}
+            for w in shared:
+                timed[w] = timed_trace.persistentkv(dataclasses.replace(fixed, split_kind="balanced",
+                                                                        target_ctas=w * num_sms))
+            mine_skewed, mine_over_split = skewed.add(timed, _is_skewed_step), over_split.add(timed, _not_skewed)
             self.records[t["name"]] = {
-                "route": ROUTE_WORKQUEUE, "fits": field, "steps": len(timed_trace.steps),
+                "route": ROUTE_WORKQUEUE, "fits": field, "steps": mine_skewed["steps"],
                 "fitted_with": [u["name"] for u in self._skewed], "regime_splits": regime_splits,
-                "fixed_device_us_total": fixed_us,
-                "device_us_total_by_waves": {str(w): us for w, us in waves_us.items()},
-                "flashinfer_device_us_total": timed_trace.flashinfer().total_us,
+                "fixed_device_us_total": mine_skewed["fixed"],
+                "device_us_total_by_waves": {str(w): mine_skewed[w] for w in shared},
+                "flashinfer_device_us_total": mine_skewed["flashinfer"],
+                "over_split_steps": {"steps": mine_over_split["steps"], "fixed_device_us_total": mine_over_split["fixed"],
+                                     "device_us_total_by_waves": {str(w): mine_over_split[w] for w in shared},
+                                     "flashinfer_device_us_total": mine_over_split["flashinfer"]},
             }
-        wave_fit = fit_split_count(by_waves)
-        gain = fixed_total / by_waves[wave_fit.num_splits]
+        wave_fit = fit_split_count(skewed.by_waves())
+        gain = skewed.totals["fixed"] / skewed.totals[wave_fit.num_splits]
         target = wave_fit.num_splits * num_sms if gain > 1.0 + SPLIT_TIE_FRACTION else 0
+        over_split_gain = (over_split.totals["fixed"] / over_split.totals[wave_fit.num_splits]
+                           if over_split.steps else None)
+        over_split_fitted = bool(target and over_split_gain is not None and over_split_gain > 1.0 + SPLIT_TIE_FRACTION)
         for t in self._skewed:
             self.records[t["name"]][field] = {
                 "fitted": target, "selected_waves": wave_fit.num_splits, "tied_waves": list(wave_fit.tied),
                 "selected_at_edge": wave_fit.at_edge, "speedup_over_fixed": gain, "num_sms": num_sms,
                 "applied": self.settings.performance_result}
-        return target
+            self.records[t["name"]]["over_split_balanced"] = {
+                "fitted": over_split_fitted, "steps": over_split.steps, "speedup_over_fixed": over_split_gain,
+                "applied": self.settings.performance_result}
+        return {field: target, "over_split_balanced": over_split_fitted}
 
     def gate_steps(self, points: dict) -> dict[str, list[dict]]:
         """The steps of each regime timed on the route the policy takes there (length buckets at
@@ -329,6 +343,39 @@ class _SplitSweep:
                 steps.setdefault(regime_of(t["max_active"]), []).append(
                     {"source": f"split sweep {t['name']}", **rows})
         return steps
+
+
+def _is_skewed_step(step) -> bool:
+    return is_skewed(step.batch_size, int(max(step.seq_lens)), total_tokens(step.seq_lens))
+
+
+def _not_skewed(step) -> bool:
+    return not _is_skewed_step(step)
+
+
+class _BalancedTotals:
+    """Device time summed over one kind of step of the skewed traces (the skewed steps, or the
+    over-split ones), by the rule that ran them: "fixed", "flashinfer", or the balanced rule's
+    budget in waves."""
+
+    def __init__(self, waves):
+        self.waves = list(waves)
+        self.steps = 0
+        self.totals = dict.fromkeys(["fixed", "flashinfer", *self.waves], 0.0)
+
+    def add(self, timed: dict, keep) -> dict:
+        """Add the samples of ``timed`` (rule -> TimedSteps, one sample a step in the same order)
+        whose step ``keep`` accepts; return this trace's own sums."""
+        mine = dict.fromkeys(self.totals, 0.0)
+        for rule, steps in timed.items():
+            mine[rule] = sum(sample.measured_us for sample in steps.samples if keep(sample.step))
+            self.totals[rule] += mine[rule]
+        mine["steps"] = sum(1 for sample in timed["fixed"].samples if keep(sample.step))
+        self.steps += mine["steps"]
+        return mine
+
+    def by_waves(self) -> dict:
+        return {w: self.totals[w] for w in self.waves}
 
 
 class _GateProbes:

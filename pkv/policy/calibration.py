@@ -60,6 +60,9 @@ class Calibration:
     # A workqueue step one row dominates (pkv.policy.choose, is_skewed) gives its rows splits by the
     # balanced rule with about this many tasks instead of the regime's fixed split count; 0: never.
     skew_target_ctas: int = 0
+    # An over-split workqueue step (pkv.policy.choose, is_over_split) takes that balanced rule too;
+    # only with a skew budget.
+    over_split_balanced: bool = False
     flashinfer_plan_us: float = 0.0  # measured host planning per step, charged to each route
     persistentkv_plan_us: float = 0.0
     flashinfer_ctas_per_row_head: float = 1.0
@@ -88,6 +91,10 @@ class Calibration:
             if not is_int(value) or value < 0:
                 raise CalibrationError(f"field {name}={value!r}: must be an integer >= 0")
             object.__setattr__(self, name, int(value))
+        if not isinstance(self.over_split_balanced, bool):
+            raise CalibrationError(f"field over_split_balanced={self.over_split_balanced!r}: must be true or false")
+        if self.over_split_balanced and not self.skew_target_ctas:
+            raise CalibrationError("field over_split_balanced=True: needs a balanced budget, but skew_target_ctas=0")
         if self.workqueue_split_kind not in SPLIT_KINDS:
             raise CalibrationError(f"field workqueue_split_kind={self.workqueue_split_kind!r}: must be one of "
                                    f"{list(SPLIT_KINDS)}")

@@ -18,6 +18,14 @@ the fixed rule that row's S x Hkv tasks carry most of the step's bytes while the
 tasks finish early, so the step ends on a partial wave of long tasks; the balanced rule cuts the
 long row into as many tasks as its share of the budget.
 
+A workqueue step whose rows are short for the regime's split count (an over-split step:
+``is_over_split``) takes the same balanced rule where the calibration measured that faster too
+(``Calibration.over_split_balanced``): the fixed rule cuts a row of fewer than S tiles into one
+task per tile, so 64 rows of about 500 tokens become some 6,800 tasks of one or two tiles whose
+Q loads, partial states and merge outweigh their reads (0.69x FlashInfer on the H200's held-out
+steps of that kind, docs/performance.md); the balanced rule sizes tasks from the step's bytes, so
+such a step gets about one task per (row, KV head) and, mostly, no merge.
+
 A run that pins one schedule (the standalone PersistentKV engine of an ablation) uses
 ``PinnedRoutePolicy``: every step on one route, built from the same calibration.
 """
@@ -31,6 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pkv.pipeline.schedule import TILE_TOKENS
 from pkv.policy.calibration import Calibration
 from pkv.policy.estimator import VECTOR_MIN_ROWS, Estimator, total_tokens
 from pkv.policy.regime import REGIMES, regime_of
@@ -89,6 +98,20 @@ def is_skewed(batch: int, longest: int, tokens: int) -> bool:
     return batch > 1 and 3 * longest > 2 * tokens
 
 
+# A step is over-split when its mean row holds fewer than this many tiles per split of the regime's
+# split count: the fixed rule's tasks then hold one or two tiles. On every synthetic family of the
+# held-out seeds the fixed rule's mean task holds 1.3-1.5 tiles on over-split steps and at least
+# 4.8 on all others, so the boundary sits in a wide gap.
+OVER_SPLIT_TILES = 2
+
+
+def is_over_split(batch: int, tokens: int, num_splits: int) -> bool:
+    """Whether a step of ``batch`` rows and ``tokens`` tokens in all is over-split by the fixed
+    rule at ``num_splits``: more than one row, and the mean row under OVER_SPLIT_TILES tiles per
+    split (in integers, so the boundary is exact)."""
+    return batch > 1 and tokens < OVER_SPLIT_TILES * TILE_TOKENS * num_splits * batch
+
+
 def uniform_split_count(lens, longest: int, num_kv_heads: int, num_splits: int, target_ctas: int) -> int:
     """The split count of a workqueue step under the uniform cap: the count whose CTAs come nearest
     ``target_ctas`` (B x Hkv x S, S >= 1), where those CTAs lie within UNIFORM_CTA_TOLERANCE of the
@@ -127,10 +150,12 @@ class RoutePolicy:
             # has its own budget).
             fixed = candidate is not None and candidate.name == ROUTE_WORKQUEUE and candidate.split_kind == "fixed"
             uniform_ctas = calib.uniform_target_ctas if fixed else 0
-            skew_route = None
+            skew_route, over_split_splits = None, 0
             if fixed and calib.skew_target_ctas:
                 skew_route = dataclasses.replace(candidate, split_kind="balanced", target_ctas=calib.skew_target_ctas)
-            self._regimes[name] = (params.min_context_tokens, candidate, params.margin, uniform_ctas, skew_route)
+                over_split_splits = candidate.num_splits if calib.over_split_balanced else 0
+            self._regimes[name] = (params.min_context_tokens, candidate, params.margin, uniform_ctas, skew_route,
+                                   over_split_splits)
 
     def candidate(self, batch_size: int) -> StepRoute | None:
         """The PersistentKV route a step of this many rows is estimated on; None where its regime
@@ -149,13 +174,14 @@ class RoutePolicy:
             longest = max(lens)
         else:
             longest = int(lens.max())  # builtins.max would walk the array element by element
-        gate, candidate, margin, uniform_ctas, skew_route = self._regimes[regime_of(batch)]
+        gate, candidate, margin, uniform_ctas, skew_route, over_split_splits = self._regimes[regime_of(batch)]
         if longest < gate:
             return GATE_CONTEXT
         if candidate is None:
             return GATE_REGIME
         tokens = total_tokens(lens)
-        if skew_route is not None and is_skewed(batch, longest, tokens):
+        if skew_route is not None and (is_skewed(batch, longest, tokens)
+                                       or over_split_splits and is_over_split(batch, tokens, over_split_splits)):
             candidate = skew_route
         elif uniform_ctas:
             splits = uniform_split_count(lens, longest, self._num_kv_heads, candidate.num_splits, uniform_ctas)

@@ -18,15 +18,15 @@ def apply_engine_options(calib: Calibration, *, num_splits: int | None = None, b
                          split_kind: str | None = None, open_few_rows: bool = False) -> Calibration:
     """The calibration a run decides with.
 
-    num_splits fixes every regime's split count, on every step (the uniform cap and the skew rule
-    are lifted);
+    num_splits fixes every regime's split count, on every step (the uniform cap, the skew rule and
+    the over-split rule are lifted);
     bucket_num_splits then the single-row (bucket) one; split_kind the workqueue's split rule;
     open_few_rows routes batches of 2..7 rows by the estimate (on the workqueue) even where the
     calibration kept them on FlashInfer.
     """
     if num_splits is not None:
         calib = dataclasses.replace(calib.with_all_regimes(num_splits=int(num_splits)), uniform_target_ctas=0,
-                                    skew_target_ctas=0)
+                                    skew_target_ctas=0, over_split_balanced=False)
     if bucket_num_splits is not None:
         calib = calib.with_regime(SINGLE_ROW, num_splits=int(bucket_num_splits))
     if split_kind is not None:

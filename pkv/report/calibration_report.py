@@ -50,6 +50,8 @@ def operating_points(calib) -> list[str]:
         lines.append(f"uniform batches about {calib.uniform_target_ctas} workqueue CTAs")
     if calib.skew_target_ctas:  # the skew rule, where the calibration set one
         lines.append(f"skewed steps balanced over about {calib.skew_target_ctas} workqueue CTAs")
+    if calib.over_split_balanced:  # the over-split rule, where the calibration opened it
+        lines.append("over-split steps balanced over the same budget")
     return [*lines, f"G routed: {', '.join(str(g) for g in calib.supported_group_sizes)}"]
 
 
@@ -96,7 +98,26 @@ def _skew_sweep(name: str, sweep: dict) -> list[str]:
     return [f"{name} -> skew_target_ctas ({sweep['steps']} skewed steps): " + ", ".join(cells),
             f"  skew budget {fit['fitted']} CTAs (0: the fixed rule; {float(fit['speedup_over_fixed']):.3f}x the "
             f"fixed rule at {fit['selected_waves']} waves of {fit['num_sms']} SMs), "
-            f"{'applied' if fit['applied'] else 'not applied'}"]
+            f"{'applied' if fit['applied'] else 'not applied'}", *_over_split_lines(sweep)]
+
+
+def _over_split_lines(sweep: dict) -> list[str]:
+    """The over-split steps of a skewed trace (files before the over-split rule hold none): the
+    same ratios as its skewed steps', and whether the rule was opened."""
+    steps, fit = sweep.get("over_split_steps"), sweep.get("over_split_balanced")
+    if not steps or not fit:
+        return []
+    if not steps["steps"]:
+        return [f"  over-split steps: none at S={sweep['regime_splits']}, so the over-split rule stays closed"]
+    fi = float(steps["flashinfer_device_us_total"])
+    cells = [f"fixed S={sweep['regime_splits']}: {_ratio(fi, float(steps['fixed_device_us_total']))}"]
+    selected = int(sweep["skew_target_ctas"]["selected_waves"])
+    for waves, us in sorted(steps["device_us_total_by_waves"].items(), key=lambda item: int(item[0])):
+        cells.append(f"{waves}w{'*' if int(waves) == selected else ''}: {_ratio(fi, float(us))}")
+    gain = fit["speedup_over_fixed"]
+    return [f"  over-split steps ({steps['steps']}): " + ", ".join(cells),
+            f"  over-split rule {'open' if fit['fitted'] else 'closed'} ({float(gain):.3f}x the fixed rule at the "
+            f"budget of all skewed traces' over-split steps), {'applied' if fit['applied'] else 'not applied'}"]
 
 
 def context_gates(gates: dict, calib) -> list[str]:

@@ -55,7 +55,8 @@ def spread(paths: list[Path]) -> dict:
     for name, get in (("supported_group_sizes", lambda c: tuple(c.supported_group_sizes)),
                       ("workqueue_split_kind", lambda c: c.workqueue_split_kind),
                       ("uniform_target_ctas", lambda c: c.uniform_target_ctas),
-                      ("skew_target_ctas", lambda c: c.skew_target_ctas)):
+                      ("skew_target_ctas", lambda c: c.skew_target_ctas),
+                      ("over_split_balanced", lambda c: c.over_split_balanced)):
         values = [get(c) for c in calibs]
         decisions.append({"name": name, "values": values, "agree": len(set(values)) == 1})
     constants = []
