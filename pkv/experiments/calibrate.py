@@ -310,12 +310,8 @@ class _SplitSweep:
             self.records[t["name"]] = {
                 "route": ROUTE_WORKQUEUE, "fits": field, "steps": mine_skewed["steps"],
                 "fitted_with": [u["name"] for u in self._skewed], "regime_splits": regime_splits,
-                "fixed_device_us_total": mine_skewed["fixed"],
-                "device_us_total_by_waves": {str(w): mine_skewed[w] for w in shared},
-                "flashinfer_device_us_total": mine_skewed["flashinfer"],
-                "over_split_steps": {"steps": mine_over_split["steps"], "fixed_device_us_total": mine_over_split["fixed"],
-                                     "device_us_total_by_waves": {str(w): mine_over_split[w] for w in shared},
-                                     "flashinfer_device_us_total": mine_over_split["flashinfer"]},
+                **_by_rule_record(mine_skewed, shared),
+                "over_split_steps": {"steps": mine_over_split["steps"], **_by_rule_record(mine_over_split, shared)},
             }
         wave_fit = fit_split_count(skewed.by_waves())
         gain = skewed.totals["fixed"] / skewed.totals[wave_fit.num_splits]
@@ -378,6 +374,12 @@ class _BalancedTotals:
         return {w: self.totals[w] for w in self.waves}
 
 
+def _by_rule_record(sums: dict, waves) -> dict:
+    """A kind of step's device time by rule (_BalancedTotals.add) as the calibration records it."""
+    return {"fixed_device_us_total": sums["fixed"], "device_us_total_by_waves": {str(w): sums[w] for w in waves},
+            "flashinfer_device_us_total": sums["flashinfer"]}
+
+
 class _GateProbes:
     """Traces timed on both routes at the fitted operating points, only to place gates: the short
     contexts of each regime's context gate, and the group sizes other than the model's."""
@@ -429,7 +431,8 @@ class _GateProbes:
             gate = fit_context_gate(rows["contexts"], rows["persistentkv_us"], rows["flashinfer_us"],
                                     start.regime(regime).min_context_tokens, self.tolerance)
             fits[regime_field(regime, "min_context_tokens")] = {
-                            "regime": regime, "fitted": gate.min_context_tokens, "applied": self.settings.performance_result,
+                            "regime": regime, "fitted": gate.min_context_tokens,
+                            "applied": self.settings.performance_result,
                             "tolerance": self.tolerance, "reason": gate.reason,
                             "sources": [src["source"] for src in sources],
                             "classes": {str(k): v for k, v in gate.classes.items()}}
