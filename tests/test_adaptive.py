@@ -189,7 +189,7 @@ def test_skewed_and_over_split_steps_run_the_balanced_rule_with_the_calibrated_b
     row cut into more tasks than the regime's fixed count gives it) and matches float64; a ragged
     step that is not skewed keeps the fixed rule. With over_split_balanced too, so does a step of
     short rows."""
-    calib = dataclasses.replace(CALIB, flashinfer_plan_us=1e4, skew_target_ctas=24)
+    calib = dataclasses.replace(CALIB, flashinfer_plan_us=1e4).with_all_regimes(skew_target_ctas=24)
     engine = build_engine("adaptive", shape=SHAPE, device="cpu", policy=_policy(calib))
     skewed = [4000] + [20, 33, 17, 40, 25, 31, 18]
     step, q, k, v = inputs(skewed)
@@ -207,7 +207,7 @@ def test_skewed_and_over_split_steps_run_the_balanced_rule_with_the_calibrated_b
     # With over_split_balanced, a step of rows short for 4 splits (a mean row under 2 x 32 x 4
     # tokens) takes the same balanced route; the ragged step above is not over-split.
     engine = build_engine("adaptive", shape=SHAPE, device="cpu",
-                          policy=_policy(dataclasses.replace(calib, over_split_balanced=True)))
+                          policy=_policy(calib.with_all_regimes(over_split_balanced=True)))
     assert engine.plan(step).split_rule == "fixed"
     short = [200, 40, 250, 77, 190, 230, 130, 80]
     step, q, k, v = inputs(short)

@@ -198,13 +198,13 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
     calib = dataclasses.replace(START, num_sms=132)
     sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True),
                         shape=types.SimpleNamespace(num_kv_heads=8), calib=calib)
-    assert sweep.balanced_rule_fits({}) is None  # no skewed trace: the calibration keeps its own
+    assert sweep.balanced_rule_fits({}) == {}  # no skewed trace: the calibration keeps its own
 
     def fit(points):
         sweep._skewed, sweep.records = [], {}
         sweep.run(types.SimpleNamespace(trace="skewed", max_active=64, route="workqueue", split_candidates=[],
                                         wave_candidates=[1, 2, 3, 4], fits="skew_target_ctas"))
-        return sweep.balanced_rule_fits(points)
+        return sweep.balanced_rule_fits(points)[MANY_ROWS]
 
     timed_routes.clear()
     assert fit({MANY_ROWS: {"num_splits": 20}}) == {"skew_target_ctas": 2 * 132, "over_split_balanced": True}
@@ -212,7 +212,8 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
     assert timed_routes[0] == ("fixed", 20, 0, 2)  # the regime's fitted count, on the skewed and over-split steps
     assert {r[2] for r in timed_routes[1:]} == {132, 264, 396, 528}
     record = sweep.records["skewed_b64"]
-    assert record["fits"] == "skew_target_ctas" and record["steps"] == 1 and record["regime_splits"] == 20
+    assert record["fits"] == "regimes.many_rows.skew_target_ctas" and record["steps"] == 1
+    assert record["regime_splits"] == 20
     assert record["device_us_total_by_waves"] == {"1": 90.0, "2": 80.0, "3": 80.5, "4": 85.0}
     assert record["skew_target_ctas"]["fitted"] == 264 and record["skew_target_ctas"]["tied_waves"] == [2, 3]
     assert record["skew_target_ctas"]["speedup_over_fixed"] == pytest.approx(88.0 / 80.0)
@@ -220,6 +221,7 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
     assert record["over_split_steps"] == {"steps": 1, "fixed_device_us_total": 20.0, "flashinfer_device_us_total": 10.0,
                                           "device_us_total_by_waves": {"1": 15.0, "2": 15.0, "3": 15.0, "4": 15.0}}
     assert record["over_split_balanced"]["fitted"] is True
+    assert record["over_split_balanced"]["fits"] == "regimes.many_rows.over_split_balanced"
     assert record["over_split_balanced"]["speedup_over_fixed"] == pytest.approx(20.0 / 15.0)
     # The balanced rule within 1% of the fixed one on the over-split steps: they keep the fixed rule.
     over_split_us = {"fixed": 15.1, "balanced": 15.0}
@@ -232,6 +234,21 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
     fixed_us = 88.0
     assert fit({MANY_ROWS: {"num_splits": 4}}) == {"skew_target_ctas": 264, "over_split_balanced": False}
     assert sweep.records["skewed_b64"]["over_split_balanced"]["steps"] == 0
+    # Each regime fits its budget on its own traces; a trace that also had a split sweep keeps that
+    # record, the skew fit's lying beside it.
+    sweep._skewed, sweep.records = [], {"bimodal_b4": {"fits": "regimes.few_rows.num_splits"}}
+    sweep.run(types.SimpleNamespace(trace="skewed", max_active=64, route="workqueue", split_candidates=[],
+                                    wave_candidates=[1, 2, 3, 4], fits="skew_target_ctas"))
+    sweep.run(types.SimpleNamespace(trace="bimodal", max_active=4, route="workqueue", split_candidates=[],
+                                    wave_candidates=[1, 2], fits="skew_target_ctas"))
+    fits = sweep.balanced_rule_fits({MANY_ROWS: {"num_splits": 20}, FEW_ROWS: {"num_splits": 24}})
+    assert fits == {MANY_ROWS: {"skew_target_ctas": 264, "over_split_balanced": True},
+                    FEW_ROWS: {"skew_target_ctas": 264, "over_split_balanced": True}}
+    assert sweep.records["bimodal_b4"] == {"fits": "regimes.few_rows.num_splits"}
+    beside = sweep.records["bimodal_b4 (skewed steps)"]
+    assert beside["regime_splits"] == 24 and beside["fitted_with"] == ["bimodal_b4"]
+    assert beside["fits"] == "regimes.few_rows.skew_target_ctas"
+    assert sweep.records["skewed_b64"]["fitted_with"] == ["skewed_b64"]
     # A trace without a skewed step fits nothing.
     FakeTrace.__init__ = lambda self, *args: setattr(self, "steps", [types.SimpleNamespace(
         batch_size=2, seq_lens=[100, 100])]) or setattr(self, "kv_dtype_bytes", 2)

@@ -66,36 +66,37 @@ def test_report_names_the_uniform_cap_and_the_sweep_it_came_from(tmp_path):
 
 
 def test_report_names_the_skew_budget_and_its_sweep(tmp_path):
-    import dataclasses
-
     path = tmp_path / "calibration.json"
     skewed = {"fits": "skew_target_ctas", "steps": 49, "regime_splits": 20, "fixed_device_us_total": 220.0,
               "device_us_total_by_waves": {"1": 210.0, "2": 200.0, "12": 230.0}, "flashinfer_device_us_total": 240.0,
               "skew_target_ctas": {"fitted": 264, "selected_waves": 2, "tied_waves": [2], "selected_at_edge": False,
                                    "speedup_over_fixed": 1.1, "num_sms": 132, "applied": True}}
     measured = {**MEASURED, "split_sweeps": {**MEASURED["split_sweeps"], "skewed_b64": skewed}}
-    save_calibration(path, dataclasses.replace(CALIB, skew_target_ctas=264), {"measurements": measured})
+    save_calibration(path, CALIB.with_regime("many_rows", skew_target_ctas=264), {"measurements": measured})
     text = calibration_report.report(path)
-    assert "skewed steps balanced over about 264 workqueue CTAs\nG routed: 1, 4" in text
+    # A file from before the budget was per regime: its record names the field alone.
+    assert "B8+ skewed steps balanced over about 264 workqueue CTAs\nG routed: 1, 4" in text
     assert "skewed_b64 -> skew_target_ctas (49 skewed steps): fixed S=20: 1.091, 1w: 1.143, 2w*: 1.200, 12w: 1.043" \
         in text
     assert "  skew budget 264 CTAs (0: the fixed rule; 1.100x the fixed rule at 2 waves of 132 SMs), applied" in text
     assert "over-split" not in text  # a file from before the over-split rule
 
     # With its over-split steps: their ratios to FlashInfer and whether the rule was opened.
+    skewed["fits"] = "regimes.many_rows.skew_target_ctas"
     skewed["over_split_steps"] = {"steps": 15, "fixed_device_us_total": 30.0, "flashinfer_device_us_total": 21.0,
                                   "device_us_total_by_waves": {"1": 21.0, "2": 20.0, "12": 28.0}}
     skewed["over_split_balanced"] = {"fitted": True, "steps": 15, "speedup_over_fixed": 1.5, "applied": True}
-    save_calibration(path, dataclasses.replace(CALIB, skew_target_ctas=264, over_split_balanced=True),
+    save_calibration(path, CALIB.with_regime("many_rows", skew_target_ctas=264, over_split_balanced=True),
                      {"measurements": measured})
     text = calibration_report.report(path)
-    assert "skewed steps balanced over about 264 workqueue CTAs\nover-split steps balanced over the same budget" in text
+    assert "B8+ skewed steps balanced over about 264 workqueue CTAs, over-split steps too" in text
+    assert "skewed_b64 -> regimes.many_rows.skew_target_ctas (49 skewed steps): fixed S=20" in text
     assert "  over-split steps (15): fixed S=20: 0.700, 1w: 1.000, 2w*: 1.050, 12w: 0.750" in text
-    assert "  over-split rule open (1.500x the fixed rule at the budget of all skewed traces' over-split steps), " \
-           "applied" in text
+    assert "  over-split rule open (1.500x the fixed rule at the budget, over the regime's skewed traces' " \
+           "over-split steps), applied" in text
     skewed["over_split_steps"]["steps"] = 0
     skewed["over_split_balanced"] = {"fitted": False, "steps": 0, "speedup_over_fixed": None, "applied": True}
-    save_calibration(path, dataclasses.replace(CALIB, skew_target_ctas=264), {"measurements": measured})
+    save_calibration(path, CALIB.with_regime("many_rows", skew_target_ctas=264), {"measurements": measured})
     assert "  over-split steps: none at S=20, so the over-split rule stays closed" in calibration_report.report(path)
 
 

@@ -31,7 +31,8 @@ def test_a_decision_that_moved_is_named_and_the_others_agree(tmp_path):
     assert not by_name["regimes.many_rows.num_splits"]["agree"]
     assert by_name["regimes.many_rows.num_splits"]["values"][1] == 28
     assert all(d["agree"] for name, d in by_name.items() if name != "regimes.many_rows.num_splits")
-    assert {"uniform_target_ctas", "skew_target_ctas"} <= set(by_name)
+    assert {"uniform_target_ctas", "regimes.few_rows.skew_target_ctas", "regimes.many_rows.over_split_balanced"} \
+        <= set(by_name)
     lam = next(c for c in report["constants"] if c["name"] == "lambda_us")
     assert lam["rel_spread"] > 0
     text = render_markdown(report)

@@ -92,10 +92,10 @@ def test_gpu_constants_are_checked_by_the_calibration():
         compose(["out=x", "gpu.regimes.few_rows.route=diagonal"])
     with pytest.raises((ConfigError, CalibrationError), match=r"conf/gpu/cpu\.yaml: regimes\.many_rows\b.*margin=0"):
         compose(["out=x", "gpu.regimes.many_rows.margin=0"])
-    with pytest.raises((ConfigError, CalibrationError), match=r"skew_target_ctas.*4294967296"):
-        compose(["out=x", "gpu.skew_target_ctas=4294967296"])
+    with pytest.raises((ConfigError, CalibrationError), match=r"regimes.many_rows.skew_target_ctas.*4294967296"):
+        compose(["out=x", "gpu.regimes.many_rows.skew_target_ctas=4294967296"])
     with pytest.raises((ConfigError, CalibrationError), match=r"skew_target_ctas=-1"):
-        compose(["out=x", "gpu.skew_target_ctas=-1"])
+        compose(["out=x", "gpu.regimes.few_rows.skew_target_ctas=-1"])
 
 
 def test_every_gpu_option_is_in_the_regimes_form():
@@ -159,11 +159,18 @@ def test_bad_gate_probe_names_the_entry_and_its_values(override, value):
     (["experiment.calibration_traces.1.wave_candidates=[2]"], "experiment.calibration_traces[1]",
      "wave_candidates only"),
     (["experiment.calibration_traces.4.wave_candidates=[65]"], "experiment.calibration_traces[4]", "in [1, 64]"),
+    # The B4 trace fits both its split count and its regime's skew budget, but each only once.
+    (["experiment.calibration_traces.5.trace=skewed", "experiment.calibration_traces.5.max_active=64"],
+     "experiment.calibration_traces[5]", "for a skew budget a second time"),
+    # Each regime's skew traces share a wave candidate; other regimes' do not count.
+    (["experiment.calibration_traces.5.max_active=8", "experiment.calibration_traces.5.wave_candidates=[5]"],
+     "experiment.calibration_traces", "regime many_rows need a shared wave candidate"),
 ])
 def test_a_bad_calibration_trace_names_the_entry_and_its_value(overrides, field, value):
     """The uniform cap's and the skew budget's traces: a known fit, the workqueue at two rows or more,
     one max_active and a shared candidate among the uniform ones, wave candidates (in bounds) only
-    and all of them for the skew budget, and no trace swept twice (its record would be overwritten)."""
+    and all of them for the skew budget, and no trace swept or fitted twice (its record would be
+    overwritten)."""
     with pytest.raises(ConfigError) as err:
         compose(["out=x", "experiment=calibrate", *overrides])
     msg = str(err.value)

@@ -416,10 +416,11 @@ def test_a_calibrated_policy_replays_the_skew_rule_and_the_fixed_rule_in_one_buc
 
     pytest.importorskip("flashinfer")
     shape = ModelShape()
-    open_regime = RegimeParams("persistentkv_workqueue", 16, 0, 0.1)  # every step on the workqueue
+    # Every step on the workqueue, skewed and over-split ones on the balanced rule.
+    open_regime = RegimeParams("persistentkv_workqueue", 16, 0, 0.1, skew_target_ctas=264, over_split_balanced=True)
     calib = Calibration(gpu="h200", num_sms=132, beta_gbps=4300.0, lambda_us=5.0, c_min=0.25,
                         single_row=RegimeParams("persistentkv_bucket", 16, 0, 0.1), few_rows=open_regime,
-                        many_rows=open_regime, skew_target_ctas=264, over_split_balanced=True)
+                        many_rows=open_regime)
     policy = RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
                          head_dim=shape.head_dim)
     rng = np.random.default_rng(23)

@@ -46,6 +46,26 @@ def test_legacy_flat_mapping_lands_in_the_regimes():
         Calibration.from_mapping({**flat, "boundary_route": "persistentkv_bucket"}, "old.json")
 
 
+def test_a_skew_budget_written_for_every_regime_lands_in_each():
+    """Files written while the skew budget was one top-level value (the H200 run at 23e2ed0) load
+    with it in every regime, as the policy applied it; a file that sets it both ways is refused, and
+    files without the balanced rule's parameters load with the rule off."""
+    old = json.loads((REFERENCE / "history" / "calibration_full_config_23e2ed0.json").read_text())["calibration"]
+    assert old["skew_target_ctas"] == 396 and "skew_target_ctas" not in old["regimes"]["many_rows"]
+    calib = Calibration.from_mapping(old, "old.json")
+    assert [calib.regime(r).skew_target_ctas for r in ("single_row", "few_rows", "many_rows")] == [396] * 3
+    assert not calib.many_rows.over_split_balanced
+    both = {**old, "regimes": {**old["regimes"], "few_rows": {**old["regimes"]["few_rows"], "skew_target_ctas": 264}}}
+    with pytest.raises(CalibrationError, match=r"old\.json: field skew_target_ctas=396: set per regime "
+                                               r"\(regimes\.few_rows\.skew_target_ctas\)"):
+        Calibration.from_mapping(both, "old.json")
+    d = PAPER.to_json_dict()
+    assert d["regimes"]["many_rows"]["skew_target_ctas"] == 0 and "skew_target_ctas" not in d
+    for params in d["regimes"].values():
+        del params["skew_target_ctas"], params["over_split_balanced"]
+    assert Calibration.from_mapping(d, "mem") == PAPER
+
+
 def test_file_round_trip_is_atomic(tmp_path):
     path = tmp_path / "calibration" / "calibration.json"
     save_calibration(path, PAPER, {"seed": 20260622, "git_commit": "abc"})

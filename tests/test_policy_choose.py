@@ -123,9 +123,10 @@ def test_engine_options_override_the_calibration_once():
     capped = dataclasses.replace(PAPER, uniform_target_ctas=256)
     assert apply_engine_options(capped, num_splits=12).uniform_target_ctas == 0
     assert apply_engine_options(capped, bucket_num_splits=40).uniform_target_ctas == 256
-    skewed = dataclasses.replace(PAPER, skew_target_ctas=264)
-    assert apply_engine_options(skewed, num_splits=12).skew_target_ctas == 0
-    assert apply_engine_options(skewed, bucket_num_splits=40).skew_target_ctas == 264
+    skewed = PAPER.with_regime("many_rows", skew_target_ctas=264, over_split_balanced=True)
+    lifted = apply_engine_options(skewed, num_splits=12).many_rows
+    assert (lifted.skew_target_ctas, lifted.over_split_balanced) == (0, False)
+    assert apply_engine_options(skewed, bucket_num_splits=40).many_rows.skew_target_ctas == 264
     opened = PAPER.with_regime("few_rows", route="persistentkv_bucket")
     assert apply_engine_options(opened, open_few_rows=True).few_rows.route == "persistentkv_bucket"
     assert kernel_variants("bucket_masked", "fused") == KernelVariants("masked", "fused")
@@ -187,7 +188,7 @@ def test_skewed_steps_take_the_balanced_rule_with_the_calibrated_budget(make_ste
     from pkv.policy.choose import is_skewed
 
     # Margins opened, so the rule's route, not the estimate against FlashInfer, is what is tested.
-    calib = dataclasses.replace(PAPER, skew_target_ctas=264, uniform_target_ctas=256).with_all_regimes(margin=0.1)
+    calib = dataclasses.replace(PAPER, uniform_target_ctas=256).with_all_regimes(margin=0.1, skew_target_ctas=264)
     calib = calib.with_regime("few_rows", route="persistentkv_workqueue")
     policy = RoutePolicy(calib, **SHAPE)
     skewed = make_step([131072] + [100] * 63)  # the kernel benchmark's skewed batch
@@ -204,7 +205,7 @@ def test_skewed_steps_take_the_balanced_rule_with_the_calibrated_budget(make_ste
     assert policy.choose(make_step([131072] * 2 + [100] * 62)).route == StepRoute("persistentkv_workqueue", 20)
     assert policy.choose(make_step([32768] * 4 + [4096] * 4)).route.split_kind == "fixed"
     assert policy.choose(make_step([32768] * 8)).route == StepRoute("persistentkv_workqueue", 4)
-    unset = dataclasses.replace(calib, skew_target_ctas=0)
+    unset = calib.with_all_regimes(skew_target_ctas=0)
     assert RoutePolicy(unset, **SHAPE).choose(skewed).route == StepRoute("persistentkv_workqueue", 20)
     # The boundary: more than twice the other rows' tokens together.
     assert is_skewed(3, 2001, 3001) and not is_skewed(3, 2000, 3000) and not is_skewed(1, 5000, 5000)
@@ -224,8 +225,7 @@ def test_over_split_steps_take_the_balanced_rule_where_the_calibration_opened_it
     from pkv.policy.choose import OVER_SPLIT_TILES, is_over_split
     from pkv.pipeline.schedule import TILE_TOKENS
 
-    calib = dataclasses.replace(PAPER, skew_target_ctas=396, over_split_balanced=True).with_all_regimes(
-        margin=0.1, min_context_tokens=0)
+    calib = PAPER.with_all_regimes(margin=0.1, min_context_tokens=0, skew_target_ctas=396, over_split_balanced=True)
     policy = RoutePolicy(calib, **SHAPE)
     rng = np.random.default_rng(5)
     short = make_step(rng.integers(64, 1024, size=64).tolist())
@@ -234,14 +234,13 @@ def test_over_split_steps_take_the_balanced_rule_where_the_calibration_opened_it
     assert policy.choose(make_step([500] * 8)).route == balanced  # 8 rows as a list, not an array
     # Rows long enough for their splits, and a closed rule, keep the fixed rule.
     assert policy.choose(make_step([4096] * 3 + [32768] * 5)).route == StepRoute("persistentkv_workqueue", 20)
-    closed = RoutePolicy(dataclasses.replace(calib, over_split_balanced=False), **SHAPE)
+    closed = RoutePolicy(calib.with_all_regimes(over_split_balanced=False), **SHAPE)
     assert closed.choose(short).route.split_kind == "fixed"
     # The boundary: a mean row of 2 tiles per split is not over-split; one token fewer is.
     edge = OVER_SPLIT_TILES * TILE_TOKENS * 20
     assert not is_over_split(4, 4 * edge, 20) and is_over_split(4, 4 * edge - 1, 20) and not is_over_split(1, 1, 20)
     # The rule rides on the skew budget, and the calibration refuses it alone.
     with pytest.raises(CalibrationError, match="over_split_balanced=True.*skew_target_ctas=0"):
-        dataclasses.replace(calib, skew_target_ctas=0)
+        calib.with_regime("many_rows", skew_target_ctas=0)
     with pytest.raises(CalibrationError, match="over_split_balanced='yes'"):
-        dataclasses.replace(calib, over_split_balanced="yes")
-    assert apply_engine_options(calib, num_splits=12).over_split_balanced is False
+        calib.with_regime("many_rows", over_split_balanced="yes")

@@ -21,7 +21,7 @@ from pkv.pipeline.schedule import SPLIT_KINDS
 from pkv.pipeline.trace_readers import OVERLONG_POLICIES
 from pkv.pipeline.traces import TRACE_FAMILIES
 from pkv.policy.calibration import Calibration
-from pkv.policy.regime import CalibrationError
+from pkv.policy.regime import CalibrationError, regime_of
 from pkv.policy.route import MERGE_KINDS, SCHEDULES
 
 # ---------------------------------------------------------------------------------------------
@@ -128,21 +128,26 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
                 raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(ct),
                             "needs route bucket_exact or workqueue and at least one split candidate "
                             "(wave_candidates only where it fits skew_target_ctas)")
-        # Each trace's sweep is recorded under its name: a trace listed twice would lose one record.
-        names = [(ct.trace, ct.max_active) for ct in exp.calibration_traces]
+        # Each trace's split sweep is recorded under its name, its skew fit beside it: a trace listed
+        # twice for either would lose a record.
+        names = [(ct.trace, ct.max_active, "a skew budget" if ct.fits == "skew_target_ctas" else "a split sweep")
+                 for ct in exp.calibration_traces]
         for i, name in enumerate(names):
             if name in names[:i]:
                 raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(exp.calibration_traces[i]),
-                            f"lists trace {name[0]} at max_active {name[1]} a second time")
+                            f"lists trace {name[0]} at max_active {name[1]} for {name[2]} a second time")
         uniform = [ct for ct in exp.calibration_traces if ct.fits == "uniform_target_ctas"]
         if uniform and (len({ct.max_active for ct in uniform}) > 1
                         or not set.intersection(*(set(ct.split_candidates) for ct in uniform))):
             raise _fail(where, "experiment.calibration_traces", [dataclasses.asdict(ct) for ct in uniform],
                         "the traces that fit uniform_target_ctas need one max_active and a shared split candidate")
+        # Each batch regime fits its own skew budget from its traces.
         skewed = [ct for ct in exp.calibration_traces if ct.fits == "skew_target_ctas"]
-        if skewed and not set.intersection(*(set(ct.wave_candidates) for ct in skewed)):
-            raise _fail(where, "experiment.calibration_traces", [dataclasses.asdict(ct) for ct in skewed],
-                        "the traces that fit skew_target_ctas need a shared wave candidate")
+        for regime in dict.fromkeys(regime_of(ct.max_active) for ct in skewed):
+            mine = [ct for ct in skewed if regime_of(ct.max_active) == regime]
+            if not set.intersection(*(set(ct.wave_candidates) for ct in mine)):
+                raise _fail(where, "experiment.calibration_traces", [dataclasses.asdict(ct) for ct in mine],
+                            f"the traces that fit skew_target_ctas of regime {regime} need a shared wave candidate")
     for name, key in exp.variant_keys.items():
         if not key or "=" in name:
             raise _fail(where, f"experiment.variant_keys.{name}", key, "must map a name to a config key")

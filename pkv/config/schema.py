@@ -175,9 +175,10 @@ class CalibrationTraceConfig:
     split_candidates: List[int] = bounded(bound=SPLITS, default_factory=list)
     # "num_splits": the regime's split count (above); "uniform_target_ctas": a batch of rows of one
     # length (the workqueue) fits Calibration.uniform_target_ctas instead; "skew_target_ctas": the
-    # workqueue's skewed steps (pkv.policy.choose.is_skewed) fit Calibration.skew_target_ctas from
-    # wave_candidates, against the regime's fitted split count, and need no split_candidates; their
-    # over-split steps (is_over_split), timed in the same runs, fit Calibration.over_split_balanced
+    # workqueue's skewed steps (pkv.policy.choose.is_skewed) fit the skew_target_ctas of the trace's
+    # regime from wave_candidates, against the regime's fitted split count, and need no
+    # split_candidates; their over-split steps (is_over_split), timed in the same runs, fit the
+    # regime's over_split_balanced. A trace may be listed once for a split sweep and once for this.
     fits: str = "num_splits"
     # skew_target_ctas: the balanced rule's task budgets to time, in waves of the GPU's SMs
     wave_candidates: List[int] = bounded(bound=WAVES, default_factory=list)
@@ -310,10 +311,10 @@ GPU_BOUNDS: Dict[str, Bound] = {
     "flashinfer_ctas_per_row_head": Bound(0, 1024, "CTAs per (row, KV head)", lo_open=True),
     "supported_group_sizes": HEADS,
     "uniform_target_ctas": Bound(0, 2**31 - 1, "CTAs of one step; a plan indexes its tasks in int32"),
-    "skew_target_ctas": Bound(0, 2**31 - 1, "CTAs of one step; a plan indexes its tasks in int32"),
     "regimes.*.num_splits": SPLITS,
     "regimes.*.min_context_tokens": Bound(0, MAX_CONTEXT_TOKENS, "tokens; see MAX_CONTEXT_TOKENS"),
     "regimes.*.margin": Bound(0, 100, "estimated speedup a route needs", lo_open=True),
+    "regimes.*.skew_target_ctas": Bound(0, 2**31 - 1, "CTAs of one step; a plan indexes its tasks in int32"),
 }
 
 

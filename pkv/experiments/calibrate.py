@@ -85,8 +85,7 @@ def run(cfg: PkvConfig) -> list[Path]:
         calib = dataclasses.replace(calib, supported_group_sizes=tuple(group_fit["fitted"]))
         if uniform_ctas is not None:
             calib = dataclasses.replace(calib, uniform_target_ctas=uniform_ctas)
-        if balanced_fits is not None:
-            calib = dataclasses.replace(calib, **balanced_fits)
+        calib = _apply(calib, balanced_fits)
     calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(sweep.flashinfer_plan_us),
                                 persistentkv_plan_us=statistics.median(sweep.persistentkv_plan_us))
     estimator = Estimator(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
@@ -276,27 +275,34 @@ class _SplitSweep:
         self._skewed.append({"name": name, "max_active": trace.max_active, "regime": regime_of(trace.max_active),
                              "waves": [int(w) for w in ct.wave_candidates], "timed_trace": timed_trace})
 
-    def balanced_rule_fits(self, points: dict) -> dict | None:
-        """Calibration.skew_target_ctas and .over_split_balanced from the skewed traces (None where
-        there are none).
+    def balanced_rule_fits(self, points: dict) -> dict:
+        """{regime: {"skew_target_ctas": ..., "over_split_balanced": ...}} of each regime with
+        skewed traces, fitted on that regime's traces alone: at B64 the short rows' one-tile tasks
+        are most of a skewed step's tasks, at B4 the long row's, so a budget need not carry over."""
+        fits = {}
+        for regime in dict.fromkeys(t["regime"] for t in self._skewed):
+            traces = [t for t in self._skewed if t["regime"] == regime]
+            fits[regime] = self._fit_balanced_rule(traces, self._regime_splits(points, regime))
+        return fits
+
+    def _fit_balanced_rule(self, traces: list[dict], regime_splits: int) -> dict:
+        """One regime's balanced-rule parameters from its skewed traces.
 
         skew_target_ctas: the balanced rule's budget, in CTAs, with the least device time summed
         over their skewed steps (the fewest waves among those within SPLIT_TIE_FRACTION of it),
-        where it beats the fixed rule at each regime's fitted split count by more than that
+        where it beats the fixed rule at the regime's fitted split count by more than that
         fraction; else 0 (the fixed rule).
         over_split_balanced: whether the balanced rule at that budget beats the fixed rule by more
         than that fraction on the traces' over-split steps too (false where the budget is 0 or
         none of their steps is over-split)."""
-        if not self._skewed:
-            return None
-        field = "skew_target_ctas"
-        # The budgets every skewed trace lists (pkv.config.checks refuses a set without one), each
+        field, regime = "skew_target_ctas", traces[0]["regime"]
+        # The budgets every trace lists (pkv.config.checks refuses a regime's set without one), each
         # timed on every trace: the others could not be compared.
-        shared = sorted(set.intersection(*(set(t["waves"]) for t in self._skewed)))
+        shared = sorted(set.intersection(*(set(t["waves"]) for t in traces)))
         num_sms = self.calib.num_sms
         skewed, over_split = _BalancedTotals(shared), _BalancedTotals(shared)
-        for t in self._skewed:
-            regime_splits = self._regime_splits(points, t["regime"])
+        keys = []
+        for t in traces:
             timed_trace = t.pop("timed_trace")  # its K/V pages are freed once this trace is timed
             timed_trace.steps = [s for s in timed_trace.steps
                                  if _is_skewed_step(s) or is_over_split(s.batch_size, total_tokens(s.seq_lens),
@@ -307,9 +313,12 @@ class _SplitSweep:
                 timed[w] = timed_trace.persistentkv(dataclasses.replace(fixed, split_kind="balanced",
                                                                         target_ctas=w * num_sms))
             mine_skewed, mine_over_split = skewed.add(timed, _is_skewed_step), over_split.add(timed, _not_skewed)
-            self.records[t["name"]] = {
-                "route": ROUTE_WORKQUEUE, "fits": field, "steps": mine_skewed["steps"],
-                "fitted_with": [u["name"] for u in self._skewed], "regime_splits": regime_splits,
+            # Under its name, or beside the split sweep of the same trace (listed for both fits).
+            key = f"{t['name']} (skewed steps)" if t["name"] in self.records else t["name"]
+            keys.append(key)
+            self.records[key] = {
+                "route": ROUTE_WORKQUEUE, "fits": regime_field(regime, field), "steps": mine_skewed["steps"],
+                "fitted_with": [u["name"] for u in traces], "regime_splits": regime_splits,
                 **_by_rule_record(mine_skewed, shared),
                 "over_split_steps": {"steps": mine_over_split["steps"], **_by_rule_record(mine_over_split, shared)},
             }
@@ -319,13 +328,14 @@ class _SplitSweep:
         over_split_gain = (over_split.totals["fixed"] / over_split.totals[wave_fit.num_splits]
                            if over_split.steps else None)
         over_split_fitted = bool(target and over_split_gain is not None and over_split_gain > 1.0 + SPLIT_TIE_FRACTION)
-        for t in self._skewed:
-            self.records[t["name"]][field] = {
+        for key in keys:
+            self.records[key][field] = {
                 "fitted": target, "selected_waves": wave_fit.num_splits, "tied_waves": list(wave_fit.tied),
                 "selected_at_edge": wave_fit.at_edge, "speedup_over_fixed": gain, "num_sms": num_sms,
                 "applied": self.settings.performance_result}
-            self.records[t["name"]]["over_split_balanced"] = {
-                "fitted": over_split_fitted, "steps": over_split.steps, "speedup_over_fixed": over_split_gain,
+            self.records[key]["over_split_balanced"] = {
+                "fits": regime_field(regime, "over_split_balanced"), "fitted": over_split_fitted,
+                "steps": over_split.steps, "speedup_over_fixed": over_split_gain,
                 "applied": self.settings.performance_result}
         return {field: target, "over_split_balanced": over_split_fitted}
 

@@ -57,12 +57,6 @@ class Calibration:
     # A workqueue step whose rows have about one length takes about this many CTAs where its
     # regime's split count would give more (pkv.policy.choose, uniform_split_count); 0: no cap.
     uniform_target_ctas: int = 0
-    # A workqueue step one row dominates (pkv.policy.choose, is_skewed) gives its rows splits by the
-    # balanced rule with about this many tasks instead of the regime's fixed split count; 0: never.
-    skew_target_ctas: int = 0
-    # An over-split workqueue step (pkv.policy.choose, is_over_split) takes that balanced rule too;
-    # only with a skew budget.
-    over_split_balanced: bool = False
     flashinfer_plan_us: float = 0.0  # measured host planning per step, charged to each route
     persistentkv_plan_us: float = 0.0
     flashinfer_ctas_per_row_head: float = 1.0
@@ -86,15 +80,9 @@ class Calibration:
         if not isinstance(groups, (list, tuple)) or not groups or not all(is_int(g) and g >= 1 for g in groups):
             raise CalibrationError(f"field supported_group_sizes={groups!r}: must be a non-empty list of integers >= 1")
         object.__setattr__(self, "supported_group_sizes", tuple(int(g) for g in groups))
-        for name in ("uniform_target_ctas", "skew_target_ctas"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 0:
-                raise CalibrationError(f"field {name}={value!r}: must be an integer >= 0")
-            object.__setattr__(self, name, int(value))
-        if not isinstance(self.over_split_balanced, bool):
-            raise CalibrationError(f"field over_split_balanced={self.over_split_balanced!r}: must be true or false")
-        if self.over_split_balanced and not self.skew_target_ctas:
-            raise CalibrationError("field over_split_balanced=True: needs a balanced budget, but skew_target_ctas=0")
+        if not is_int(self.uniform_target_ctas) or self.uniform_target_ctas < 0:
+            raise CalibrationError(f"field uniform_target_ctas={self.uniform_target_ctas!r}: must be an integer >= 0")
+        object.__setattr__(self, "uniform_target_ctas", int(self.uniform_target_ctas))
         if self.workqueue_split_kind not in SPLIT_KINDS:
             raise CalibrationError(f"field workqueue_split_kind={self.workqueue_split_kind!r}: must be one of "
                                    f"{list(SPLIT_KINDS)}")
@@ -129,6 +117,7 @@ class Calibration:
         d = {key: _plain(value) for key, value in d.items()}
         if "regimes" not in d:  # the flat form, defaults as it had them
             d = _from_legacy(d, where)
+        d = _skew_budget_per_regime(d, where)
         top = [f.name for f in fields(cls) if f.name not in REGIMES]
         known = [*top, "regimes"]
         for key, value in d.items():
@@ -199,6 +188,24 @@ def _from_legacy(d: dict, where: str) -> dict:
                                f"{[ROUTE_FLASHINFER, ROUTE_WORKQUEUE]}")
     out["regimes"] = regimes
     return out
+
+
+def _skew_budget_per_regime(d: dict, where: str) -> dict:
+    """Files written while the skew budget was one value for every regime hold a top-level
+    ``skew_target_ctas``: it governed each regime's workqueue steps, so each regime gets it."""
+    if "skew_target_ctas" not in d:
+        return d
+    d = dict(d)
+    budget = d.pop("skew_target_ctas")
+    regimes = d.get("regimes")
+    if isinstance(regimes, Mapping):
+        for name, params in regimes.items():
+            if isinstance(params, Mapping) and "skew_target_ctas" in params:
+                raise CalibrationError(f"{where}: field skew_target_ctas={budget!r}: set per regime "
+                                       f"(regimes.{name}.skew_target_ctas), not at the top as well")
+        d["regimes"] = {name: {**params, "skew_target_ctas": budget} if isinstance(params, Mapping) else params
+                        for name, params in regimes.items()}
+    return d
 
 
 def regime_field(regime: str, param: str) -> str:

@@ -13,14 +13,16 @@ in the kernel benchmark"). Ragged batches keep the regime's split count, which t
 need.
 
 A workqueue step one row dominates (a skewed step: ``is_skewed``) gives its rows splits by the
-balanced rule where the calibration measured that faster (``Calibration.skew_target_ctas``): under
-the fixed rule that row's S x Hkv tasks carry most of the step's bytes while the other rows'
+balanced rule where the calibration measured that faster (its regime's ``skew_target_ctas``):
+under the fixed rule that row's S x Hkv tasks carry most of the step's bytes while the other rows'
 tasks finish early, so the step ends on a partial wave of long tasks; the balanced rule cuts the
-long row into as many tasks as its share of the budget.
+long row into as many tasks as its share of the budget. The budget is per regime: at B64 the
+short rows' one-tile tasks are most of a step's tasks, at B4 the long row's (docs/performance.md,
+"Which rule those B4 steps run").
 
 A workqueue step whose rows are short for the regime's split count (an over-split step:
 ``is_over_split``) takes the same balanced rule where the calibration measured that faster too
-(``Calibration.over_split_balanced``): the fixed rule cuts a row of fewer than S tiles into one
+(the regime's ``over_split_balanced``): the fixed rule cuts a row of fewer than S tiles into one
 task per tile, so 64 rows of about 500 tokens become some 6,800 tasks of one or two tiles whose
 Q loads, partial states and merge outweigh their reads (0.69x FlashInfer on the H200's held-out
 steps of that kind, docs/performance.md); the balanced rule sizes tasks from the step's bytes, so
@@ -151,9 +153,9 @@ class RoutePolicy:
             fixed = candidate is not None and candidate.name == ROUTE_WORKQUEUE and candidate.split_kind == "fixed"
             uniform_ctas = calib.uniform_target_ctas if fixed else 0
             skew_route, over_split_splits = None, 0
-            if fixed and calib.skew_target_ctas:
-                skew_route = dataclasses.replace(candidate, split_kind="balanced", target_ctas=calib.skew_target_ctas)
-                over_split_splits = candidate.num_splits if calib.over_split_balanced else 0
+            if fixed and params.skew_target_ctas:
+                skew_route = dataclasses.replace(candidate, split_kind="balanced", target_ctas=params.skew_target_ctas)
+                over_split_splits = candidate.num_splits if params.over_split_balanced else 0
             self._regimes[name] = (params.min_context_tokens, candidate, params.margin, uniform_ctas, skew_route,
                                    over_split_splits)
 

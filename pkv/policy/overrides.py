@@ -25,8 +25,8 @@ def apply_engine_options(calib: Calibration, *, num_splits: int | None = None, b
     calibration kept them on FlashInfer.
     """
     if num_splits is not None:
-        calib = dataclasses.replace(calib.with_all_regimes(num_splits=int(num_splits)), uniform_target_ctas=0,
-                                    skew_target_ctas=0, over_split_balanced=False)
+        calib = dataclasses.replace(calib.with_all_regimes(num_splits=int(num_splits), skew_target_ctas=0,
+                                                           over_split_balanced=False), uniform_target_ctas=0)
     if bucket_num_splits is not None:
         calib = calib.with_regime(SINGLE_ROW, num_splits=int(bucket_num_splits))
     if split_kind is not None:

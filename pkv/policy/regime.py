@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 from pkv.policy.route import ROUTES
 
@@ -54,9 +54,15 @@ class RegimeParams:
     num_splits: int  # PersistentKV's split count (the balanced rule's budget) in this regime
     min_context_tokens: int  # steps whose longest row is shorter stay on FlashInfer
     margin: float  # the estimated speedup over FlashInfer that the route needs
+    # A skewed workqueue step (pkv.policy.choose, is_skewed) of this regime gives its rows splits by
+    # the balanced rule with about this many tasks instead of the fixed split count; 0: never.
+    skew_target_ctas: int = 0
+    # An over-split workqueue step (pkv.policy.choose, is_over_split) of this regime takes that
+    # balanced rule too; only with a skew budget.
+    over_split_balanced: bool = False
 
     def __post_init__(self):
-        for name in ("num_splits", "min_context_tokens"):
+        for name in ("num_splits", "min_context_tokens", "skew_target_ctas"):
             value = getattr(self, name)
             if not is_int(value):
                 raise CalibrationError(f"field {name}={value!r}: must be an integer")
@@ -67,10 +73,14 @@ class RegimeParams:
         checks = (("route", self.route in ROUTES, f"one of {list(ROUTES)}"),
                   ("num_splits", self.num_splits >= 1, ">= 1"),
                   ("min_context_tokens", self.min_context_tokens >= 0, ">= 0"),
-                  ("margin", math.isfinite(self.margin) and self.margin > 0, "finite and > 0"))
+                  ("margin", math.isfinite(self.margin) and self.margin > 0, "finite and > 0"),
+                  ("skew_target_ctas", self.skew_target_ctas >= 0, ">= 0"),
+                  ("over_split_balanced", isinstance(self.over_split_balanced, bool), "true or false"))
         for name, ok, rule in checks:
             if not ok:
                 raise CalibrationError(f"field {name}={getattr(self, name)!r}: must be {rule}")
+        if self.over_split_balanced and not self.skew_target_ctas:
+            raise CalibrationError("field over_split_balanced=True: needs a balanced budget, but skew_target_ctas=0")
 
     @classmethod
     def from_mapping(cls, d, where: str) -> "RegimeParams":
@@ -78,13 +88,14 @@ class RegimeParams:
         if not hasattr(d, "items"):
             raise CalibrationError(f"{where}: expected a mapping with keys {known}, got {d!r}")
         unknown = sorted(set(d) - set(known))
-        missing = [k for k in known if k not in d]
+        # The balanced rule's parameters may be left out (files written before they were per regime).
+        missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING]
         if unknown:
             raise CalibrationError(f"{where}: unknown key {unknown[0]!r} (value {d[unknown[0]]!r}); known keys: "
                                    f"{', '.join(known)}")
         if missing:
             raise CalibrationError(f"{where}: missing key(s) {', '.join(missing)}")
         try:
-            return cls(**{k: d[k] for k in known})
+            return cls(**{k: d[k] for k in known if k in d})
         except CalibrationError as err:
             raise CalibrationError(f"{where}: {err}") from None

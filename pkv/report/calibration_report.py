@@ -48,10 +48,11 @@ def operating_points(calib) -> list[str]:
         lines.append(f"{REGIME_LABELS[regime]} {route}")
     if calib.uniform_target_ctas:  # the uniform cap, where the calibration set one
         lines.append(f"uniform batches about {calib.uniform_target_ctas} workqueue CTAs")
-    if calib.skew_target_ctas:  # the skew rule, where the calibration set one
-        lines.append(f"skewed steps balanced over about {calib.skew_target_ctas} workqueue CTAs")
-    if calib.over_split_balanced:  # the over-split rule, where the calibration opened it
-        lines.append("over-split steps balanced over the same budget")
+    for regime in REGIMES:  # the skew rule and the over-split rule, where the calibration set them
+        params = calib.regime(regime)
+        if params.skew_target_ctas:
+            lines.append(f"{REGIME_LABELS[regime]} skewed steps balanced over about {params.skew_target_ctas} "
+                         f"workqueue CTAs" + (", over-split steps too" if params.over_split_balanced else ""))
     return [*lines, f"G routed: {', '.join(str(g) for g in calib.supported_group_sizes)}"]
 
 
@@ -95,7 +96,8 @@ def _skew_sweep(name: str, sweep: dict) -> list[str]:
     for waves, us in sorted(sweep["device_us_total_by_waves"].items(), key=lambda item: int(item[0])):
         mark = "*" if int(waves) == int(fit["selected_waves"]) else ""
         cells.append(f"{waves}w{mark}: {_ratio(fi, float(us))}")
-    return [f"{name} -> skew_target_ctas ({sweep['steps']} skewed steps): " + ", ".join(cells),
+    fits = sweep.get("fits", "skew_target_ctas")  # the field alone in files before the budget was per regime
+    return [f"{name} -> {fits} ({sweep['steps']} skewed steps): " + ", ".join(cells),
             f"  skew budget {fit['fitted']} CTAs (0: the fixed rule; {float(fit['speedup_over_fixed']):.3f}x the "
             f"fixed rule at {fit['selected_waves']} waves of {fit['num_sms']} SMs), "
             f"{'applied' if fit['applied'] else 'not applied'}", *_over_split_lines(sweep)]
@@ -117,7 +119,8 @@ def _over_split_lines(sweep: dict) -> list[str]:
     gain = fit["speedup_over_fixed"]
     return [f"  over-split steps ({steps['steps']}): " + ", ".join(cells),
             f"  over-split rule {'open' if fit['fitted'] else 'closed'} ({float(gain):.3f}x the fixed rule at the "
-            f"budget of all skewed traces' over-split steps), {'applied' if fit['applied'] else 'not applied'}"]
+            f"budget, over the regime's skewed traces' over-split steps), "
+            f"{'applied' if fit['applied'] else 'not applied'}"]
 
 
 def context_gates(gates: dict, calib) -> list[str]:

@@ -28,7 +28,8 @@ from pkv.policy.regime import REGIMES
 from pkv.refusal import exit_on_refusal
 from pkv.shape import ModelShape
 
-DECISION_PARAMS = ("route", "num_splits", "min_context_tokens", "margin")
+DECISION_PARAMS = ("route", "num_splits", "min_context_tokens", "margin", "skew_target_ctas",
+                   "over_split_balanced")
 # Where Table 2's runs are defined: its traces and held-out seeds (the DAG's axes), the steps an
 # evaluate run measures after its warm-up, and each trace family's requests.
 REPO = Path(__file__).resolve().parents[2]
@@ -54,9 +55,7 @@ def spread(paths: list[Path]) -> dict:
             decisions.append({"name": regime_field(regime, param), "values": values, "agree": len(set(values)) == 1})
     for name, get in (("supported_group_sizes", lambda c: tuple(c.supported_group_sizes)),
                       ("workqueue_split_kind", lambda c: c.workqueue_split_kind),
-                      ("uniform_target_ctas", lambda c: c.uniform_target_ctas),
-                      ("skew_target_ctas", lambda c: c.skew_target_ctas),
-                      ("over_split_balanced", lambda c: c.over_split_balanced)):
+                      ("uniform_target_ctas", lambda c: c.uniform_target_ctas)):
         values = [get(c) for c in calibs]
         decisions.append({"name": name, "values": values, "agree": len(set(values)) == 1})
     constants = []
