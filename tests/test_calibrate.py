@@ -305,7 +305,7 @@ def test_an_old_schema_file_loads_and_a_new_one_reads_back_equal(tmp_path):
     new = tmp_path / "new.json"
     save_calibration(new, calib, {"note": "x"})
     record = json.loads(new.read_text())
-    assert record["schema"] == "pkv.calibration/2" and set(record["calibration"]["regimes"]) == set(REGIMES)
+    assert record["schema"] == "pkv.calibration/3" and set(record["calibration"]["regimes"]) == set(REGIMES)
     assert load_calibration(new) == calib
 
 

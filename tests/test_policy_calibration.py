@@ -50,7 +50,9 @@ def test_a_skew_budget_written_for_every_regime_lands_in_each():
     """Files written while the skew budget was one top-level value (the H200 run at 23e2ed0) load
     with it in every regime, as the policy applied it; a file that sets it both ways is refused, and
     files without the balanced rule's parameters load with the rule off."""
-    old = json.loads((REFERENCE / "history" / "calibration_full_config_23e2ed0.json").read_text())["calibration"]
+    path = REFERENCE / "history" / "calibration_full_config_23e2ed0.json"
+    assert load_calibration(path).few_rows.skew_target_ctas == 396  # schema pkv.calibration/2
+    old = json.loads(path.read_text())["calibration"]
     assert old["skew_target_ctas"] == 396 and "skew_target_ctas" not in old["regimes"]["many_rows"]
     calib = Calibration.from_mapping(old, "old.json")
     assert [calib.regime(r).skew_target_ctas for r in ("single_row", "few_rows", "many_rows")] == [396] * 3
@@ -71,7 +73,7 @@ def test_file_round_trip_is_atomic(tmp_path):
     save_calibration(path, PAPER, {"seed": 20260622, "git_commit": "abc"})
     assert load_calibration(path) == PAPER
     record = json.loads(path.read_text())
-    assert record["schema"] == "pkv.calibration/2"
+    assert record["schema"] == "pkv.calibration/3"
     assert record["provenance"]["seed"] == 20260622
     assert [p.name for p in path.parent.iterdir()] == ["calibration.json"]
     assert path.stat().st_mode & 0o044 == 0o044  # readable by the group and others under umask 0022

@@ -312,6 +312,7 @@ class _SplitSweep:
             for w in shared:
                 timed[w] = timed_trace.persistentkv(dataclasses.replace(fixed, split_kind="balanced",
                                                                         target_ctas=w * num_sms))
+            # The steps kept that are not skewed are the over-split ones.
             mine_skewed, mine_over_split = skewed.add(timed, _is_skewed_step), over_split.add(timed, _not_skewed)
             # Under its name, or beside the split sweep of the same trace (listed for both fits).
             key = f"{t['name']} (skewed steps)" if t["name"] in self.records else t["name"]

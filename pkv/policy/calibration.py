@@ -4,7 +4,8 @@ and its JSON file.
 Written by the calibrate rule, read by the route policy. The starting constants of a GPU live in
 ``conf/gpu/<gpu>.yaml`` in the same form. Files written before the regimes had their own names
 (schema ``pkv.calibration/1``, one flat mapping with ``b8_margin``, ``boundary_route``, ...) still
-load: ``LEGACY_FIELDS`` says where each of their fields went.
+load: ``LEGACY_FIELDS`` says where each of their fields went. So do files written while the skew
+budget was one value for every regime (``pkv.calibration/2``, a top-level ``skew_target_ctas``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from pkv.policy.regime import (
 )
 from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE
 
-CALIBRATION_SCHEMA = "pkv.calibration/2"
+CALIBRATION_SCHEMA = "pkv.calibration/3"
+ONE_SKEW_BUDGET_SCHEMA = "pkv.calibration/2"
 LEGACY_SCHEMA = "pkv.calibration/1"
 
 # Hardware and host constants of the cost model, the names they have in the record and the rule
@@ -248,10 +250,11 @@ def load_calibration_record(path) -> tuple[Calibration, dict]:
         raise CalibrationError(f"{path}: not UTF-8 text ({err})") from None
     except IsADirectoryError:
         raise CalibrationError(f"{path}: is a folder, not a calibration file") from None
-    if not isinstance(record, dict) or record.get("schema") not in (CALIBRATION_SCHEMA, LEGACY_SCHEMA):
+    if not isinstance(record, dict) or record.get("schema") not in (CALIBRATION_SCHEMA, ONE_SKEW_BUDGET_SCHEMA,
+                                                                    LEGACY_SCHEMA):
         found = record.get("schema") if isinstance(record, dict) else type(record).__name__
         raise CalibrationError(f"{path}: field schema={found!r}: expected {CALIBRATION_SCHEMA!r} "
-                               f"(or the older {LEGACY_SCHEMA!r})")
+                               f"(or the older {ONE_SKEW_BUDGET_SCHEMA!r} or {LEGACY_SCHEMA!r})")
     if "calibration" not in record:
         raise CalibrationError(f"{path}: missing field 'calibration'")
     return Calibration.from_mapping(record["calibration"], where=f"{path}: calibration"), record

@@ -88,19 +88,25 @@ def split_sweeps(sweeps: dict) -> list[str]:
 
 
 def _skew_sweep(name: str, sweep: dict) -> list[str]:
-    """A trace that fit skew_target_ctas: FlashInfer's time over the fixed rule's and over the
-    balanced rule's at each budget (in waves of the SMs, the selected one starred)."""
-    fi = float(sweep["flashinfer_device_us_total"])
+    """A trace that fit skew_target_ctas: its skewed steps by rule (_by_rule_cells), the budget
+    fitted, and its over-split steps."""
     fit = sweep["skew_target_ctas"]
-    cells = [f"fixed S={sweep['regime_splits']}: {_ratio(fi, float(sweep['fixed_device_us_total']))}"]
-    for waves, us in sorted(sweep["device_us_total_by_waves"].items(), key=lambda item: int(item[0])):
-        mark = "*" if int(waves) == int(fit["selected_waves"]) else ""
-        cells.append(f"{waves}w{mark}: {_ratio(fi, float(us))}")
     fits = sweep.get("fits", "skew_target_ctas")  # the field alone in files before the budget was per regime
-    return [f"{name} -> {fits} ({sweep['steps']} skewed steps): " + ", ".join(cells),
+    return [f"{name} -> {fits} ({sweep['steps']} skewed steps): " + _by_rule_cells(sweep, sweep),
             f"  skew budget {fit['fitted']} CTAs (0: the fixed rule; {float(fit['speedup_over_fixed']):.3f}x the "
             f"fixed rule at {fit['selected_waves']} waves of {fit['num_sms']} SMs), "
             f"{'applied' if fit['applied'] else 'not applied'}", *_over_split_lines(sweep)]
+
+
+def _by_rule_cells(sweep: dict, times: dict) -> str:
+    """FlashInfer's time over the fixed rule's and over the balanced rule's at each budget (in waves
+    of the SMs, the selected one starred), from ``times``: a skew fit's record or its over-split steps."""
+    fi = float(times["flashinfer_device_us_total"])
+    selected = int(sweep["skew_target_ctas"]["selected_waves"])
+    cells = [f"fixed S={sweep['regime_splits']}: {_ratio(fi, float(times['fixed_device_us_total']))}"]
+    for waves, us in sorted(times["device_us_total_by_waves"].items(), key=lambda item: int(item[0])):
+        cells.append(f"{waves}w{'*' if int(waves) == selected else ''}: {_ratio(fi, float(us))}")
+    return ", ".join(cells)
 
 
 def _over_split_lines(sweep: dict) -> list[str]:
@@ -111,13 +117,8 @@ def _over_split_lines(sweep: dict) -> list[str]:
         return []
     if not steps["steps"]:
         return [f"  over-split steps: none at S={sweep['regime_splits']}, so the over-split rule stays closed"]
-    fi = float(steps["flashinfer_device_us_total"])
-    cells = [f"fixed S={sweep['regime_splits']}: {_ratio(fi, float(steps['fixed_device_us_total']))}"]
-    selected = int(sweep["skew_target_ctas"]["selected_waves"])
-    for waves, us in sorted(steps["device_us_total_by_waves"].items(), key=lambda item: int(item[0])):
-        cells.append(f"{waves}w{'*' if int(waves) == selected else ''}: {_ratio(fi, float(us))}")
     gain = fit["speedup_over_fixed"]
-    return [f"  over-split steps ({steps['steps']}): " + ", ".join(cells),
+    return [f"  over-split steps ({steps['steps']}): " + _by_rule_cells(sweep, steps),
             f"  over-split rule {'open' if fit['fitted'] else 'closed'} ({float(gain):.3f}x the fixed rule at the "
             f"budget, over the regime's skewed traces' over-split steps), "
             f"{'applied' if fit['applied'] else 'not applied'}"]
