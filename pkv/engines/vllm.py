@@ -27,10 +27,6 @@ TRITON_BLOCK_SIZE_MULTIPLE = 16
 TRITON_MIN_HEAD_SIZE = 32
 
 
-# How the two kernels name themselves in errors and "not available" reasons.
-PAGED_NAME = "vLLM PagedAttention v2"
-TRITON_NAME = "vLLM Triton unified attention"
-
 
 def _cuda_device(device, what: str) -> torch.device:
     device = torch.device(device)
@@ -112,12 +108,13 @@ class VllmEngine(_VllmEngine):
     """
 
     def __init__(self, shape, device="cuda") -> None:
+        # Imported here, not at the top: pkv.engines imports this module, and `python -m
+        # pkv.engines.vllm_build` (or vllm_sources) must not find its own module imported before it runs.
+        from pkv.engines.vllm_sources import PAGED_ATTENTION, PAGED_NAME
+
         self.shape = shape
         self.device = _cuda_device(device, PAGED_NAME)
-        # Imported here, not at the top: pkv.engines imports this module, and
-        # `python -m pkv.engines.vllm_build` must not find its own module imported before it runs.
         from pkv.engines.vllm_build import BUILT_BLOCK_SIZES, BUILT_HEAD_SIZES, load_vllm_paged_attention
-        from pkv.engines.vllm_sources import PAGED_ATTENTION
 
         if shape.head_dim not in BUILT_HEAD_SIZES:
             raise EngineUnavailable(f"{PAGED_NAME} has no kernel for head_dim {shape.head_dim}: the build "
@@ -133,7 +130,7 @@ class VllmEngine(_VllmEngine):
 
     def plan(self, step) -> EnginePlan:
         if step.page_size not in self._block_sizes:
-            raise EngineUnavailable(f"{PAGED_NAME} has no kernel for page_size {step.page_size}: the build "
+            raise EngineUnavailable(f"{self._what} has no kernel for page_size {step.page_size}: the build "
                                     f"instantiates block sizes {self._block_sizes} "
                                     f"(pkv.engines.vllm_build.BUILT_BLOCK_SIZES)")
         tensors, max_seq_len = upload_block_table(step, self.device)
@@ -144,7 +141,7 @@ class VllmEngine(_VllmEngine):
         # The kernels take q's row stride alone (q + row * stride(0) + head * head_size) and write
         # out as packed [B, Hq, d]: a strided head axis would be misread.
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-            raise ValueError(f"{PAGED_NAME} needs q's heads packed, got strides {tuple(q.stride())}")
+            raise ValueError(f"{self._what} needs q's heads packed, got strides {tuple(q.stride())}")
         shape = self.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         batch = q.shape[0]
@@ -177,10 +174,11 @@ class VllmTritonEngine(_VllmEngine):
     """
 
     def __init__(self, shape, device="cuda") -> None:
+        from pkv.engines.vllm_sources import TRITON_ATTENTION, TRITON_NAME
+
         self.shape = shape
         self.device = _cuda_device(device, TRITON_NAME)
         from pkv.engines.vllm_build import load_vllm_triton_unified_attention
-        from pkv.engines.vllm_sources import TRITON_ATTENTION
 
         if shape.head_dim < TRITON_MIN_HEAD_SIZE:
             raise EngineUnavailable(f"{TRITON_NAME} takes head_dim >= {TRITON_MIN_HEAD_SIZE} "
@@ -205,7 +203,7 @@ class VllmTritonEngine(_VllmEngine):
 
     def plan(self, step) -> EnginePlan:
         if step.page_size % TRITON_BLOCK_SIZE_MULTIPLE:
-            raise EngineUnavailable(f"{TRITON_NAME} takes page sizes that are multiples of "
+            raise EngineUnavailable(f"{self._what} takes page sizes that are multiples of "
                                     f"{TRITON_BLOCK_SIZE_MULTIPLE} (vLLM {self._version}'s Triton backend), "
                                     f"got {step.page_size}")
         tensors, max_seq_len = upload_block_table(step, self.device)

@@ -35,7 +35,6 @@ from pkv.build import (
     torch_compile_flags,
 )
 from pkv.engines.base import EngineUnavailable
-from pkv.engines.vllm import PAGED_NAME, TRITON_NAME
 from pkv.engines.vllm_sources import (
     BINDING_SOURCE,
     DEFAULT_DEST,
@@ -43,10 +42,12 @@ from pkv.engines.vllm_sources import (
     MANIFEST,
     PAGED_ATTENTION,
     PAGED_KERNEL_SOURCES,
+    PAGED_NAME,
     REPO_ROOT,
     SHIM_INCLUDE,
     TRITON_ATTENTION,
     TRITON_MODULE,
+    TRITON_NAME,
     VllmSourcesError,
     fetch,
     fetched_root,

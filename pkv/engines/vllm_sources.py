@@ -78,6 +78,10 @@ class Sdist:
         return f"vllm-{self.version}"
 
 
+# How the two kernels name themselves in errors and "not available" reasons.
+PAGED_NAME = "vLLM PagedAttention v2"
+TRITON_NAME = "vLLM Triton unified attention"
+
 # The include closure of paged_attention_v1.cu / v2.cu on CUDA (the USE_ROCM branches, which
 # include the amd quant_utils.cuh and hip headers, are left out). tests/test_vllm_engines.py
 # checks that every quoted include of these files resolves to one of them.
