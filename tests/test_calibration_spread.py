@@ -44,6 +44,21 @@ def test_a_decision_that_moved_is_named_and_the_others_agree(tmp_path):
     assert "| bucketed_b1 | 320 | 0 (0%) |" in text
 
 
+def test_a_skew_budget_that_moved_counts_the_steps_it_moves(tmp_path):
+    """Two calibrations alike but for the 8+ rows' skew budget: the skewed trace's steps that take
+    the balanced rule differ (its budget), the other traces' steps do not."""
+    first = tmp_path / "a.json"
+    save_calibration(first, load_calibration(REFERENCE).with_regime("many_rows", skew_target_ctas=396), {})
+    second = tmp_path / "b.json"
+    save_calibration(second, load_calibration(REFERENCE).with_regime("many_rows", skew_target_ctas=264), {})
+    report = spread([first, second])
+    by_name = {d["name"]: d for d in report["decisions"]}
+    assert by_name["regimes.many_rows.skew_target_ctas"]["values"] == [396, 264]
+    steps = {row["trace"]: row for row in report["steps"]}
+    assert steps["skewed_b64"]["differ"][0] > 0
+    assert steps["bimodal_b8"]["differ"] == [0] and steps["bucketed_b1"]["differ"] == [0]
+
+
 def test_identical_calibrations_route_every_step_alike(tmp_path):
     report = spread([_variant(tmp_path, "a.json"), _variant(tmp_path, "b.json")])
     assert all(d["agree"] for d in report["decisions"])

@@ -83,7 +83,8 @@ def _table2_runs() -> tuple[list[tuple[str, int]], list[int], int, int]:
 def step_decisions(calibs, shape: ModelShape = ModelShape()) -> list[dict]:
     """Per Table 2 trace: its measured steps over the held-out seeds (replayed as the harness
     replays them; a route depends only on the lengths), and for each calibration after the first
-    how many of them take another route or split count than under the first."""
+    how many of them take another route than under the first: another engine, split count, split
+    rule or balanced budget."""
     policies = [RoutePolicy(c, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
                             head_dim=shape.head_dim) for c in calibs]
     traces, seeds, warmup, measured = _table2_runs()
@@ -101,10 +102,9 @@ def step_decisions(calibs, shape: ModelShape = ModelShape()) -> list[dict]:
                                       num_steps=warmup + measured, seed=seed)
             for step in replayed[warmup:]:
                 routes = [p.choose(step).route for p in policies]
-                picked = [(r.name, r.num_splits if r.name != "flashinfer" else None) for r in routes]
                 steps += 1
-                for i, other in enumerate(picked[1:]):
-                    differ[i] += other != picked[0]
+                for i, other in enumerate(routes[1:]):
+                    differ[i] += other != routes[0]
         rows.append({"trace": f"{family}_b{batch}", "steps": steps, "differ": differ})
     return rows
 
