@@ -27,7 +27,6 @@ TRITON_BLOCK_SIZE_MULTIPLE = 16
 TRITON_MIN_HEAD_SIZE = 32
 
 
-
 def _cuda_device(device, what: str) -> torch.device:
     device = torch.device(device)
     if device.type != "cuda":

@@ -74,7 +74,7 @@ B1_CLUSTER_SPLITS = (8, 12, 16)
 # kernels (396 CTAs on an H200), where 8 and 16 land just past them (docs/performance.md, "Split
 # counts and waves in the kernel benchmark").
 WORKQUEUE_SPLITS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
-BALANCED_WAVES = (1, 2, 3, 4, 8)  # target CTAs = waves x SMs (3: the H200's fitted skew budget)
+BALANCED_WAVES = (1, 2, 3, 4, 8)  # target CTAs = waves x SMs (3: the H200's fitted B8+ skew budget)
 CONFIRM_ROUNDS = 5  # interleaved rounds that re-time the fastest FlashInfer, XQA and PersistentKV
 # Baselines timed on every case. FlashInfer's best is the fastest of BEST_OF_ROLES; its fa3
 # backend is timed and reported beside them, never picked (pkv.engines.flashinfer).

@@ -152,12 +152,12 @@ class RoutePolicy:
             # has its own budget).
             fixed = candidate is not None and candidate.name == ROUTE_WORKQUEUE and candidate.split_kind == "fixed"
             uniform_ctas = calib.uniform_target_ctas if fixed else 0
-            skew_route, over_split_splits = None, 0
+            skew_route, over_split = None, False
             if fixed and params.skew_target_ctas:
                 skew_route = dataclasses.replace(candidate, split_kind="balanced", target_ctas=params.skew_target_ctas)
-                over_split_splits = candidate.num_splits if params.over_split_balanced else 0
+                over_split = params.over_split_balanced
             self._regimes[name] = (params.min_context_tokens, candidate, params.margin, uniform_ctas, skew_route,
-                                   over_split_splits)
+                                   over_split)
 
     def candidate(self, batch_size: int) -> StepRoute | None:
         """The PersistentKV route a step of this many rows is estimated on; None where its regime
@@ -176,14 +176,14 @@ class RoutePolicy:
             longest = max(lens)
         else:
             longest = int(lens.max())  # builtins.max would walk the array element by element
-        gate, candidate, margin, uniform_ctas, skew_route, over_split_splits = self._regimes[regime_of(batch)]
+        gate, candidate, margin, uniform_ctas, skew_route, over_split = self._regimes[regime_of(batch)]
         if longest < gate:
             return GATE_CONTEXT
         if candidate is None:
             return GATE_REGIME
         tokens = total_tokens(lens)
         if skew_route is not None and (is_skewed(batch, longest, tokens)
-                                       or over_split_splits and is_over_split(batch, tokens, over_split_splits)):
+                                       or over_split and is_over_split(batch, tokens, candidate.num_splits)):
             candidate = skew_route
         elif uniform_ctas:
             splits = uniform_split_count(lens, longest, self._num_kv_heads, candidate.num_splits, uniform_ctas)

@@ -102,7 +102,7 @@ def selected_route(subjects: list[dict]) -> tuple[str | None, str]:
     text = route_label(route, splits)
     if count < len(routes):
         text += f" ({count}/{len(routes)} seeds)"
-    # Steps a calibrated rule moved off the fixed split count (the skew rule's balanced steps).
+    # Steps a calibrated rule moved off the fixed split count (the skew and over-split rules' balanced steps).
     rules: Counter = Counter()
     for rec in subjects:
         rules.update((rec.get("metrics") or {}).get("split_rules") or {})
