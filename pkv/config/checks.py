@@ -17,6 +17,7 @@ from pkv.config.schema import (
     CALIBRATION_FITS, DEVICES, DRIVERS, DTYPES, EXTERNAL_FAMILY, PLANNERS, PROFILES, ConfigError, EngineConfig,
     ExperimentConfig, PkvConfig, TraceConfig,
 )
+from pkv.pipeline.kv_pool import PAGE_LAYOUTS
 from pkv.pipeline.schedule import SPLIT_KINDS
 from pkv.pipeline.trace_readers import OVERLONG_POLICIES
 from pkv.pipeline.traces import TRACE_FAMILIES
@@ -67,6 +68,13 @@ def _check_trace(trace: TraceConfig, where: str, families: Sequence[str]) -> Non
     # Pages and 32-token tiles must nest in one another; powers of two guarantee it.
     if trace.page_size & (trace.page_size - 1):
         raise bad("page_size", "must be a positive power of two")
+    if trace.page_layout not in PAGE_LAYOUTS:
+        raise bad("page_layout", f"must be one of {list(PAGE_LAYOUTS)}")
+    if trace.kv_pool_tokens is not None:
+        if trace.page_layout != "recycled":
+            raise bad("kv_pool_tokens", f"sizes the recycled pool; trace.page_layout is {trace.page_layout!r}")
+        if trace.kv_pool_tokens % trace.page_size:
+            raise bad("kv_pool_tokens", f"must be a multiple of trace.page_size={trace.page_size}")
     if trace.overlong is not None and trace.overlong not in OVERLONG_POLICIES:
         raise bad("overlong", f"must be one of {list(OVERLONG_POLICIES)} or null")
     if trace.family == EXTERNAL_FAMILY:

@@ -130,6 +130,15 @@ class TraceConfig:
     page_size: int = bounded(16, bound=Bound(1, 1024, "tokens per page"))
     # Holes grow the page pool by 1 / (1 - h): 0.99 is a 100x pool, and the KV pool bound caps it.
     hole_fraction: float = bounded(0.0, bound=Bound(0.0, 0.99, "fraction of physical pages left empty"))
+    # How requests get physical pages (pkv.pipeline.kv_pool.PAGE_LAYOUTS): "recycled", a fixed pool
+    # whose pages are taken at admission and on growth and reused once a request finishes, as a
+    # serving engine keeps one; "up_front", every request of the trace owns its pages from the
+    # start (the paper's section 3.7 layout; the pool grows with the trace).
+    page_layout: str = "recycled"
+    # Token slots of the recycled pool (a multiple of page_size). None: the most the run's admitted
+    # requests reserve at once over 1 - hole_fraction, at most what the device holds for it
+    # (pkv.experiments.common.kv_pool_pages); a smaller pool makes requests wait for pages.
+    kv_pool_tokens: Optional[int] = bounded(None, bound=Bound(1, 1 << 36, "token slots of the KV pool"))
     arrivals: Optional[str] = None  # arrival process of pkv.pipeline.traces; None = the generator's default
     # Requests per decode step (Poisson); beyond the largest batch every request arrives at once anyway.
     arrival_rate: Optional[float] = bounded(None, bound=Bound(0, 1e6, "requests per decode step", lo_open=True))

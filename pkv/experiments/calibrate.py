@@ -18,6 +18,7 @@ from pkv.config import ConfigError, PkvConfig, load_trace_option
 from pkv.engines import build_engine
 from pkv.experiments.common import (
     gates_for_profile,
+    kv_pool_pages,
     load_requests,
     model_shape,
     provenance_for,
@@ -124,7 +125,7 @@ class _TimedTrace:
         assignment, self.steps = trace_steps(
             requests, page_size=trace.page_size, hole_fraction=trace.hole_fraction,
             max_active=trace.max_active, num_steps=run_settings.warmup_steps + run_settings.measured_steps,
-            seed=cfg.seed)
+            seed=cfg.seed, layout=trace.page_layout, pool_pages=kv_pool_pages(trace, run_settings, requests))
         dtype = resolve_dtype(settings.dtype)
         k_pages, v_pages = make_kv_pages(assignment.num_physical_pages, shape, trace.page_size, dtype,
                                          settings.device, cfg.seed)

@@ -28,7 +28,9 @@ from pkv.config import (
     check_calibration_bounds,
 )
 from pkv.engines import OPTION_NAMES, EngineUnavailable, build_engine, role_policy
+from pkv.pipeline.kv_pool import pool_pages_for
 from pkv.pipeline.pages import universe_size
+from pkv.pipeline.serving import decode_plan_summary
 from pkv.pipeline.trace_readers import read_trace
 from pkv.pipeline.traces import synthetic_trace
 from pkv.policy.calibration import Calibration, load_calibration_record, recorded_profile
@@ -157,7 +159,24 @@ def load_requests(trace: TraceConfig, seed: int, settings: RunSettings) -> list:
 
 
 def _check_kv_pool(trace: TraceConfig, settings: RunSettings, requests: list) -> None:
-    """Refuse a run whose K and V pages would not fit one H200 (MAX_KV_POOL_BYTES), before allocating."""
+    """Refuse a run whose K and V pages would not fit one H200 (MAX_KV_POOL_BYTES), before allocating.
+
+    An up-front layout holds every request's pages at once; a recycled pool holds what
+    kv_pool_pages gives it, which a named size must keep under the same bound and above the
+    longest request."""
+    page_bytes = trace.page_size * settings.kv_bytes_per_token
+    if trace.page_layout == "recycled":
+        longest = max(requests, key=lambda r: r.total_len)
+        if trace.kv_pool_tokens is not None:
+            where = f"conf/trace/{trace.family}.yaml: field 'trace.kv_pool_tokens' = {trace.kv_pool_tokens!r}"
+            if trace.kv_pool_tokens // trace.page_size * page_bytes > MAX_KV_POOL_BYTES:
+                raise ConfigError(f"{where}: its K and V pages take "
+                                  f"{trace.kv_pool_tokens * settings.kv_bytes_per_token / 2**30:.1f} GiB, more than "
+                                  f"the {MAX_KV_POOL_BYTES >> 30} GiB one H200 holds for them")
+            if -(-longest.total_len // trace.page_size) * trace.page_size > trace.kv_pool_tokens:
+                raise ConfigError(f"{where}: request {longest.request_id} needs {longest.total_len} tokens, more "
+                                  "than the whole pool holds, so it could never be admitted")
+        return
     pages = sum(-(-r.total_len // trace.page_size) for r in requests)
     pool = universe_size(pages, trace.hole_fraction) * trace.page_size * settings.kv_bytes_per_token
     if pool > MAX_KV_POOL_BYTES:
@@ -168,14 +187,41 @@ def _check_kv_pool(trace: TraceConfig, settings: RunSettings, requests: list) ->
             "H200 holds for them; use fewer or shorter requests")
 
 
-def trace_record(trace: TraceConfig, seed: int, settings: RunSettings, num_requests: int) -> dict:
-    """The `trace` block of a result envelope."""
+def kv_pool_pages(trace: TraceConfig, settings: RunSettings, requests: list) -> int | None:
+    """Pages of the run's recycled KV pool (None for the up-front layout, which sizes itself).
+
+    trace.kv_pool_tokens when it is set; else the pages the run's warmup and measured steps
+    reserve at their peak over 1 - hole_fraction, at most what the device holds for them: the
+    smaller of MAX_KV_POOL_BYTES and half the GPU's memory (the other half is the queries, the
+    split scratch, the baselines' workspaces and the float64 checks). A pool that the cap shrinks
+    makes requests wait for pages, as a serving engine's scheduler does; the longest request
+    always fits."""
+    if trace.page_layout != "recycled":
+        return None
+    if trace.kv_pool_tokens is not None:
+        return trace.kv_pool_tokens // trace.page_size
+    page_bytes = trace.page_size * settings.kv_bytes_per_token
+    budget = MAX_KV_POOL_BYTES
+    if settings.device == "cuda" and torch.cuda.is_available():
+        budget = min(budget, torch.cuda.get_device_properties(0).total_memory // 2)
+    longest = max(-(-r.total_len // trace.page_size) for r in requests)
+    steps = settings.warmup_steps + settings.measured_steps
+    peak = decode_plan_summary(requests, trace.max_active, steps, page_size=trace.page_size)["peak_reserved_pages"]
+    return pool_pages_for(peak, trace.hole_fraction, longest_pages=longest, max_pages=budget // page_bytes)
+
+
+def trace_record(trace: TraceConfig, seed: int, settings: RunSettings, num_requests: int,
+                 pool_pages: int | None = None) -> dict:
+    """The `trace` block of a result envelope; ``pool_pages`` is the recycled pool's size."""
     record = {
         "name": trace_name(trace), "family": trace.family, "seed": seed,
         "num_requests": num_requests, "max_active": trace.max_active,
         "measured_steps": settings.measured_steps, "page_size": trace.page_size,
         "hole_fraction": trace.hole_fraction, "length_scale": settings.length_scale,
+        "page_layout": trace.page_layout,
     }
+    if pool_pages is not None:
+        record["kv_pool_pages"] = int(pool_pages)
     if trace.path is not None:
         record["path"] = trace.path
     return record

@@ -14,6 +14,7 @@ from pkv.config import PkvConfig
 from pkv.experiments.common import (
     build_engines,
     engine_file,
+    kv_pool_pages,
     load_requests,
     model_shape,
     new_run_id,
@@ -41,11 +42,13 @@ def run_trace_experiment(cfg: PkvConfig) -> list[Path]:
         skipped = {label: skipped.get(label, reason) for label in exp.engines}
         engines = {}
 
+    pool_pages = kv_pool_pages(trace, settings, requests)
     metrics = {}
     if engines:
         spec = TraceRunSpec(
             name=trace_name(trace), family=trace.family, seed=cfg.seed, requests=tuple(requests),
             page_size=trace.page_size, hole_fraction=trace.hole_fraction, max_active=trace.max_active,
+            page_layout=trace.page_layout, kv_pool_pages=pool_pages,
             warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps,
             dtype=settings.dtype, device=settings.device, check_every=settings.check_every,
             mlp_tail=exp.mlp_tail, flush_l2=exp.flush_l2,
@@ -54,7 +57,7 @@ def run_trace_experiment(cfg: PkvConfig) -> list[Path]:
 
     run_id = new_run_id()
     prov = provenance_for(cfg, settings, cfg.seed)
-    record_trace = trace_record(trace, cfg.seed, settings, len(requests))
+    record_trace = trace_record(trace, cfg.seed, settings, len(requests), pool_pages)
     files = {}
     for label in exp.engines:
         if label in metrics:

@@ -92,7 +92,9 @@ def run(cfg: PkvConfig) -> list[Path]:
         methods[method] = _best(method, {label: results[label] for label in labels}, why)
     record = {
         "schema": RESULT_SCHEMA, "experiment": exp.name, "variant": None,
-        "trace": {**trace_record(trace, cfg.seed, settings, 1), "name": f"ctx{exp.context_len}"},
+        # One request on pages of its own: the up-front layout, whatever the trace config says.
+        "trace": {**trace_record(trace, cfg.seed, settings, 1), "name": f"ctx{exp.context_len}",
+                  "page_layout": "up_front"},
         "engine": "all", "baseline_engine": None, "run_id": new_run_id(),
         "performance_result": settings.performance_result,
         # The result envelope holds exactly one of metrics / skipped; per-method skips sit inside.

@@ -16,6 +16,7 @@ from pkv.engines import EngineUnavailable
 from pkv.experiments.common import (
     build_engines,
     engine_file,
+    kv_pool_pages,
     load_requests,
     model_shape,
     new_run_id,
@@ -36,8 +37,7 @@ from pkv.measure.model_step_paths import (
     XqaGraphPath,
 )
 from pkv.measure.model_step_run import ModelStepSpec, run_model_step
-from pkv.pipeline.pages import assign_pages
-from pkv.pipeline.serving import ContinuousDecoder
+from pkv.pipeline.serving import ContinuousDecoder, page_layout
 from pkv.report.results import result_envelope
 
 WHERE = "conf/experiment/model_step.yaml (or its override)"
@@ -146,8 +146,11 @@ def run(cfg: PkvConfig) -> list:
     requests = load_requests(trace, cfg.seed, settings)
     attention = model_shape(cfg)
     engines, skipped = build_engines(exp.engines, cfg, attention, settings.device, calib)
-    # Table 2's page tables: the harness's assignment of the same requests and seed.
-    assignment = assign_pages([r.total_len for r in requests], trace.page_size, trace.hole_fraction, cfg.seed)
+    # Table 2's page tables: the harness's layout of the same requests and seed.
+    pool_pages = kv_pool_pages(trace, settings, requests)
+    assignment = page_layout(requests, layout=trace.page_layout, page_size=trace.page_size,
+                             hole_fraction=trace.hole_fraction, seed=cfg.seed, max_active=trace.max_active,
+                             max_steps=settings.warmup_steps + settings.measured_steps, pool_pages=pool_pages)
     max_pages = max(-(-r.total_len // trace.page_size) for r in requests)
     element_bytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     layers = layers_that_fit(shape, assignment.num_physical_pages, trace.page_size, element_bytes,
@@ -187,7 +190,7 @@ def run(cfg: PkvConfig) -> list:
                     "beta_gbps": float(calib.beta_gbps)}
     run_id = new_run_id()
     prov = provenance_for(cfg, settings, cfg.seed)
-    record_trace = trace_record(trace, cfg.seed, settings, len(requests))
+    record_trace = trace_record(trace, cfg.seed, settings, len(requests), pool_pages)
     files = {}
     for role in exp.engines:
         for mode in exp.modes:

@@ -30,6 +30,7 @@ from pkv.atomic_io import write_json_atomic, write_text_atomic
 from pkv.config import PkvConfig
 from pkv.experiments.common import (
     build_engines,
+    kv_pool_pages,
     load_requests,
     model_shape,
     provenance_for,
@@ -158,10 +159,12 @@ def _profiled_trace(cfg: PkvConfig) -> None:
     engines, skipped = build_engines(exp.engines, cfg, shape, settings.device, run_calibration(cfg))
     if skipped:
         raise RuntimeError(f"profile: engines unavailable: {skipped}")
+    requests = load_requests(trace, cfg.seed, settings)
     spec = TraceRunSpec(
         name=trace_name(trace), family=trace.family, seed=cfg.seed,
-        requests=tuple(load_requests(trace, cfg.seed, settings)), page_size=trace.page_size,
-        hole_fraction=trace.hole_fraction, max_active=trace.max_active,
+        requests=tuple(requests), page_size=trace.page_size,
+        hole_fraction=trace.hole_fraction, max_active=trace.max_active, page_layout=trace.page_layout,
+        kv_pool_pages=kv_pool_pages(trace, settings, requests),
         warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps,
         dtype=settings.dtype, device=settings.device, check_every=settings.check_every,
         mlp_tail=False, flush_l2=exp.flush_l2,
@@ -173,7 +176,8 @@ def _record(cfg: PkvConfig, settings, **body) -> dict:
     requests = load_requests(cfg.trace, cfg.seed, settings)
     return {
         "schema": NCU_SCHEMA, "experiment": cfg.experiment.name,
-        "trace": trace_record(cfg.trace, cfg.seed, settings, len(requests)),
+        "trace": trace_record(cfg.trace, cfg.seed, settings, len(requests),
+                              kv_pool_pages(cfg.trace, settings, requests)),
         "engines": list(cfg.experiment.engines), "metrics_collected": [m for m, _ in NCU_METRICS],
         "performance_result": settings.performance_result and "skipped" not in body,
         **body, "provenance": provenance_for(cfg, settings, cfg.seed),

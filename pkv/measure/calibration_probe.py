@@ -18,8 +18,7 @@ import torch
 
 from pkv.measure.kv_data import make_queries
 from pkv.measure.timing import L2Flusher, synchronize, time_device_us
-from pkv.pipeline.pages import assign_pages
-from pkv.pipeline.serving import ContinuousDecoder
+from pkv.pipeline.serving import ContinuousDecoder, page_layout
 from pkv.policy.fits import CostSample
 from pkv.policy.route import StepRoute
 
@@ -90,10 +89,12 @@ def time_steps(engine, route: StepRoute, steps, shape, k_pages, v_pages, *, dtyp
 
 
 def trace_steps(requests, *, page_size: int, hole_fraction: float, max_active: int, num_steps: int,
-                seed: int):
-    """The page assignment and the first num_steps StepBatches of a continuous-batching replay."""
+                seed: int, layout: str = "recycled", pool_pages: int | None = None):
+    """The page layout (pkv.pipeline.serving.page_layout) and the first num_steps StepBatches of a
+    continuous-batching replay."""
 
-    assignment = assign_pages([r.total_len for r in requests], page_size, hole_fraction, seed)
+    assignment = page_layout(requests, layout=layout, page_size=page_size, hole_fraction=hole_fraction,
+                             seed=seed, max_active=max_active, max_steps=num_steps, pool_pages=pool_pages)
     steps = list(ContinuousDecoder(list(requests), assignment, max_active, max_steps=num_steps).steps())
     if not steps:
         raise ValueError("the calibration trace produced no decode steps")

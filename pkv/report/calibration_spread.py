@@ -99,7 +99,8 @@ def step_decisions(calibs, shape: ModelShape = ModelShape()) -> list[dict]:
                                        arrival_rate=float(conf["arrival_rate"]))
             _, replayed = trace_steps(requests, page_size=int(conf["page_size"]),
                                       hole_fraction=float(conf["hole_fraction"]), max_active=batch,
-                                      num_steps=warmup + measured, seed=seed)
+                                      num_steps=warmup + measured, seed=seed,
+                                      layout=conf.get("page_layout", "recycled"))
             for step in replayed[warmup:]:
                 routes = [p.choose(step).route for p in policies]
                 steps += 1
