@@ -61,6 +61,15 @@ class Engine:
     # baseline's output (pkv.measure.harness.REF_REL_LIMIT); their max |e| is still recorded.
     held_to_paper_bound: bool = False
 
+    @property
+    def under_study(self) -> bool:
+        """Whether this engine is one the artifact studies (PersistentKV's routes, the adaptive
+        policy, and what stands in for them) rather than a baseline it is compared with: the same
+        engines the paper's bound binds. Where the float64 reference finds a step's output wrong,
+        an engine under study stops the trace run; a baseline's wrong step is recorded in its
+        result and the run goes on (pkv.measure.harness)."""
+        return self.held_to_paper_bound
+
     def prepare(self, step, q, k_pages, v_pages) -> None:
         """Untimed one-off work before a step is timed (kernel JIT, variant probes).
 

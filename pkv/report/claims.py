@@ -2,8 +2,11 @@
 
 Each claim carries the paper's value (typed here, from the paper), a measure that computes this
 GPU's value from the result files through the same builders as the tables, a stated tolerance and
-a verdict: "reproduced", "differs", or "not applicable here" with the reason. What a verdict may
-rest on depends on the claim's kind:
+a verdict: "reproduced", "differs", or "not applicable here" with the reason. No value rests on a
+ratio against a baseline the float64 reference found wrong (pkv.report.table_data.comparisons): a
+seed whose baseline was wrong is left out, and the value says so; where no seed is left, the claim
+is not applicable here, the reason naming the wrong baseline. What a verdict may rest on depends
+on the claim's kind:
 
     performance  a timing or a ratio of timings: only results marked as performance results count;
                  on the CPU profile no verdict on performance is possible
@@ -122,6 +125,13 @@ def _mean_std_text(values: list[float]) -> tuple[str, float]:
     return f"{cell.mean:.3f}{spread} ({cell.n} seed{'s' if cell.n != 1 else ''})", cell.mean
 
 
+def _left_out(aggs) -> str:
+    """What a value leaves out for a wrong baseline: the seeds, per trace where there are several."""
+    parts = [f"{where + ' ' if len(aggs) > 1 else ''}seed{'s' if len(agg.wrong_baselines) > 1 else ''} "
+             + ", ".join(str(s) for s in sorted(agg.wrong_baselines)) for where, agg in aggs if agg.wrong_baselines]
+    return f" (left out, baseline wrong against float64: {'; '.join(parts)})" if parts else ""
+
+
 def serving_ratio(stage: str, trace: str, key: str, paper: float, tolerance: float,
                   tree: Callable[[Results], dict] | None = None) -> Callable[[Results], Measured]:
     """The mean over held-out seeds of Table 2's ratio (key "wall" or "cuda") of one trace."""
@@ -130,13 +140,13 @@ def serving_ratio(stage: str, trace: str, key: str, paper: float, tolerance: flo
         if agg is None:
             return _missing(inputs)
         text, mean = _mean_std_text(agg.wall_ratios if key == "wall" else agg.cuda_ratios)
-        return Measured(text, abs(mean - paper) <= tolerance, **_facts(inputs))
+        return Measured(text + _left_out([(trace, agg)]), abs(mean - paper) <= tolerance, **_facts(inputs))
     return measure
 
 
 def serving_range(stage: str, traces: tuple[str, ...], low: float, high: float) -> Callable[[Results], Measured]:
     def measure(res: Results) -> Measured:
-        means, inputs = [], Inputs()
+        means, inputs, aggs = [], Inputs(), []
         for trace in traces:
             agg, found = res.serving(stage, trace)
             if agg is None:
@@ -144,7 +154,8 @@ def serving_range(stage: str, traces: tuple[str, ...], low: float, high: float) 
             for rec in agg.subjects:
                 inputs.add(rec)
             means.append(sum(agg.wall_ratios) / len(agg.wall_ratios))
-        text = f"{min(means):.3f}–{max(means):.3f}"
+            aggs.append((trace, agg))
+        text = f"{min(means):.3f}–{max(means):.3f}" + _left_out(aggs)
         holds = all(low - RATIO_TOLERANCE <= m <= high + RATIO_TOLERANCE for m in means)
         return Measured(text, holds, **_facts(inputs))
     return measure

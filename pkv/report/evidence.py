@@ -2,8 +2,9 @@
 
 A row's status comes from its measured wall-clock decode-token ratio (the serving-facing number)
 against fixed thresholds, never from the paper: a trace that did not run is "Not run", a row whose
-selected route is FlashInfer (the baseline itself) is not graded, and a row computed from
-CPU-profile results says it is not a performance result whatever its ratio.
+selected route is FlashInfer (the baseline itself) is not graded, nor is one whose baseline was wrong
+against the float64 reference on every held-out seed (no ratio is taken against it), and a row
+computed from CPU-profile results says it is not a performance result whatever its ratio.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pkv.report.table_data import (
     selected_route,
     seeds_text,
     trace_label,
+    unfilled_cell,
 )
 
 # A mean wall ratio at or above this is a win; below REGRESSION_BELOW a loss; in between it is
@@ -47,6 +49,8 @@ NOT_RUN = "Not run"
 # The policy ran the baseline itself: the ratio is FlashInfer against FlashInfer, so it measures the
 # policy's own overhead and the run-to-run spread, not a PersistentKV result either way.
 NOT_GRADED = "Not graded (FlashInfer route)"
+# The baseline's output was wrong against float64 on measured steps of every held-out seed.
+BASELINE_WRONG = "Not graded (baseline wrong)"
 RECORDED = "Recorded"  # an artifact that is not a ratio claim (constants, counters) exists
 
 CPU_MARK = "CPU profile: not a performance result"
@@ -79,7 +83,7 @@ def _ablations_covering(root: Path, trace: str) -> list[str]:
 
 
 def _row(regime: str, route: str, evidence: str, wall: Cell, status: str, performance: bool = True) -> dict:
-    qualifier = None if performance or status in (NOT_RUN, NOT_GRADED) else CPU_MARK
+    qualifier = None if performance or status in (NOT_RUN, NOT_GRADED, BASELINE_WRONG) else CPU_MARK
     return {"regime": regime, "route": route, "evidence": evidence, "wall": wall, "status": status,
             "qualifier": qualifier}
 
@@ -106,7 +110,11 @@ class _Builder:
             for _, rec in seeds[seed]:
                 self.inputs.add(rec)
         if not agg.ok:
-            self.not_run(regime, where, "; ".join(agg.problems) or f"{where}: no held-out seeds")
+            reason = "; ".join(agg.problems) or f"{where}: no held-out seeds"
+            if agg.wrong_baselines:
+                self.rows.append(_row(regime, "–", "–", unfilled_cell(agg, self.notes, reason), BASELINE_WRONG))
+            else:
+                self.not_run(regime, where, reason)
             return
         plural = "s" if len(agg.seeds) != 1 else ""
         evidence = [f"{len(agg.seeds)} held-out seed{plural} ({seeds_text(agg.seeds)})", *extra_evidence]

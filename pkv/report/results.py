@@ -32,6 +32,31 @@ def _require_str(field: str, value: Any, *, allow_none: bool = False) -> None:
         raise ResultFileError(f"result envelope: {field} = {value!r} must be a non-empty string")
 
 
+def _check_wrong_steps(metrics: Mapping[str, Any], source: Any) -> None:
+    """The record of steps the float64 reference found wrong (pkv.measure.harness), where a result
+    carries it: tables take no ratio against a baseline with wrong measured steps, so the count
+    must be one they can read. Results written before the record existed have none of its fields."""
+    counts = {}
+    for field in ("wrong_steps", "wrong_warmup_steps"):
+        if field in metrics:
+            value = metrics[field]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ResultFileError(f"{source}: metrics.{field} = {value!r} must be an int >= 0")
+            counts[field] = value
+    steps = metrics.get("steps")
+    if counts.get("wrong_steps") and isinstance(steps, int) and counts["wrong_steps"] > steps:
+        raise ResultFileError(f"{source}: metrics.wrong_steps = {counts['wrong_steps']} exceeds metrics.steps = {steps}")
+    rel = metrics.get("wrong_max_rel_err")
+    if rel is not None and (isinstance(rel, bool) or not isinstance(rel, (int, float)) or not rel >= 0):
+        raise ResultFileError(f"{source}: metrics.wrong_max_rel_err = {rel!r} must be a number >= 0 or null "
+                              "(null: an output that was not finite)")
+    first = metrics.get("first_wrong_step")
+    if first is not None and (not isinstance(first, str) or not first):
+        raise ResultFileError(f"{source}: metrics.first_wrong_step = {first!r} must be a non-empty string or null")
+    if sum(counts.values()) and first is None:
+        raise ResultFileError(f"{source}: metrics records wrong steps ({counts}) but no first_wrong_step")
+
+
 def result_envelope(
     experiment: str,
     trace: Mapping[str, Any],
@@ -65,6 +90,8 @@ def result_envelope(
         )
     if metrics is not None and not isinstance(metrics, Mapping):
         raise ResultFileError(f"result envelope: metrics must be a mapping, got {type(metrics).__name__}")
+    if metrics is not None:
+        _check_wrong_steps(metrics, f"result envelope for {engine} on {trace['name']}")
     if skipped is not None:
         _require_str("skipped", skipped)
     if not isinstance(provenance, Mapping):
@@ -107,6 +134,8 @@ def validate_result(record: Any, source: str | os.PathLike = "<result>") -> dict
     has_skipped = isinstance(record.get("skipped"), str)
     if has_metrics == has_skipped:
         raise ResultFileError(f"{source}: a result needs exactly one of 'metrics' (object) or 'skipped' (string)")
+    if has_metrics:
+        _check_wrong_steps(record["metrics"], source)
     if not isinstance(record.get("provenance"), dict):
         raise ResultFileError(f"{source}: provenance is missing or not an object")
     return record

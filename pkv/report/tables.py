@@ -24,7 +24,7 @@ from pkv.atomic_io import write_files_atomic
 from pkv.refusal import exit_on_refusal
 from pkv.report import claims, evidence, table_data
 from pkv.report.html_page import markdown_to_html
-from pkv.report.table_data import MeanStd, Missing, NotApplicable, Num, Sci, Text
+from pkv.report.table_data import BaselineWrong, MeanStd, Missing, NotApplicable, Num, Sci, Text
 from pkv.report.table_data.labels import seeds_phrase
 from pkv.report.table_data.model_step import table9
 
@@ -84,6 +84,15 @@ def format_cell(value: Any, fmt: str) -> str:
     tex = fmt == "tex"
     if isinstance(value, Missing):
         return rf"--\textsuperscript{{{value.note}}}" if tex else f"–[{value.note}]"
+    if isinstance(value, BaselineWrong):
+        # No ratio: the baseline's output was wrong against float64 on some of the measured steps.
+        # (A non-finite output has an infinite relative error.)
+        if math.isfinite(value.rel_err) and value.rel_err > 0:
+            rel = format_cell(Sci(value.rel_err, 1), fmt)
+        else:
+            rel = r"$\infty$" if tex else "inf"
+        text = f"baseline wrong on {value.steps}/{value.of} steps (rel.{'~' if tex else ' '}err {rel} vs float64)"
+        return text + (rf"\textsuperscript{{{value.note}}}" if tex else f"[{value.note}]")
     if isinstance(value, NotApplicable) or value is None:
         return DASH[fmt]
     if isinstance(value, Num):

@@ -9,7 +9,8 @@ Markdown and LaTeX; pkv.report.tables formats them.
     inputs       a table's header facts (device, commit, performance flag, inputs not run)
     loading      result trees on disk, the calibration seed and the held-out seeds
     labels       what the paper reports and the names the tables print
-    comparisons  subject against baseline within one run_id, ratios over seeds
+    comparisons  subject against baseline within one run_id, ratios over seeds (none against a
+                 baseline the float64 reference found wrong)
     isolated     Table 1, isolated single-request kernels
     trace_runs   Tables 2, 3 and 4, serving trace runs and their counters
     ncu_profile  Table 5, Nsight Compute counters
@@ -20,15 +21,29 @@ below are re-exported from the modules that define them.
 """
 
 from pkv.report.table_data.ablations import SPLIT_SWEEPS, table7, table8
-from pkv.report.table_data.cells import Cell, MeanStd, Missing, NotApplicable, Notes, Num, Sci, Text, mean_std
+from pkv.report.table_data.cells import (
+    BaselineWrong,
+    Cell,
+    MeanStd,
+    Missing,
+    NotApplicable,
+    Notes,
+    Num,
+    Sci,
+    Text,
+    mean_std,
+)
 from pkv.report.table_data.comparisons import (
     Comparison,
     ServingAggregate,
+    WrongBaseline,
     aggregate_serving,
     compare_in_run,
     metric,
     pick_subject,
     ratio,
+    unfilled_cell,
+    wrong_baseline,
 )
 from pkv.report.table_data.inputs import Inputs, is_performance_record
 from pkv.report.table_data.isolated import table1
@@ -62,6 +77,7 @@ from pkv.report.table_data.ncu_profile import NCU_COLUMNS, table5
 from pkv.report.table_data.trace_runs import COUNTER_COLUMNS, RAGGEDNESS_LABELS, table2, table3, table4
 
 __all__ = [
+    "BaselineWrong", "WrongBaseline", "unfilled_cell", "wrong_baseline",
     "CALIBRATION_SEED", "COUNTER_COLUMNS", "COUNTER_TRACE", "Cell", "Comparison", "ENGINE_LABELS",
     "GQA_TRACE", "ISOLATED_METHOD_ORDER", "Inputs", "Loaded", "METHOD_LABELS", "MeanStd", "Missing",
     "NCU_COLUMNS", "NotApplicable", "Notes", "Num", "PAPER_ISOLATED_CONTEXTS", "PAPER_MLP_TRACES",

@@ -1,6 +1,6 @@
 """Typed table cells and a table's numbered footnotes.
 
-Cells are typed values (Num, MeanStd, Sci, Text, Missing, NotApplicable) so that one set of rows
+Cells are typed values (Num, MeanStd, Sci, Text, Missing, BaselineWrong, NotApplicable) so that one set of rows
 renders to both Markdown and LaTeX; pkv.report.tables formats them.
 """
 
@@ -52,11 +52,23 @@ class Missing:
 
 
 @dataclass(frozen=True)
+class BaselineWrong:
+    """A ratio not taken because its baseline's output was wrong against the float64 reference on
+    `steps` of `of` measured steps (relative error up to `rel_err`); `note` numbers the footnote
+    that says which baseline, which seeds and where."""
+
+    steps: int
+    of: int
+    rel_err: float
+    note: int
+
+
+@dataclass(frozen=True)
 class NotApplicable:
     """A cell with no meaning in its row (the ms/step of a ratio row)."""
 
 
-Cell = Union[Num, MeanStd, Sci, Text, Missing, NotApplicable]
+Cell = Union[Num, MeanStd, Sci, Text, Missing, BaselineWrong, NotApplicable]
 
 
 class Notes:

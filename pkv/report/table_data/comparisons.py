@@ -1,18 +1,22 @@
 """Ratios within one run and their spread over seeds.
 
 A subject engine is compared only with its baseline from the same run (same run_id); the ratios of
-the held-out seeds are then reduced to mean and sample standard deviation cells.
+the held-out seeds are then reduced to mean and sample standard deviation cells. No ratio is taken
+against a baseline whose output the float64 reference found wrong on measured steps of the run
+(metrics.wrong_steps, pkv.measure.harness): the seed is left out with a footnote, and a cell no
+seed fills says the baseline was wrong (BaselineWrong).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pkv.policy.route import ROUTE_FLASHINFER
-from pkv.report.table_data.cells import Cell, Notes, mean_std
+from pkv.report.table_data.cells import BaselineWrong, Cell, Notes, mean_std
 from pkv.report.table_data.inputs import Inputs
 from pkv.report.table_data.loading import Loaded
 
@@ -37,13 +41,47 @@ def pick_subject(records: list[Loaded], prefer: Iterable[str] = ("adaptive",)) -
     return None
 
 
+@dataclass(frozen=True)
+class WrongBaseline:
+    """A baseline record whose output was wrong against the float64 reference on ``steps`` of its
+    ``of`` measured steps, relative error up to ``rel_err`` (inf: an output that was not finite);
+    ``first`` says where it first was."""
+
+    engine: str
+    steps: int
+    of: int
+    rel_err: float
+    first: str | None
+
+    def describe(self) -> str:
+        first = f"; first: {self.first}" if self.first else ""
+        error = f"relative error up to {self.rel_err:.3e}" if math.isfinite(self.rel_err) else \
+            "an output that was not finite"
+        return (f"baseline {self.engine} wrong against the float64 reference on {self.steps} of {self.of} "
+                f"measured steps ({error}{first})")
+
+
+def wrong_baseline(record: Mapping[str, Any] | None) -> WrongBaseline | None:
+    """What the harness recorded of a baseline's wrong measured steps, or None where it had none
+    (or the record predates the field)."""
+    steps = metric(record, "wrong_steps")
+    if not steps or steps <= 0:
+        return None
+    first = record["metrics"].get("first_wrong_step")
+    rel = metric(record, "wrong_max_rel_err")  # null: a wrong output that was not finite
+    return WrongBaseline(record["engine"], int(steps), int(metric(record, "steps") or 0),
+                         math.inf if rel is None else rel, first if isinstance(first, str) else None)
+
+
 @dataclass
 class Comparison:
-    """A subject record and its baseline from the same run (or why there is none)."""
+    """A subject record and its baseline from the same run (or why there is none; ``wrong`` where
+    that is the baseline's wrong output)."""
 
     subject: dict | None
     baseline: dict | None
     problem: str | None
+    wrong: WrongBaseline | None = None
 
 
 def compare_in_run(records: list[Loaded], where: str, prefer: Iterable[str] = ("adaptive",),
@@ -72,6 +110,10 @@ def compare_in_run(records: list[Loaded], where: str, prefer: Iterable[str] = ("
     baseline = same_run[0]
     if "skipped" in baseline:
         return Comparison(subject, None, f"{where}: baseline {base_name} skipped: {baseline['skipped']}")
+    wrong = wrong_baseline(baseline)
+    if wrong is not None:
+        # Its timings are of a kernel that computed something else: the ratio would not compare like with like.
+        return Comparison(subject, None, f"{where}: {wrong.describe()}; no ratio taken", wrong)
     return Comparison(subject, baseline, None)
 
 
@@ -112,6 +154,8 @@ class ServingAggregate:
     cuda_ratios: list[float]
     wall_ratios: list[float]
     problems: list[str]
+    # seed -> its baseline's wrong steps, for the seeds left out for that (also among the problems)
+    wrong_baselines: dict[int, WrongBaseline] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -127,6 +171,8 @@ def aggregate_serving(seeds: Mapping[int, list[Loaded]], where: str, inputs: Inp
         cmp = compare_in_run(seeds[seed], f"{where} seed {seed}", prefer, baseline)
         if cmp.problem:
             agg.problems.append(cmp.problem)
+            if cmp.wrong is not None:
+                agg.wrong_baselines[seed] = cmp.wrong
             continue
         cuda, wall = ratio(cmp, "cuda_tok_s"), ratio(cmp, "wall_tok_s")
         if cuda is None or wall is None:
@@ -139,10 +185,20 @@ def aggregate_serving(seeds: Mapping[int, list[Loaded]], where: str, inputs: Inp
     return agg
 
 
+def unfilled_cell(agg: ServingAggregate, notes: Notes, reason_if_empty: str) -> Cell:
+    """The cell of a ratio no seed gave, its footnote the reasons: where a baseline was wrong, the
+    cell says so (its wrong steps over those seeds' measured steps, the largest relative error)."""
+    reason = "; ".join(agg.problems) if agg.problems else reason_if_empty
+    wrong = list(agg.wrong_baselines.values())
+    if wrong:
+        return BaselineWrong(sum(w.steps for w in wrong), sum(w.of for w in wrong),
+                             max(w.rel_err for w in wrong), notes.number(reason))
+    return notes.missing(reason)
+
+
 def ratio_cells(agg: ServingAggregate, notes: Notes, reason_if_empty: str) -> tuple[Cell, Cell]:
     if not agg.ok:
-        reason = "; ".join(agg.problems) if agg.problems else reason_if_empty
-        miss = notes.missing(reason)
+        miss = unfilled_cell(agg, notes, reason_if_empty)
         return miss, miss
     return mean_std(agg.cuda_ratios, 3), mean_std(agg.wall_ratios, 3)
 

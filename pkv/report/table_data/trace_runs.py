@@ -17,6 +17,7 @@ from pkv.report.table_data.comparisons import (
     note_partial,
     pick_subject,
     ratio_cells,
+    unfilled_cell,
 )
 from pkv.report.table_data.inputs import Inputs
 from pkv.report.table_data.labels import (
@@ -38,11 +39,17 @@ from pkv.report.table_data.loading import Loaded, held_out, load_ablation, load_
 SECOND_BASELINE = "xqa"
 
 
-def _second_baseline_cells(seeds, trace: str, inputs: Inputs, notes: Notes) -> tuple[Cell, Cell]:
-    """Adaptive against XQA from the same runs; where XQA could not run anywhere, one note with why."""
+def _second_baseline_cells(seeds, trace: str, inputs: Inputs, notes: Notes) -> tuple[Cell, Cell, list[int]]:
+    """Adaptive against XQA from the same runs; where XQA could not run anywhere, one note with why.
+    The marks are the footnotes of seeds left out because XQA's output was wrong there."""
     agg = aggregate_serving(seeds, f"evaluate/{trace}", inputs, baseline=SECOND_BASELINE)
     if agg.ok:
-        return mean_std(agg.cuda_ratios, 3), mean_std(agg.wall_ratios, 3)
+        wrong = [w.describe() for w in agg.wrong_baselines.values()]
+        marks = [notes.number(p) for p in agg.problems if any(w in p for w in wrong)]
+        return mean_std(agg.cuda_ratios, 3), mean_std(agg.wall_ratios, 3), marks
+    if agg.wrong_baselines:
+        cell = unfilled_cell(agg, notes, f"{trace}: no comparable {SECOND_BASELINE} runs")
+        return cell, cell, []
     marker = f"baseline {SECOND_BASELINE} skipped: "
     reasons = {p.split(marker, 1)[1] for p in agg.problems if marker in p}
     if reasons and all(marker in p for p in agg.problems):
@@ -51,7 +58,7 @@ def _second_baseline_cells(seeds, trace: str, inputs: Inputs, notes: Notes) -> t
         miss = notes.missing(f"{ENGINE_LABELS[SECOND_BASELINE]} not in these runs' engines")
     else:
         miss = notes.missing("; ".join(agg.problems) or f"{trace}: no comparable {SECOND_BASELINE} runs")
-    return miss, miss
+    return miss, miss, []
 
 
 def table2(root: Path) -> dict[str, Any]:
@@ -75,7 +82,7 @@ def table2(root: Path) -> dict[str, Any]:
         agg = aggregate_serving(seeds, f"evaluate/{trace}", inputs)
         all_seeds.update(agg.seeds)
         cuda, wall = ratio_cells(agg, notes, "no comparable runs")
-        cuda_xqa, wall_xqa = _second_baseline_cells(seeds, trace, inputs, notes)
+        cuda_xqa, wall_xqa, xqa_marks = _second_baseline_cells(seeds, trace, inputs, notes)
         if agg.ok:
             route: Cell = Text(selected_route(agg.subjects)[1])
             errs = {}
@@ -89,7 +96,7 @@ def table2(root: Path) -> dict[str, Any]:
             route = max_err = mean_err = rel_err = cuda
         rows.append({**row, "route": route, "cuda": cuda, "wall": wall, "cuda_xqa": cuda_xqa,
                      "wall_xqa": wall_xqa, "max_err": max_err, "rel_err": rel_err,
-                     "mean_err": mean_err, "seeds": len(agg.seeds), "marks": note_partial(agg, notes)})
+                     "mean_err": mean_err, "seeds": len(agg.seeds), "marks": note_partial(agg, notes) + xqa_marks})
     return {**inputs.header(), "rows": rows, "seeds": seeds_text(all_seeds), "notes": notes.items}
 
 
@@ -121,7 +128,7 @@ def table3(root: Path) -> dict[str, Any]:
         if agg.ok:
             ratio_row = {"cuda": mean_std(agg.cuda_ratios, 3, "×"), "wall": mean_std(agg.wall_ratios, 3, "×")}
         else:
-            miss = notes.missing("; ".join(agg.problems) or f"{trace}: no held-out seeds")
+            miss = unfilled_cell(agg, notes, f"{trace}: no held-out seeds")
             ratio_row = {"cuda": miss, "wall": miss}
         blocks.append({"trace": trace, "label": trace_label(trace), "rows": rows, "ratio": ratio_row,
                        "seeds": seeds_text(agg.seeds), "marks": note_partial(agg, notes)})
