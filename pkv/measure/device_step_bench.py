@@ -32,12 +32,12 @@ from pkv.atomic_io import write_json_atomic
 from pkv.cuda_graphs import capture_graph
 from pkv.engines import build_engine
 from pkv.engines.device_step import PLANNERS, DeviceDecodeStep, GraphedDecodeStep
-from pkv.engines.flashinfer import BEST_OF_ROLES, FlashInferGraphDecode
-from pkv.engines.persistentkv import PersistentKVEngine
+from pkv.engines.flashinfer import FlashInferGraphDecode
 from pkv.engines.routed_graphs import RoutedGraphStep
-from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
+from pkv.measure.bench_cli import bench_parser, flashinfer_roles, is_cuda, write_skipped_no_gpu
+from pkv.measure.harness import default_num_sms
 from pkv.measure.kv_data import make_kv_pages, make_queries
-from pkv.measure.timing import L2Flusher, time_device_us, time_host_us, time_wall_us
+from pkv.measure.timing import L2Flusher, synchronize, time_device_us, time_host_us, time_wall_us
 from pkv.page_table import PageLists
 from pkv.pipeline.pages import assign_pages
 from pkv.pipeline.step import build_step
@@ -81,21 +81,24 @@ CASES = {
 
 def _timed_row(fn, flusher, reps, *, out=None, reference=None, device_fn=None, replay=None,
                launches=None) -> dict:
-    """Device (of ``device_fn``, else ``fn``), wall and host time of one form of the step, after a
-    first untimed call; with ``out``, its largest difference from the host-planned output. What of
-    host_us is the launch: with ``replay`` (a graph's bare replay) its host time, with ``launches``
-    (an eager step's op calls alone, _recorded_launches) theirs."""
+    """Device (of ``device_fn``, else ``fn``), wall and host time of one form of the step on the
+    flusher's device, after a first untimed call; with ``out``, its largest difference from the
+    host-planned output. What of host_us is the launch: with ``replay`` (a graph's bare replay) its
+    host time, with ``launches`` (an eager step's op calls alone, _recorded_launches) theirs."""
+    device = flusher.device
     fn()
-    torch.cuda.synchronize()
+    synchronize(device)
     row = {"device_us": time_device_us(device_fn or fn, flusher=flusher, reps=reps).median_us,
-           "wall_us": time_wall_us(fn, reps=reps), "host_us": time_host_us(fn, reps=reps)}
+           "wall_us": time_wall_us(fn, reps=reps, device=device),
+           "host_us": time_host_us(fn, reps=reps, device=device)}
     if replay is not None:
-        row["replay_host_us"] = time_host_us(replay, reps=reps)
+        row["replay_host_us"] = time_host_us(replay, reps=reps, device=device)
     if launches is not None:
-        row["launch_host_us"] = time_host_us(launches, reps=reps)
+        row["launch_host_us"] = time_host_us(launches, reps=reps, device=device)
         # Each op call alone: which launch's host cost grows with the batch (docs/performance.md,
         # "Where the eager device step's host time goes").
-        row["launch_host_us_by_op"] = {name: time_host_us(call, reps=reps) for name, call in launches.by_op}
+        row["launch_host_us_by_op"] = {name: time_host_us(call, reps=reps, device=device)
+                                       for name, call in launches.by_op}
     if out is not None:
         row["max_abs_diff_vs_host"] = float((out.float() - reference.float()).abs().max())
     return row
@@ -143,13 +146,18 @@ def _recorded_launches(workspace: DeviceDecodeStep, step_fn) -> _RecordedLaunche
     return _RecordedLaunches(recorder.calls)
 
 
-def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> dict:
+def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log, *, dtype="float16") -> dict:
+    """Every row of one case on the flusher's device. On the CPU the stand-ins run it: the torch
+    reference engine for the host-planned PersistentKV, repack + SDPA for FlashInfer (whose
+    CUDA-graph rows have none and are left out); the device step and the graphs need the device
+    step's ops and CUDA graphs, which tests stand in for in torch."""
+    device = flusher.device
     assignment = assign_pages(lengths, 16, 0.5, seed)
     step = build_step(0, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), assignment.pages, 16)
-    k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, "float16", "cuda", seed)
-    q = make_queries(len(lengths), shape, "float16", "cuda", seed + 1)
-    table = torch.from_numpy(step.block_table).cuda()
-    lens = torch.from_numpy(step.seq_lens).cuda()
+    k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, dtype, device, seed)
+    q = make_queries(len(lengths), shape, dtype, device, seed + 1)
+    table = torch.from_numpy(step.block_table).to(device)
+    lens = torch.from_numpy(step.seq_lens).to(device)
     rows = {}
 
     # The host-planned step on the case's fixed split count, then on the balanced split rule with a
@@ -157,12 +165,13 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
     # short ones gets more splits than the fixed count (the skewed case, where the fixed count
     # leaves some SMs two of the long row's CTAs and others one). Device time of the kernels alone;
     # wall and host time with the host plan each step needs.
-    wave = WAVE_CTAS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count
+    wave = WAVE_CTAS_PER_SM * default_num_sms(device)
     reference = None
-    for label, route in (("host_planned", StepRoute(ROUTE_WORKQUEUE, splits)),
-                         ("host_planned_balanced",
-                          StepRoute(ROUTE_WORKQUEUE, splits, split_kind="balanced", target_ctas=wave))):
-        host = PersistentKVEngine(shape, policy=PinnedRoutePolicy(route))
+    # host_route, not route: the case's route names the routed graph's below.
+    for label, host_route in (("host_planned", StepRoute(ROUTE_WORKQUEUE, splits)),
+                              ("host_planned_balanced",
+                               StepRoute(ROUTE_WORKQUEUE, splits, split_kind="balanced", target_ctas=wave))):
+        host = build_engine("persistentkv", shape=shape, device=device, policy=PinnedRoutePolicy(host_route))
         host.prepare(step, q, k, v)
         plan = host.plan(step)
         out = host.run(q, k, v, plan)
@@ -176,26 +185,27 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
     # (FlashInfer's indptr / indices: one more dependent read a CTA), eager and replayed; then the
     # balanced rule planned on the GPU (the plan kernel) on the host-planned balanced row's budget.
     host_lens = step.seq_lens  # what a serving scheduler holds: the eager length check reads these
-    lists = PageLists.from_step(step, "cuda")
+    lists = PageLists.from_step(step, device)
     device_steps = [(PLANNER_ROWS[p], dict(planner=p), (("", table), ("_lists", lists))) for p in PLANNERS]
     device_steps.append(("device_planned_balanced", dict(split_kind="balanced", target_ctas=wave), (("", table),)))
-    for name, options, forms in device_steps:
-        workspace = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits, **options)
+    # row_name, not name: the case's name heads its log line below.
+    for row_name, options, forms in device_steps:
+        workspace = DeviceDecodeStep(shape, max_batch=len(lengths), num_splits=splits, device=device, **options)
         for suffix, page_table in forms:
             out = torch.empty_like(q)
 
             def eager(page_table=page_table, out=out, workspace=workspace):
                 return workspace.run(q, k, v, page_table, lens, out, host_lens=host_lens)
-            rows[name + suffix] = _timed_row(eager, flusher, reps, out=out, reference=reference,
+            rows[row_name + suffix] = _timed_row(eager, flusher, reps, out=out, reference=reference,
                                              launches=_recorded_launches(workspace, eager))
         graphed = GraphedDecodeStep(workspace, k, v, table.shape[1])
         graphed.run(q, table, lens)
         (graph,) = graphed.captured_graphs()
-        rows[name + "_graph"] = _timed_row(lambda graphed=graphed: graphed.run(q, table, lens), flusher, reps,
+        rows[row_name + "_graph"] = _timed_row(lambda graphed=graphed: graphed.run(q, table, lens), flusher, reps,
                                            device_fn=graph.replay, replay=graph.replay)
         if "target_ctas" in options:
             for suffix in (*(suffix for suffix, _ in forms), "_graph"):
-                rows[name + suffix]["target_ctas"] = options["target_ctas"]
+                rows[row_name + suffix]["target_ctas"] = options["target_ctas"]
 
     # The serving form: the caller has written the step into the bucket's buffers; the host asks
     # the route and replays. The pinned policy keeps the case's route on this split count; the
@@ -211,20 +221,21 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
                                       reference=reference, replay=graph.replay)
 
     best = None
-    for label in BEST_OF_ROLES:
-        engine = build_engine(label, shape=shape, device="cuda")
+    for label in flashinfer_roles(device):
+        engine = build_engine(label, shape=shape, device=device)
         engine.prepare(step, q, k, v)
         fi_plan = engine.plan(step)
         device_us = time_device_us(lambda: engine.run(q, k, v, fi_plan), flusher=flusher, reps=reps).median_us
         if best is None or device_us < best[1]:
-            best = (label, device_us, time_wall_us(lambda: engine.run(q, k, v, engine.plan(step)), reps=reps),
-                    time_host_us(lambda: engine.run(q, k, v, engine.plan(step)), reps=reps))
+            planned_run = lambda engine=engine: engine.run(q, k, v, engine.plan(step))  # noqa: E731
+            best = (label, device_us, time_wall_us(planned_run, reps=reps, device=device),
+                    time_host_us(planned_run, reps=reps, device=device))
     rows["flashinfer"] = {"path": best[0], "device_us": best[1], "wall_us": best[2], "host_us": best[3]}
 
     # FlashInfer's CUDA-graph mode, as serving engines and Table 9's graph rows run it: its decode
     # wrapper on tensor and on CUDA cores, planned on the host every step outside the graph, the
     # graph replayed (the holistic path has no graph mode). Device time of the replay alone.
-    for label, tensor_cores in FLASHINFER_GRAPH_ROWS.items():
+    for label, tensor_cores in (FLASHINFER_GRAPH_ROWS if is_cuda(device) else {}).items():
         decode = FlashInferGraphDecode(shape, len(lengths), table.shape[1], step.page_size, q.device, tensor_cores)
         fi_out = torch.empty_like(q)
 
@@ -243,6 +254,13 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log) -> d
     return {"seq_lens": list(map(int, lengths)), "num_splits": splits, "routed_route": route, "engines": rows}
 
 
+def run_cases(cases: dict, shape, reps, seed, log, *, device="cuda", dtype="float16") -> dict:
+    """{name: run_case's record} of each (lengths, split count, route) of ``cases``, on ``device``."""
+    log("case        split" + "".join(f"{label:>22} {'device':>7} / {'wall':>7} / {'host':>6}" for label in ROWS))
+    flusher = L2Flusher(device)
+    return {name: run_case(name, *case, shape, flusher, reps, seed, log, dtype=dtype) for name, case in cases.items()}
+
+
 def main(argv=None) -> int:
     args = bench_parser(__doc__, CASES, reps=30, seed=20260622).parse_args(argv)
     config = {"cases": args.cases, "reps": args.reps}
@@ -252,10 +270,7 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    log("case        split" + "".join(f"{label:>22} {'device':>7} / {'wall':>7} / {'host':>6}" for label in ROWS))
-    flusher = L2Flusher("cuda")
-    cases = {name: run_case(name, *CASES[name], ModelShape(), flusher, args.reps, args.seed, log)
-             for name in args.cases}
+    cases = run_cases({name: CASES[name] for name in args.cases}, ModelShape(), args.reps, args.seed, log)
     write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/8", "cases": cases,
                                  "provenance": collect_provenance(config=config, seed=args.seed)})
     return 0

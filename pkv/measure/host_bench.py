@@ -67,13 +67,13 @@ def engine_specs() -> dict[str, tuple[str, dict]]:
 
 
 def wall_split(engine, q, k, v, step, reps: int, between=None) -> dict[str, float]:
-    """Medians of plan, run issue, wait for the GPU and the whole synchronized step (us).
-    ``between`` runs before each step, outside the timing."""
+    """Medians of plan, run issue, wait for the GPU and the whole synchronized step (us), on q's
+    device. ``between`` runs before each step, outside the timing."""
     samples = []
     for _ in range(reps):
         if between is not None:
             between()
-        with WallTimer("cuda") as wall:  # the harness's timer and split
+        with WallTimer(q.device) as wall:  # the harness's timer and split
             plan = engine.plan(step)
             planned = time.perf_counter()
             engine.run(q, k, v, plan)
@@ -83,15 +83,18 @@ def wall_split(engine, q, k, v, step, reps: int, between=None) -> dict[str, floa
     return {name: statistics.median(column) for name, column in zip(COLUMNS, zip(*samples))}
 
 
-def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log) -> dict:
+def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log, *, dtype="float16") -> dict:
+    """Every engine of engine_specs on one case, on the flusher's device (on the CPU, the roles'
+    stand-ins: the torch reference engine for PersistentKV, repack + SDPA for FlashInfer)."""
+    device = flusher.device
     assignment = assign_pages(seq_lens, 16, 0.0, seed)
     step = build_step(0, np.arange(len(seq_lens)), np.asarray(seq_lens, dtype=np.int32), assignment.pages, 16)
-    k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, "float16", "cuda", seed)
-    q = make_queries(len(seq_lens), shape, "float16", "cuda", seed + 1)
+    k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, dtype, device, seed)
+    q = make_queries(len(seq_lens), shape, dtype, device, seed + 1)
     rows = {}
     for label, (role, options) in engine_specs().items():
         policy = role_policy(role, options, shape, calib)
-        engine = build_engine(role, shape=shape, device="cuda", policy=policy,
+        engine = build_engine(role, shape=shape, device=device, policy=policy,
                               options={k: v for k, v in options.items() if k in OPTION_NAMES})
         engine.prepare(step, q, k, v)
         for _ in range(5):
@@ -100,7 +103,7 @@ def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log) -> dict:
         rows[label] = {
             "tight": wall_split(engine, q, k, v, step, reps),
             "after_flush_and_hold": wall_split(engine, q, k, v, step, reps,
-                                               between=lambda: (flusher.flush(), hold_device("cuda"))),
+                                               between=lambda: (flusher.flush(), hold_device(device))),
             "device_us": time_device_us(lambda: engine.run(q, k, v, plan), flusher=flusher).median_us,
             "route": getattr(plan, "route", None),
         }
@@ -111,27 +114,40 @@ def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log) -> dict:
     return {"seq_lens": list(map(int, seq_lens)), "engines": rows}
 
 
+def load_bench_calibration(path: Path) -> Calibration:
+    """The calibrate rule's JSON, or the starting constants of a conf/gpu/<gpu>.yaml."""
+    if path.suffix == ".json":
+        return load_calibration(path)
+    return Calibration.from_mapping(yaml.safe_load(path.read_text()), str(path))
+
+
+def run_cases(cases: dict, shape, calib, reps, seed, log, *, device="cuda", dtype="float16") -> tuple[dict, float]:
+    """({name: run_case's record} of each of ``cases``' lengths on ``device``, the host time of one
+    plain torch op there)."""
+    log(f"{'case':<11}{'engine':<34}" + "".join(f"{c[:-3]:>8}" for c in COLUMNS) + f"{'device':>8}  (us)")
+    flusher = L2Flusher(device)
+    records = {name: run_case(name, seq_lens, shape, calib, flusher, reps, seed, log, dtype=dtype)
+               for name, seq_lens in cases.items()}
+    # How fast this host issues a plain torch op, to compare runs on different machines.
+    op_issue_us = measure_launch_us(device)["host_us"]
+    log(f"one torch op (x.add_(1)) issue: {op_issue_us:.1f} us")
+    return records, op_issue_us
+
+
 def main(argv=None) -> int:
     parser = bench_parser(__doc__, CASES, reps=50, seed=1)
     parser.add_argument("--calibration", type=Path, required=True,
                         help="the calibrate rule's JSON, or a conf/gpu/<gpu>.yaml for its starting constants")
     args = parser.parse_args(argv)
 
-
     config = {"cases": args.cases, "reps": args.reps, "calibration": str(args.calibration)}
     if not torch.cuda.is_available():
         return write_skipped_no_gpu(args.out, "pkv.measure.host_bench/1", config, args.seed)
-    calib = load_calibration(args.calibration) if args.calibration.suffix == ".json" else \
-        Calibration.from_mapping(yaml.safe_load(args.calibration.read_text()), str(args.calibration))
+    calib = load_bench_calibration(args.calibration)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    log(f"{'case':<11}{'engine':<34}" + "".join(f"{c[:-3]:>8}" for c in COLUMNS) + f"{'device':>8}  (us)")
-    flusher = L2Flusher("cuda")
     start = time.time()
-    cases = {name: run_case(name, CASES[name], ModelShape(), calib, flusher, args.reps, args.seed, log)
-             for name in args.cases}
-    # How fast this host issues a plain torch op, to compare runs on different machines.
-    op_issue_us = measure_launch_us("cuda")["host_us"]
-    log(f"one torch op (x.add_(1)) issue: {op_issue_us:.1f} us")
+    cases, op_issue_us = run_cases({name: CASES[name] for name in args.cases}, ModelShape(), calib, args.reps,
+                                   args.seed, log)
     record = {"schema": "pkv.measure.host_bench/1", "seconds": time.time() - start, "reps": args.reps,
               "torch_op_issue_us": op_issue_us, "cases": cases,
               "command": "python -m pkv.measure.host_bench " + " ".join(argv or sys.argv[1:]),

@@ -30,10 +30,10 @@ from pkv.engines.dense import dense_decode
 from pkv.engines.device_step import MERGES, PLANNERS, DeviceDecodeStep, DeviceStepConfig
 from pkv.engines.flashinfer import BEST_OF_ROLES
 from pkv.engines.persistentkv import RING_STAGES, PersistentKVEngine, ring_stages_for
-from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
-from pkv.measure.harness import REF_REL_LIMIT
+from pkv.measure.bench_cli import bench_parser, flashinfer_roles, is_cuda, write_skipped_no_gpu
+from pkv.measure.harness import REF_REL_LIMIT, default_num_sms
 from pkv.measure.kv_data import make_kv_pages, make_queries, stored_nhd
-from pkv.measure.timing import L2Flusher, time_device_us, time_interleaved_us
+from pkv.measure.timing import L2Flusher, synchronize, time_device_us, time_interleaved_us
 from pkv.pipeline.pages import assign_pages
 from pkv.pipeline.step import build_step
 from pkv.policy.choose import PinnedRoutePolicy
@@ -162,21 +162,27 @@ def checked_sweep(name, runs, errors, dtype, reps, flusher) -> tuple[dict, str, 
     return sweep, best[0], best[1]
 
 
+def baseline_roles(device) -> tuple[str, ...]:
+    """BASELINE_ROLES, after FlashInfer's stand-in where the device has one in place of its paths
+    (the CPU: repack + SDPA; the pinned paths are then recorded as not available)."""
+    return tuple(dict.fromkeys((*flashinfer_roles(device), *BASELINE_ROLES)))
+
+
 def time_baselines(step, q, k, v, shape, flusher, reps, errors) -> tuple[dict, dict]:
-    """Every baseline role on the case's pages: ({role: timing and errors, or why it did not run},
-    {role: (engine, plan)} of those that ran). Each role's plan() host time is recorded beside its
-    decode time, which is taken alone with the L2 flushed."""
+    """Every baseline role on the case's pages, on q's device: ({role: timing and errors, or why it
+    did not run}, {role: (engine, plan)} of those that ran). Each role's plan() host time is
+    recorded beside its decode time, which is taken alone with the L2 flushed."""
     rows, runs = {}, {}
-    for role in BASELINE_ROLES:
+    for role in baseline_roles(q.device):
         if role not in ENGINE_NAMES:
             rows[role] = {"skipped": f"no engine {role!r} in this build"}
             continue
         try:
-            engine = build_engine(role, shape=shape, device="cuda")
+            engine = build_engine(role, shape=shape, device=q.device)
             engine.prepare(step, q, k, v)
             plan = engine.plan(step)
             out = engine.run(q, k, v, plan)  # first call: loads or compiles the kernel
-            torch.cuda.synchronize()
+            synchronize(q.device)
         except EngineUnavailable as exc:
             rows[role] = {"skipped": exc.reason}
             continue
@@ -194,8 +200,11 @@ def time_baselines(step, q, k, v, shape, flusher, reps, errors) -> tuple[dict, d
     return rows, runs
 
 
-def _engine(shape, route: StepRoute, stages: int) -> PersistentKVEngine:
-    return PersistentKVEngine(shape, policy=PinnedRoutePolicy(route), device="cuda", stages=stages)
+def _engine(shape, route: StepRoute, stages: int, device="cuda"):
+    if is_cuda(device):
+        return PersistentKVEngine(shape, policy=PinnedRoutePolicy(route), device=device, stages=stages)
+    # The CPU stand-in, the torch reference engine, runs the route's plan and has no ring.
+    return build_engine("persistentkv", shape=shape, device=device, policy=PinnedRoutePolicy(route))
 
 
 def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
@@ -220,13 +229,16 @@ def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
     return {label: time_device_us(fn, reps=reps, warmup=3, flusher=flusher).median_us for label, fn in timed.items()}
 
 
-def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layout="hnd"):
-    device = "cuda"
+def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layout="hnd", *, dtype="float16"):
+    """One case on the flusher's device. On the CPU the stand-ins run it (the torch reference engine
+    for PersistentKV's routes at one ring depth, repack + SDPA for FlashInfer) without the B1
+    breakdown, which times the CUDA kernels' launches one by one."""
+    device = flusher.device
     assignment = assign_pages(seq_lens, 16, 0.5, seed)
     step = build_step(0, np.arange(len(seq_lens)), np.asarray(seq_lens, dtype=np.int32), assignment.pages, 16)
-    k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, "float16", device, seed)
-    q = make_queries(len(seq_lens), shape, "float16", device, seed + 1)
-    kv_bytes = int(np.sum(seq_lens)) * shape.num_kv_heads * shape.head_dim * 2 * 2
+    k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, dtype, device, seed)
+    q = make_queries(len(seq_lens), shape, dtype, device, seed + 1)
+    kv_bytes = int(np.sum(seq_lens)) * shape.num_kv_heads * shape.head_dim * 2 * q.element_size()
     floor_us = kv_bytes / (read_gbps * 1e9) * 1e6
     ref = dense_decode(q.double(), k.double(), v.double(), step.seq_lens, step.block_table)
 
@@ -239,35 +251,37 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layo
     # PersistentKV's pages: the baselines' HND pages, or the same pages stored NHD (vLLM's cache
     # layout) and read in place through a permuted view.
     pk, pv = (k, v) if kv_layout == "hnd" else (stored_nhd(k), stored_nhd(v))
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    clusters = torch.cuda.get_device_capability(0)[0] >= 9
+    num_sms = default_num_sms(device)
+    clusters = is_cuda(device) and torch.cuda.get_device_capability(device)[0] >= 9
+    ring_stages = ring_stages_for(device) if is_cuda(device) else RING_STAGES[:1]
 
     host_configs = {label: (route, stages) for label, route, stages in
-                    persistentkv_configs(len(seq_lens), num_sms, clusters, ring_stages_for(device))}
+                    persistentkv_configs(len(seq_lens), num_sms, clusters, ring_stages)}
 
     def host_planned_runs():
         for label, (route, stages) in host_configs.items():
-            engine = _engine(shape, route, stages)
+            engine = _engine(shape, route, stages, device)
             yield label, (lambda engine=engine, plan=engine.plan(step): engine.run(q, pk, pv, plan))
 
     sweep, best_label, best_run = checked_sweep(name, host_planned_runs(), errors, q.dtype, reps, flusher)
     out = best_run()
-    torch.cuda.synchronize()
+    synchronize(device)
     rows["persistentkv"] = dict(median_us=sweep[best_label], config=best_label, **errors(out))
     device_runs = device_step_runs(step, q, pk, pv, shape, num_sms, host_configs[best_label][1])
     device_sweep, device_label, device_run = checked_sweep(name, device_runs, errors, q.dtype, reps, flusher)
     rows["persistentkv_device_planned"] = dict(median_us=device_sweep[device_label], config=device_label,
                                                **errors(device_run()))
     breakdown = None
-    if len(seq_lens) == 1:
+    if len(seq_lens) == 1 and is_cuda(device):
         unfused = min((label for label in sweep if label.startswith("bucket:")), key=sweep.get)
-        engine = _engine(shape, *host_configs[unfused])
+        engine = _engine(shape, *host_configs[unfused], device)
         breakdown = dict(config=unfused, **b1_breakdown(engine, engine.plan(step), q, pk, pv, flusher, reps))
-    fi_label = min((label for label in BEST_OF_ROLES if "median_us" in rows[label]),
+    fi_roles = flashinfer_roles(device)
+    fi_label = min((label for label in fi_roles if "median_us" in rows[label]),
                    key=lambda label: rows[label]["median_us"], default=None)
     if fi_label is None:
         raise RuntimeError(f"kernel_bench {name}: no FlashInfer path ran: "
-                           + "; ".join(f"{label}: {rows[label]['skipped']}" for label in BEST_OF_ROLES))
+                           + "; ".join(f"{label}: {rows[label]['skipped']}" for label in fi_roles))
     fi_best = rows[fi_label]["median_us"]
     pkv_us = rows["persistentkv"]["median_us"]
     # The two winners (and XQA, where it runs) re-timed in turns: the sweep's minimum over many
@@ -305,33 +319,9 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layo
     return result
 
 
-def main(argv=None) -> int:
-    parser = bench_parser(__doc__, CASES, reps=30, seed=20260622)
-    parser.add_argument("--flush", choices=("read", "write"), default="read",
-                        help="how L2 is evicted before each timed call (see pkv.measure.timing.L2Flusher)")
-    parser.add_argument("--kv-layout", choices=("hnd", "nhd"), default="hnd",
-                        help="how PersistentKV's pages are stored (the baselines read HND): nhd is vLLM's cache "
-                             "layout, read in place")
-    args = parser.parse_args(argv)
-
-    if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.kernel_bench/3", None, args.seed)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    shape = ModelShape()
-    read_gbps = measure_read_gbps("cuda")
-    log(f"read bandwidth {read_gbps:.0f} GB/s")
-    flusher = L2Flusher("cuda", mode=args.flush)  # time_device_us holds the GPU while the call is queued
-    start = time.time()
-    cases = {name: run_case(name, CASES[name], shape, flusher, read_gbps, args.reps, args.seed, log,
-                            args.kv_layout)
-             for name in args.cases}
-    record = {"schema": "pkv.measure.kernel_bench/3", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
-              "hole_fraction": 0.5, "reps": args.reps, "flush": args.flush, "kv_layout": args.kv_layout,
-              "seconds": time.time() - start, "cases": cases,
-              "command": "python -m pkv.measure.kernel_bench " + " ".join(argv or sys.argv[1:]),
-              "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps, "flush": args.flush,
-                                                       "kv_layout": args.kv_layout}, seed=args.seed)}
-    write_json_atomic(args.out, record)
+def print_summary(cases: dict) -> None:
+    """The table of run_case's records on stdout: each method's time, the speedups, the confirmed
+    ratios and the winning configurations; the baselines that did not run and why; the B1 breakdowns."""
     columns = (("FI cc", "flashinfer_cc"), ("FI tc", "flashinfer_tc"), ("FI hol", "flashinfer_holistic"),
                ("FI fa3", "flashinfer_fa3"), ("XQA", "xqa"), ("vLLM", "vllm"), ("vLLM tr", "vllm_triton"),
                ("PKV", "persistentkv"), ("PKV dev", "persistentkv_device_planned"))
@@ -360,6 +350,36 @@ def main(argv=None) -> int:
         print(f"{name:<8} best " + " ".join(f"{f[:-1]} {us:.1f}" for f, us in best.items())
               + f" | 1-elem kernel {b['one_element_kernel_us']:.1f}, decode alone {b['decode_launch_us']:.1f},"
               f" decode+merge {b['decode_and_merge_us']:.1f} ({b['config']})")
+
+
+def main(argv=None) -> int:
+    parser = bench_parser(__doc__, CASES, reps=30, seed=20260622)
+    parser.add_argument("--flush", choices=("read", "write"), default="read",
+                        help="how L2 is evicted before each timed call (see pkv.measure.timing.L2Flusher)")
+    parser.add_argument("--kv-layout", choices=("hnd", "nhd"), default="hnd",
+                        help="how PersistentKV's pages are stored (the baselines read HND): nhd is vLLM's cache "
+                             "layout, read in place")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        return write_skipped_no_gpu(args.out, "pkv.measure.kernel_bench/3", None, args.seed)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    shape = ModelShape()
+    read_gbps = measure_read_gbps("cuda")
+    log(f"read bandwidth {read_gbps:.0f} GB/s")
+    flusher = L2Flusher("cuda", mode=args.flush)  # time_device_us holds the GPU while the call is queued
+    start = time.time()
+    cases = {name: run_case(name, CASES[name], shape, flusher, read_gbps, args.reps, args.seed, log,
+                            args.kv_layout)
+             for name in args.cases}
+    record = {"schema": "pkv.measure.kernel_bench/3", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
+              "hole_fraction": 0.5, "reps": args.reps, "flush": args.flush, "kv_layout": args.kv_layout,
+              "seconds": time.time() - start, "cases": cases,
+              "command": "python -m pkv.measure.kernel_bench " + " ".join(argv or sys.argv[1:]),
+              "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps, "flush": args.flush,
+                                                       "kv_layout": args.kv_layout}, seed=args.seed)}
+    write_json_atomic(args.out, record)
+    print_summary(cases)
     return 0
 
 
