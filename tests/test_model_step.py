@@ -162,9 +162,10 @@ def test_cpu_profile_keeps_the_attention_and_shrinks_the_rest(tmp_path):
 
 
 def _write_run(root, trace, seed, ratio_adaptive, skipped_reason="not available: CUDA graphs need a CUDA device",
-               adaptive_routes=None, rest_ms=7.0, host_ms=0.4):
+               adaptive_routes=None, rest_ms=7.0, host_ms=0.4, wrong=()):
     """One run's model-step files: FlashInfer's eager step takes 10 ms, the adaptive one 10 /
-    ratio_adaptive; the rest of the model ``rest_ms`` and attention's read floor 2 ms."""
+    ratio_adaptive; the rest of the model ``rest_ms`` and attention's read floor 2 ms. The paths in
+    ``wrong`` were wrong against float64 on 3 of their 64 measured steps."""
     run_id = uuid.uuid4().hex
     prov = {"git_commit": "a" * 40, "gpu_name": "FAKE-GPU"}
     model = {"name": "llama3_8b", "layers_run": 32, "layers_model": 32, "dtype": "float16"}
@@ -175,6 +176,10 @@ def _write_run(root, trace, seed, ratio_adaptive, skipped_reason="not available:
                    "floor_step_ms_per_step": rest_ms + 2.0, "layers_run": 32, "layers_model": 32, "model": model}
         if label == "adaptive_eager" and adaptive_routes:
             metrics["routes"] = adaptive_routes
+        if label in wrong:
+            metrics.update(steps=64, wrong_steps=3, wrong_warmup_steps=0, wrong_max_rel_err=0.82, first_wrong_step=(
+                "decode step 9 (B=8, seq_lens=[65540]): relative error 8.200e-01 against the float64 reference "
+                "(limit 4e-02)"))
         rec = result_envelope("model_step", {"name": trace}, label, baseline_engine="flashinfer_eager", run_id=run_id,
                               performance_result=True, metrics=metrics, provenance=prov)
         write_json_atomic(root / "model_step" / trace / f"seed{seed}" / f"{label}.json", rec)
@@ -336,3 +341,58 @@ def test_a_model_step_record_counts_workqueue_steps_by_split_rule():
     assert metrics["split_rules"] == {"balanced (396 CTAs)": 2, "fixed": 1}
     assert [s["split_rule"] for s in metrics["per_step"]] == ["fixed", "balanced (396 CTAs)", "balanced (396 CTAs)",
                                                               None]
+
+
+def test_table9_takes_no_ratio_against_a_wrong_baseline(tmp_path):
+    """The rule of comparisons.compare_in_run in Table 9: a seed whose baseline path was wrong
+    against float64 on measured steps is left out of the ratios, the ceiling and the captured
+    fraction with a footnote; a ratio no seed fills says the baseline was wrong."""
+    from pkv.report.table_data import BaselineWrong, MeanStd, Missing
+
+    root = tmp_path / "artifacts"
+    for seed in (20260623, 20260624):
+        _write_run(root, "bimodal_b8", seed, 1.05, wrong=("flashinfer_eager",))
+    ctx = table9(root)
+    rows = {r["label"]: r for r in ctx["blocks"][0]["rows"]}
+    notes = dict(ctx["notes"])
+    for label in ("adaptive_eager", "flashinfer_eager"):
+        row = rows[label]
+        assert isinstance(row["cuda"], BaselineWrong) and isinstance(row["wall"], BaselineWrong), label
+        assert (row["cuda"].steps, row["cuda"].of, row["cuda"].rel_err) == (6, 128, pytest.approx(0.82))
+        assert isinstance(row["ceiling"], Missing) and row["ceiling"].note == row["cuda"].note, label
+        assert isinstance(row["captured"], Missing) and row["captured"].note == row["cuda"].note, label
+        # The row's own timings stay: they are its own path's.
+        assert isinstance(row["tok_s"], MeanStd) and row["tok_s"].n == 2 and row["seeds"] == 2, label
+        note = notes[row["cuda"].note]
+        assert "baseline flashinfer_eager wrong against the float64 reference on 3 of 64 measured steps" in note
+        assert "first: decode step 9 (B=8, seq_lens=[65540])" in note and "no ratio taken" in note
+        assert not row["marks"], label  # the ratio cells' footnote says it, once
+    md = tables.render_table(9, root, "md")
+    assert f"baseline wrong on 6/128 steps (rel. err 8.2e-01 vs float64)[{rows['adaptive_eager']['cuda'].note}]" in md
+    assert "1.050" not in md and "no ratio, ceiling or captured fraction is taken" in md.lower()
+    tex = tables.render_table(9, root, "tex")
+    assert r"baseline wrong on 6/128 steps (rel.~err $8.2{\cdot}10^{-1}$ vs float64)\textsuperscript{" in tex
+
+
+def test_table9_leaves_out_a_seed_whose_baseline_or_row_was_wrong(tmp_path):
+    from pkv.report.figure_data import model_step_ratio
+
+    root = tmp_path / "artifacts"
+    _write_run(root, "bimodal_b8", 20260623, 1.05, wrong=("flashinfer_eager",))
+    _write_run(root, "bimodal_b8", 20260624, 1.07)
+    ctx = table9(root)
+    adaptive = {r["label"]: r for r in ctx["blocks"][0]["rows"]}["adaptive_eager"]
+    assert adaptive["cuda"].n == 1 and adaptive["cuda"].mean == pytest.approx(1.07)
+    assert adaptive["ceiling"].n == 1 and adaptive["captured"].n == 1 and adaptive["tok_s"].n == 2
+    marks = [dict(ctx["notes"])[m] for m in adaptive["marks"]]
+    assert any("seed 20260623: baseline flashinfer_eager wrong" in m for m in marks), marks
+    # The figure reads the same row values: only the right seed's ratio.
+    (row,) = model_step_ratio(root).series["rows"]
+    assert row["series"]["device, eager"] == [pytest.approx(1.07)]
+    # A row whose own output was wrong (a baseline's path beside the run's baseline) has no ratio
+    # for that seed either; the other rows keep theirs.
+    root = tmp_path / "own"
+    _write_run(root, "bimodal_b8", 20260623, 1.05, wrong=("adaptive_eager",))
+    _write_run(root, "bimodal_b8", 20260624, 1.07)
+    rows = {r["label"]: r for r in table9(root)["blocks"][0]["rows"]}
+    assert rows["adaptive_eager"]["cuda"].n == 1 and rows["flashinfer_eager"]["cuda"].n == 2

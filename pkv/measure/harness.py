@@ -122,10 +122,59 @@ def step_counters(plan, step, shape, num_sms: int, kv_dtype_bytes: int):
                                             num_kv_heads=shape.num_kv_heads)
 
 
-class _EngineRecord:
+class Float64Checks:
+    """What the float64 reference found of one engine's (or model-step path's) outputs: its largest
+    relative error and the steps it was wrong on (only a baseline's get here: an engine under study
+    that is wrong stops the run). Both harnesses keep these, so their result files say it alike."""
+
+    def __init__(self) -> None:
+        self.ref_max_rel_err = 0.0
+        self.wrong_steps = 0
+        self.wrong_warmup_steps = 0
+        self.wrong_max_rel_err = 0.0
+        self.first_wrong_step: str | None = None
+        self.per_step: list[dict] = []
+
+    def checked_against_float64(self, where: str, rel: float, limit: float, measured: bool) -> bool:
+        """The step's relative error against the float64 reference, on the step's own record where
+        it is measured (add_step ran first); True where it is wrong (not below ``limit``). A
+        non-finite output's error is infinite, which a result file cannot hold (JSON has no inf):
+        the record says null there and the step is wrong all the same."""
+        finite = math.isfinite(rel)
+        wrong = not rel < limit
+        if finite:
+            self.ref_max_rel_err = max(self.ref_max_rel_err, rel)
+        if measured:
+            self.per_step[-1]["ref_rel_err"] = rel if finite else None
+            self.per_step[-1]["wrong"] = wrong
+        if wrong:
+            if measured:
+                self.wrong_steps += 1
+            else:
+                self.wrong_warmup_steps += 1
+            self.wrong_max_rel_err = max(self.wrong_max_rel_err, rel)
+            if self.first_wrong_step is None:
+                error = f"relative error {rel:.3e}" if finite else "an output that is not finite"
+                self.first_wrong_step = (f"{where}{'' if measured else ' (warmup)'}: {error} "
+                                         f"against the float64 reference (limit {limit:.0e})")
+        return wrong
+
+    def wrong_metrics(self) -> dict:
+        """The wrong-step fields of a result's metrics; an infinite error (an output that was not
+        finite) is null there, since JSON has no inf."""
+        return {
+            "wrong_steps": self.wrong_steps,
+            "wrong_warmup_steps": self.wrong_warmup_steps,
+            "wrong_max_rel_err": self.wrong_max_rel_err if math.isfinite(self.wrong_max_rel_err) else None,
+            "first_wrong_step": self.first_wrong_step,
+        }
+
+
+class _EngineRecord(Float64Checks):
     """Per-engine accumulation over the measured steps."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.steps = 0
         self.decode_tokens = 0
         self.wall_us = 0.0
@@ -135,18 +184,10 @@ class _EngineRecord:
         self.max_abs_err = 0.0
         self.abs_err_sum = 0.0
         self.checked_steps = 0
-        self.ref_max_rel_err = 0.0
-        # Steps whose output the float64 reference found wrong (only a baseline's get here: an
-        # engine under study that is wrong stops the run).
-        self.wrong_steps = 0
-        self.wrong_warmup_steps = 0
-        self.wrong_max_rel_err = 0.0
-        self.first_wrong_step: str | None = None
         self.routes: Counter = Counter()
         self.splits: Counter = Counter()
         self.split_rules: Counter = Counter()  # workqueue steps per split rule (StepRoute.split_rule)
         self.counters: list = []
-        self.per_step: list[dict] = []
 
     def add_step(self, step, plan, plan_us: float, issue_us: float, wall_us: float, cuda_us: float,
                  position: int = 0) -> None:
@@ -173,30 +214,6 @@ class _EngineRecord:
             "plan_us": plan_us, "issue_us": issue_us, "wall_us": wall_us, "cuda_us": cuda_us,
             "position": int(position), "ref_rel_err": None, "wrong": False})
 
-    def checked_against_float64(self, where: str, rel: float, limit: float, measured: bool) -> bool:
-        """The step's relative error against the float64 reference, on the step's own record where
-        it is measured (add_step ran first); True where it is wrong (not below ``limit``). A
-        non-finite output's error is infinite, which a result file cannot hold (JSON has no inf):
-        the record says null there and the step is wrong all the same."""
-        finite = math.isfinite(rel)
-        wrong = not rel < limit
-        if finite:
-            self.ref_max_rel_err = max(self.ref_max_rel_err, rel)
-        if measured:
-            self.per_step[-1]["ref_rel_err"] = rel if finite else None
-            self.per_step[-1]["wrong"] = wrong
-        if wrong:
-            if measured:
-                self.wrong_steps += 1
-            else:
-                self.wrong_warmup_steps += 1
-            self.wrong_max_rel_err = max(self.wrong_max_rel_err, rel)
-            if self.first_wrong_step is None:
-                error = f"relative error {rel:.3e}" if finite else "an output that is not finite"
-                self.first_wrong_step = (f"{where}{'' if measured else ' (warmup)'}: {error} "
-                                         f"against the float64 reference (limit {limit:.0e})")
-        return wrong
-
     def metrics(self, implementation: str) -> dict:
         selected = self.routes.most_common(1)[0][0] if self.routes else None
         splits = self.splits.most_common(1)[0][0] if self.splits else None
@@ -220,10 +237,7 @@ class _EngineRecord:
             # Steps the float64 reference found this engine wrong on (a baseline's; tables take no
             # ratio against a baseline with wrong measured steps), the largest relative error of
             # those steps and where the first one was.
-            "wrong_steps": self.wrong_steps,
-            "wrong_warmup_steps": self.wrong_warmup_steps,
-            "wrong_max_rel_err": self.wrong_max_rel_err if math.isfinite(self.wrong_max_rel_err) else None,
-            "first_wrong_step": self.first_wrong_step,
+            **self.wrong_metrics(),
             "routes": dict(sorted(self.routes.items())),
             "selected_route": selected,
             "num_splits": splits,
@@ -236,7 +250,7 @@ class _EngineRecord:
         }
 
 
-def _step_where(step) -> str:
+def step_where(step) -> str:
     return f"decode step {step.step} (B={step.batch_size}, seq_lens={step.seq_lens.tolist()})"
 
 
@@ -255,35 +269,35 @@ def _agreement(engine, out, expected, rel_limit: float) -> tuple[dict, bool, str
     return errors, within, f"max|e|={errors['max_abs_err']:.3e} {bound}"
 
 
-def _is_studied(name: str, engine, baseline: str) -> bool:
+def is_studied(name: str, engine, baseline: str) -> bool:
     """Whether a wrong output of this engine stops the run: an engine under study that is not the
     run's baseline. The baseline and other libraries' kernels beside it are what is compared with."""
     return name != baseline and engine.under_study
 
 
-def _float64_errors(rels: dict, baseline: str, limit: float) -> str:
+def float64_errors(rels: dict, baseline: str, limit: float) -> str:
     return ", ".join(f"{name!r}{' (baseline)' if name == baseline else ''} {rel:.3e}"
                      f"{' (wrong)' if not rel < limit else ''}" for name, rel in rels.items())
 
 
-def _judge_against_float64(step, outputs: dict, reference, engines: dict, baseline: str, records: dict,
+def judge_against_float64(step, outputs: dict, reference, engines: dict, baseline: str, records: dict,
                            limit: float, dtype, measured: bool, disagreeing: dict) -> tuple[dict, set]:
     """Every engine's output of the step against the float64 reference: (relative error per engine,
     the engines that are wrong, not below ``limit``). An engine under study that is wrong stops the
     run, named with its relative error (and its disagreement with the baseline, from
     ``disagreeing``, where that led to the check); a baseline's wrong step is recorded in its
     record and the run goes on."""
-    where = _step_where(step)
+    where = step_where(step)
     rels = {name: compare(outputs[name], reference)["rel_err"] for name in engines}
     for name, rel in rels.items():
-        if not rel < limit and _is_studied(name, engines[name], baseline):
+        if not rel < limit and is_studied(name, engines[name], baseline):
             if name in disagreeing:
                 head = (f"engine {name!r} disagrees with baseline {baseline!r} at {where}: {disagreeing[name]}; "
                         f"against the float64 reference it is wrong: relative error {rel:.3e}")
             else:
                 head = f"engine {name!r} at {where}: relative error {rel:.3e} against the float64 reference"
             raise CorrectnessError(f"{head} exceeds {limit:.0e} for {dtype} (float64 relative errors of the "
-                                   f"step: {_float64_errors(rels, baseline, limit)})")
+                                   f"step: {float64_errors(rels, baseline, limit)})")
     wrong = {name for name, rel in rels.items() if records[name].checked_against_float64(where, rel, limit, measured)}
     return rels, wrong
 
@@ -370,7 +384,7 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
         if disagreeing or (measured and measured_index % spec.check_every == 0):
             reference = dense_decode(q, k_pages, v_pages, step.seq_lens, step.block_table,
                                      sm_scale=shape.sm_scale)
-            rels, wrong = _judge_against_float64(step, outputs, reference, engines, baseline, records,
+            rels, wrong = judge_against_float64(step, outputs, reference, engines, baseline, records,
                                                  ref_limit, dtype, measured, disagreeing)
         for name, (errors, within, text) in agreement.items():
             if name in wrong:
@@ -381,12 +395,12 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
                 # reference instead, under the same bound, and their errors are taken against it.
                 errors, within, text = _agreement(engines[name], outputs[name], reference, ref_limit)
                 against = f"the float64 reference (baseline {baseline!r} is wrong at this step)"
-            if not within and _is_studied(name, engines[name], baseline):
+            if not within and is_studied(name, engines[name], baseline):
                 # Not wrong against float64, yet outside the paper's bound against what it is held to.
-                also = f"; float64 relative errors of the step: {_float64_errors(rels, baseline, ref_limit)}" \
+                also = f"; float64 relative errors of the step: {float64_errors(rels, baseline, ref_limit)}" \
                     if rels else ""
                 raise CorrectnessError(
-                    f"engine {name!r} disagrees with {against} at {_step_where(step)}: {text}{also}")
+                    f"engine {name!r} disagrees with {against} at {step_where(step)}: {text}{also}")
             # Another library's kernel is judged by the float64 reference alone (above): outside the
             # relative limit against a right baseline but within it against float64 is rounding.
             record = records[name]

@@ -43,6 +43,11 @@ class EagerPath:
         self._inputs = None
         self.route = self.split_rule = None  # of the step last planned
 
+    @property
+    def under_study(self) -> bool:
+        """Whether a wrong output of this path stops the run: its engine's Engine.under_study."""
+        return self.engine is not None and self.engine.under_study
+
     def route_of(self, plan) -> str | None:
         return getattr(plan, "route", None)
 
@@ -98,6 +103,13 @@ class GraphPath:
         self._static: dict = {}
         self._current = None
         self.route = self.split_rule = None  # of the step last planned (StepRoute.split_rule)
+
+    @property
+    def under_study(self) -> bool:
+        """Whether a wrong output of this path stops the run: the Engine.under_study of the engine
+        whose attention it captures (``engine``, set by the subclasses that capture one)."""
+        engine = getattr(self, "engine", None)
+        return engine is not None and engine.under_study
 
     # Subclasses: the key of the graph a step replays, its host plan, and the attention it captures.
     def key(self, step):
@@ -221,6 +233,7 @@ class AdaptiveGraphPath(GraphPath):
                  max_batch: int) -> None:
         super().__init__(label, model, max_pages)
         self.max_batch = int(max_batch)
+        self.engine = engine  # the adaptive engine: its policy routes each step
         self.policy = engine.policy
         self.flashinfer_path = flashinfer_path
         self._device_step = DeviceDecodeStep

@@ -5,6 +5,12 @@ the step, host time per step, the ratio to FlashInfer in the same mode (device t
 wall time, taken per seed between files of one run), the ceiling of that ratio (FlashInfer's step
 over the step with attention at the read floor: KV bytes over the calibration's bandwidth) and the
 fraction of the ceiling the device ratio captures. Mean and sample std over the held-out seeds.
+
+No ratio, ceiling or captured fraction is taken against a baseline whose output the float64
+reference found wrong on measured steps of the run (metrics.wrong_steps,
+pkv.measure.model_step_run), nor for a row whose own output was (a baseline's path: one under study
+that is wrong stops the run): the seed is left out with a footnote, as comparisons.compare_in_run
+does for the other tables, and ratio cells no seed fills say the baseline was wrong (BaselineWrong).
 """
 
 from __future__ import annotations
@@ -12,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pkv.report.table_data.cells import Notes, mean_std
-from pkv.report.table_data.comparisons import BASELINE_ROUTE_ONLY, metric, took_baseline_route_only
+from pkv.report.table_data.cells import BaselineWrong, Notes, mean_std
+from pkv.report.table_data.comparisons import BASELINE_ROUTE_ONLY, metric, took_baseline_route_only, wrong_baseline
 from pkv.report.table_data.inputs import Inputs
 from pkv.report.table_data.labels import ENGINE_LABELS, paper_then_found, seeds_text, trace_label
 from pkv.report.table_data.loading import held_out, load_trace_tree
@@ -24,6 +30,8 @@ ENGINE_ORDER = ("adaptive", "xqa", "flashinfer")
 MODE_ORDER = ("eager", "graph")
 MODE_LABELS = {"eager": "eager", "graph": "CUDA graph"}
 COLUMNS = ("tok_s", "step_ms", "attention_share", "host_ms", "cuda", "wall", "ceiling", "captured")
+# The columns taken against the row's baseline: none where that baseline's output was wrong.
+RATIO_COLUMNS = ("cuda", "wall", "ceiling", "captured")
 # Why attention's share and the ceiling are left out where the step is bound by its host.
 HOST_BOUND = ("the step is bound by its host (its host time per step is at least its device time, or its "
               "attention time comes out below the read floor): the device waits between launches, so the "
@@ -57,9 +65,11 @@ def _order(label: str) -> tuple:
 
 
 def row_values(seeds: dict, label: str, where: str, problems: list) -> dict[str, list]:
-    """Per held-out seed: the row's own metrics and its ratios to the same-mode baseline of the same run."""
+    """Per held-out seed: the row's own metrics and its ratios to the same-mode baseline of the same
+    run; ``wrong``: seed -> the wrong steps of the seeds left out of the ratios for them."""
     values: dict[str, Any] = {k: [] for k in (*COLUMNS, "layers", "baseline_route_only")}
     values["undefined"] = {}  # column -> why it has no value on some seed
+    values["wrong"] = {}
     for seed in sorted(seeds):
         records = {path.stem: rec for path, rec in seeds[seed]}
         rec = records.get(label)
@@ -82,6 +92,13 @@ def row_values(seeds: dict, label: str, where: str, problems: list) -> dict[str,
         if base is None or "skipped" in base or base.get("run_id") != rec.get("run_id"):
             why = "not run" if base is None else base.get("skipped") or "from another run; no ratio taken"
             problems.append(f"{where} seed {seed}: baseline {rec.get('baseline_engine')}: {why}")
+            continue
+        # Timings of a kernel that computed something else compare nothing: the baseline's wrong
+        # steps, or the row's own (a baseline's path beside the run's baseline, such as XQA's).
+        wrong = wrong_baseline(base) or wrong_baseline(rec)
+        if wrong is not None:
+            problems.append(f"{where} seed {seed}: {wrong.describe()}; no ratio taken")
+            values["wrong"][seed] = wrong
             continue
         cuda, wall = metric(base, "cuda_ms_per_step"), metric(base, "wall_ms_per_step")
         mine_cuda, mine_wall = metric(rec, "cuda_ms_per_step"), metric(rec, "wall_ms_per_step")
@@ -119,9 +136,23 @@ def _cells(values: dict, notes: Notes, label: str, problems: list) -> dict[str, 
             cells[key] = mean_std(vals, decimals[key], "×" if key in ("cuda", "wall", "ceiling") else "")
         elif key == "captured" and values["cuda"]:
             cells[key] = None  # the baseline's own row, or a ceiling at parity: nothing to capture
+        elif key in RATIO_COLUMNS and values["wrong"]:
+            cells[key] = _baseline_wrong_cell(key, values["wrong"], notes, problems)
         else:
             cells[key] = notes.missing("; ".join(problems) or f"{label}: {key} not recorded")
     return cells
+
+
+def _baseline_wrong_cell(key: str, wrong: dict, notes: Notes, problems: list):
+    """A ratio column no seed filled because its baseline was wrong: the ratios say on how many
+    steps (comparisons.unfilled_cell's cell); the ceiling and the captured fraction, taken from the
+    same baseline, point to the same footnote."""
+    reason = "; ".join(problems)
+    if key in ("cuda", "wall"):
+        found = list(wrong.values())
+        return BaselineWrong(sum(w.steps for w in found), sum(w.of for w in found), max(w.rel_err for w in found),
+                             notes.number(reason))
+    return notes.missing(reason)
 
 
 def table9(root: Path) -> dict[str, Any]:
@@ -149,7 +180,9 @@ def table9(root: Path) -> dict[str, Any]:
             role, mode = _label_parts(label)
             layers = sorted({lr for lr in values["layers"] if lr[0] is not None})
             cells = _cells(values, notes, label, problems)
-            marks = [notes.number(p) for p in problems] if values["step_ms"] and problems else []
+            # Seeds left out of a row that shows values; where no seed gave a ratio, the ratio
+            # cells' own footnote already says why.
+            marks = [notes.number(p) for p in problems] if values["step_ms"] and values["cuda"] and problems else []
             gated = values["baseline_route_only"]
             if role != "flashinfer" and any(gated):
                 marks.append(notes.number(f"{BASELINE_ROUTE_ONLY}, with nothing to capture" if all(gated) else
