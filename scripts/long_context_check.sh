@@ -3,8 +3,8 @@
 # elements, the device-planned step benchmark, and traces/long_context_conv.jsonl replayed through
 # the README's own-trace command on the recycled KV pool (every step of its first 384 and 1024
 # requests), then its first 384 requests on the up-front layout, whose pool is past 2^32 elements,
-# where the harness names the engine that is wrong. Logs and result files under $OUT; a short
-# table at the end. Needs .whl/ filled as scripts/device_site.sh says.
+# where the harness names the engine that is wrong; the device-planned step benchmark last
+# (STEP_TIMEOUT seconds at most). Logs and result files under $OUT; a short table of the replays. Needs .whl/ filled as scripts/device_site.sh says.
 #   LONG_REQUESTS="384 1024"   the request counts replayed whole on the recycled pool
 #   LONG_CALIBRATION=<file>    the calibration the adaptive engine decides with
 #   BUILD_CACHE_FROM=<build_cache.tgz of an earlier run of the same sources> skips the build
@@ -22,10 +22,6 @@ save_builds  # now too: a run stopped at its time limit runs no exit trap
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -v -p no:cacheprovider tests/test_large_pool_gpu.py > "$OUT/large_pool_tests.log" 2>&1
   echo "large-pool GPU tests: $(grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed)' "$OUT/large_pool_tests.log" | tail -4 | tr '\n' ' ')"
-fi
-if [ -z "${SKIP_STEP:-}" ]; then
-  python3 -m pkv.measure.device_step_bench --out "$OUT/device_step_bench.json" > "$OUT/device_step_bench.log" 2>&1
-  echo "device_step_bench rc=$?"; tail -4 "$OUT/device_step_bench.log"
 fi
 calibration=${LONG_CALIBRATION:-artifacts/reference/h200/measured_gates/calibration.json}
 replay() {  # replay <name> <requests> <measured steps> [overrides...]
@@ -57,3 +53,7 @@ for run in sorted(Path(sys.argv[1]).iterdir()):
               f"{m['decode_tokens']:>7} {m['cuda_ms_per_step']:>11.4f} {m['wall_ms_per_step']:>12.4f} "
               f"{m['ref_max_rel_err']:>11.2e} {m.get('wrong_steps', 'n/a')}")
 EOF
+if [ -z "${SKIP_STEP:-}" ]; then
+  timeout "${STEP_TIMEOUT:-300}" python3 -m pkv.measure.device_step_bench --out "$OUT/device_step_bench.json" > "$OUT/device_step_bench.log" 2>&1
+  echo "device_step_bench rc=$?"; tail -12 "$OUT/device_step_bench.log"
+fi
