@@ -72,10 +72,17 @@ def test_a_group_size_opens_only_where_persistentkv_wins_every_probe():
     assert tolerant.fit_group_sizes(START)["opened"] == [1, 8]
 
 
+def _timed(total_us, steps=4):
+    """A trace timed on one route: ``steps`` steps of equal time adding up to ``total_us``."""
+    step = types.SimpleNamespace(seq_lens=[70000])
+    return types.SimpleNamespace(total_us=total_us,
+                                 samples=[types.SimpleNamespace(step=step, measured_us=total_us / steps)] * steps)
+
+
 def _swept(name, max_active, regime, totals, fi_total, route="persistentkv_workqueue"):
-    timed = {s: types.SimpleNamespace(total_us=us, samples=[]) for s, us in totals.items()}
+    timed = {s: _timed(us) for s, us in totals.items()}
     return {"name": name, "max_active": max_active, "route": route, "regime": regime, "steps": 4,
-            "timed_by_splits": timed, "timed_fi": types.SimpleNamespace(total_us=fi_total, samples=[])}
+            "timed_by_splits": timed, "timed_fi": _timed(fi_total)}
 
 
 def test_traces_of_one_operating_point_are_decided_by_their_summed_time():
@@ -96,6 +103,15 @@ def test_traces_of_one_operating_point_are_decided_by_their_summed_time():
     route = sweep.records["bimodal_b4"]["regime_route"]
     assert route["fits"] == "regimes.few_rows.route" and route["fitted"] == "persistentkv_workqueue"
     assert route["speedup"] == pytest.approx(89.0 / 88.0)
+    # Every step measured the same ratio: the band is the floor, which a 1.1% gain clears.
+    assert route["measured_margin"] == pytest.approx(89.0 / 88.0) and route["noise_band"] == pytest.approx(0.01)
+    assert route["default"] == "flashinfer" and route["num_splits"] == 36
+    assert sweep.decisions["regimes.few_rows.route"]["value"] == "persistentkv_workqueue"
+    # A split count records the fastest candidate and those tied with it, the fewest taken.
+    splits = sweep.decisions["regimes.many_rows.num_splits"]
+    assert (splits["value"], splits["fastest"], splits["tied"], splits["measured_margin"]) == (24, 24, [24], 1.0)
+    splits = sweep.decisions["regimes.few_rows.num_splits"]
+    assert (splits["value"], splits["fastest"], splits["tied"]) == (36, 36, [36]) and splits["noise_band"] == 0.01
     # Each regime's steps at its fitted split count are the long end of its context gate.
     assert set(sweep.gate_steps(points)) == {MANY_ROWS, FEW_ROWS}
 
@@ -167,20 +183,21 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
 
     timed_routes = []
     skewed_us_by_waves = {1: 90.0, 2: 80.0, 3: 80.5, 4: 85.0}
-    skewed = types.SimpleNamespace(batch_size=4, seq_lens=[9000, 100, 100, 100])
+    # Two steps of each kind: a decision needs at least two paired steps to measure their noise.
+    skewed = [types.SimpleNamespace(batch_size=4, seq_lens=[9000, 100, 100, 100]) for _ in range(2)]
     # Two long rows: neither skewed nor over-split (18,200 tokens >= 2 tiles x 20 splits x 4 rows).
     neither = types.SimpleNamespace(batch_size=4, seq_lens=[9000, 9000, 100, 100])
-    over_split = types.SimpleNamespace(batch_size=4, seq_lens=[500, 400, 300, 600])
+    over_split = [types.SimpleNamespace(batch_size=4, seq_lens=[500, 400, 300, 600]) for _ in range(2)]
 
     def step_us(route, step):
-        if step is over_split:
+        if step in over_split:
             return over_split_us[route.split_kind]
         return fixed_us if route.split_kind == "fixed" else skewed_us_by_waves[route.target_ctas // 132]
 
     class FakeTrace:
         def __init__(self, cfg, settings, shape, trace):
             self.kv_dtype_bytes = 2
-            self.steps = [skewed, neither, over_split]
+            self.steps = [skewed[0], neither, over_split[0], skewed[1], over_split[1]]
 
         def _timed(self, us_of):
             samples = [types.SimpleNamespace(step=s, measured_us=us_of(s)) for s in self.steps]
@@ -191,7 +208,7 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
             return self._timed(lambda s: step_us(route, s))
 
         def flashinfer(self):
-            return self._timed(lambda s: 10.0 if s is over_split else 100.0)
+            return self._timed(lambda s: 10.0 if s in over_split else 100.0)
 
     monkeypatch.setattr(calibrate, "_TimedTrace", FakeTrace)
     fixed_us, over_split_us = 88.0, {"fixed": 20.0, "balanced": 15.0}
@@ -209,20 +226,29 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
     timed_routes.clear()
     assert fit({MANY_ROWS: {"num_splits": 20}}) == {"skew_target_ctas": 2 * 132, "over_split_balanced": True}
     assert sweep.samples == [] and sweep.persistentkv_plan_us == []
-    assert timed_routes[0] == ("fixed", 20, 0, 2)  # the regime's fitted count, on the skewed and over-split steps
+    assert timed_routes[0] == ("fixed", 20, 0, 4)  # the regime's fitted count, on the skewed and over-split steps
     assert {r[2] for r in timed_routes[1:]} == {132, 264, 396, 528}
     record = sweep.records["skewed_b64"]
-    assert record["fits"] == "regimes.many_rows.skew_target_ctas" and record["steps"] == 1
+    assert record["fits"] == "regimes.many_rows.skew_target_ctas" and record["steps"] == 2
     assert record["regime_splits"] == 20
-    assert record["device_us_total_by_waves"] == {"1": 90.0, "2": 80.0, "3": 80.5, "4": 85.0}
+    assert record["device_us_total_by_waves"] == {"1": 180.0, "2": 160.0, "3": 161.0, "4": 170.0}
     assert record["skew_target_ctas"]["fitted"] == 264 and record["skew_target_ctas"]["tied_waves"] == [2, 3]
     assert record["skew_target_ctas"]["speedup_over_fixed"] == pytest.approx(88.0 / 80.0)
-    assert record["flashinfer_device_us_total"] == 100.0
-    assert record["over_split_steps"] == {"steps": 1, "fixed_device_us_total": 20.0, "flashinfer_device_us_total": 10.0,
-                                          "device_us_total_by_waves": {"1": 15.0, "2": 15.0, "3": 15.0, "4": 15.0}}
+    # The measured margin and the band it cleared: both steps alike, so the floor.
+    assert record["skew_target_ctas"]["measured_margin"] == pytest.approx(88.0 / 80.0)
+    assert record["skew_target_ctas"]["noise_band"] == pytest.approx(0.01)
+    assert record["skew_target_ctas"]["default"] == 0
+    assert record["flashinfer_device_us_total"] == 200.0
+    assert record["over_split_steps"] == {"steps": 2, "fixed_device_us_total": 40.0, "flashinfer_device_us_total": 20.0,
+                                          "device_us_total_by_waves": {"1": 30.0, "2": 30.0, "3": 30.0, "4": 30.0}}
     assert record["over_split_balanced"]["fitted"] is True
     assert record["over_split_balanced"]["fits"] == "regimes.many_rows.over_split_balanced"
     assert record["over_split_balanced"]["speedup_over_fixed"] == pytest.approx(20.0 / 15.0)
+    assert record["over_split_balanced"]["measured_margin"] == pytest.approx(20.0 / 15.0)
+    decisions = sweep.decisions
+    assert decisions["regimes.many_rows.skew_target_ctas"]["value"] == 264
+    assert decisions["regimes.many_rows.over_split_balanced"]["value"] is True
+    assert decisions["regimes.many_rows.over_split_balanced"]["noise_band"] == pytest.approx(0.01)
     # The balanced rule within 1% of the fixed one on the over-split steps: they keep the fixed rule.
     over_split_us = {"fixed": 15.1, "balanced": 15.0}
     assert fit({MANY_ROWS: {"num_splits": 20}}) == {"skew_target_ctas": 264, "over_split_balanced": False}
@@ -230,6 +256,7 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
     fixed_us, over_split_us = 80.5, {"fixed": 20.0, "balanced": 15.0}
     assert fit({}) == {"skew_target_ctas": 0, "over_split_balanced": False}
     assert timed_routes[-6][1] == START.regime(MANY_ROWS).num_splits  # no fitted count: the calibration's
+    assert "within the noise band" in sweep.decisions["regimes.many_rows.skew_target_ctas"]["basis"]
     # A split count at which no step is over-split: the rule is not fitted.
     fixed_us = 88.0
     assert fit({MANY_ROWS: {"num_splits": 4}}) == {"skew_target_ctas": 264, "over_split_balanced": False}
@@ -262,6 +289,124 @@ def test_a_closed_regime_stays_closed_when_the_timings_are_not_a_performance_res
     sweep._swept = [_swept("bimodal_b4", 4, FEW_ROWS, {32: 90.0, 36: 88.0}, 89.0)]
     assert sweep.operating_points() == {FEW_ROWS: {"num_splits": 36}}
     assert sweep.records["bimodal_b4"]["regime_route"]["applied"] is False
+
+
+# --------------------------------------------------------------------------------------
+# Route decisions against the noise band of their paired steps
+
+
+def _noisy_b4(seed, gain=1.0, sigma=0.03, n=64):
+    """(PersistentKV, FlashInfer) device times of one calibration's B4 steps: the same steps every
+    run (40-400 us, the bimodal trace's spread), each route's median off by ``sigma`` noise drawn
+    from ``seed``; FlashInfer ``gain`` times slower on average."""
+    import numpy as np
+
+    steps = np.random.default_rng(20260622).uniform(40.0, 400.0, n)
+    rng = np.random.default_rng(seed)
+    return (list(steps * (1 + sigma * rng.standard_normal(n))),
+            list(steps * gain * (1 + sigma * rng.standard_normal(n))))
+
+
+def test_noise_that_straddles_the_margin_decides_the_same_route_in_both_runs():
+    """Two calibrations of one GPU whose B4 gains fall either side of 1.0 (seeds 0 and 1 of the
+    noise): a bare 'PersistentKV faster' rule flips between them, the noise band does not."""
+    from pkv.policy.fits import fit_regime_route
+
+    fits = [fit_regime_route(*_noisy_b4(seed), "persistentkv_workqueue") for seed in (0, 1)]
+    gains = [f.gain.gain for f in fits]
+    assert gains[0] < 1.0 < gains[1]  # the noise straddles the margin
+    assert [f.route for f in fits] == ["flashinfer", "flashinfer"]
+    for f in fits:
+        # The band comes from the steps' own spread (wider than the 1% floor here) and is recorded.
+        assert 0.01 < f.gain.noise_band < 0.02 and f.gain.steps == 64
+        assert "within the noise band" in f.basis
+    # Over many runs of that noise the bare rule goes either way about half the time; the band
+    # opens the route at most once in 200 (a two-sided 95% interval's upper tail is 2.5%).
+    runs = [_noisy_b4(seed) for seed in range(200)]
+    bare = sum(sum(fi) > sum(pkv) for pkv, fi in runs)
+    banded = sum(fit_regime_route(pkv, fi, "persistentkv_workqueue").route != "flashinfer" for pkv, fi in runs)
+    assert 60 < bare < 140 and banded <= 5
+
+
+def test_a_gain_well_past_the_band_opens_the_route_in_every_run():
+    from pkv.policy.fits import fit_regime_route
+
+    assert all(fit_regime_route(*_noisy_b4(seed, gain=1.05), "persistentkv_workqueue").route
+               == "persistentkv_workqueue" for seed in range(50))
+
+
+def test_a_tie_always_goes_to_flashinfer_and_too_few_steps_to_the_default():
+    import json
+
+    from pkv.policy.fits import fit_regime_route, measured_gain
+
+    times = [50.0, 80.0, 120.0, 300.0]
+    for order in (times, times[::-1]):
+        tie = fit_regime_route(order, list(order), "persistentkv_workqueue")
+        assert tie.route == "flashinfer" and tie.gain.gain == 1.0 and tie.gain.noise_band == pytest.approx(0.01)
+    # Exactly at the band's edge is still inside it.
+    edge = measured_gain([100.0, 100.0], [101.0, 101.0])
+    assert edge.required == pytest.approx(1.01) and not edge.clears
+    # One step: no spread to measure, the default, and a record that JSON can hold.
+    one = fit_regime_route([50.0], [80.0], "persistentkv_workqueue")
+    assert one.route == "flashinfer" and "fewer than 2 steps" in one.basis
+    record = one.gain.record()
+    assert record["noise_band"] is None and record["measured_margin"] == pytest.approx(1.6)
+    json.dumps(record, allow_nan=False)
+    with pytest.raises(ValueError, match="one of each per step"):
+        measured_gain([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="finite and > 0"):
+        measured_gain([1.0, 0.0], [1.0, 1.0])
+
+
+def test_the_few_rows_route_records_its_margin_and_band_and_two_noisy_runs_agree():
+    """The calibrate rule's B4 route from steps whose noise straddles the margin: the same route in
+    both runs, each recording its measured margin and noise band (measurements.decisions)."""
+    import json
+
+    decided = []
+    for seed in (0, 1):
+        pkv, fi = _noisy_b4(seed)
+        step = types.SimpleNamespace(seq_lens=[70000])
+        timed = {36: types.SimpleNamespace(total_us=sum(pkv), samples=[types.SimpleNamespace(step=step, measured_us=us)
+                                                                         for us in pkv])}
+        trace = {"name": "bimodal_b4", "max_active": 4, "route": "persistentkv_workqueue", "regime": FEW_ROWS,
+                 "steps": 64, "timed_by_splits": timed,
+                 "timed_fi": types.SimpleNamespace(total_us=sum(fi), samples=[types.SimpleNamespace(step=step,
+                                                                                                    measured_us=us)
+                                                                              for us in fi])}
+        sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=None,
+                            calib=START)
+        sweep._swept = [trace]
+        points = sweep.operating_points()
+        route = sweep.records["bimodal_b4"]["regime_route"]
+        decision = sweep.decisions["regimes.few_rows.route"]
+        assert points[FEW_ROWS]["route"] == route["fitted"] == decision["value"]
+        assert decision["measured_margin"] == pytest.approx(sum(fi) / sum(pkv))
+        assert decision["noise_band"] == route["noise_band"] > 0.01
+        assert decision["required_margin"] == pytest.approx(1 + decision["noise_band"])
+        assert decision["default"] == "flashinfer" and decision["steps"] == 64 and decision["applied"] is True
+        json.dumps(sweep.decisions, allow_nan=False)
+        decided.append(decision["value"])
+    assert decided == ["flashinfer", "flashinfer"]
+
+
+def test_gate_and_group_size_decisions_record_the_margin_at_their_boundary():
+    sweep = {"source": "split sweep", "contexts": [70000, 70000], "persistentkv_us": [90.0, 90.0],
+             "flashinfer_us": [100.0, 100.0]}
+    short = {"source": "probe short", "contexts": [1100, 4200], "persistentkv_us": [12.0, 15.0],
+             "flashinfer_us": [10.0, 18.0]}
+    probes = _probes({MANY_ROWS: [sweep, short]}, tolerance=0.02)
+    probes.group_totals = {8: [{"persistentkv_device_us_total": 61.0, "flashinfer_device_us_total": 60.0}]}
+    gates = probes.fit_context_gates(START)
+    decisions = probes.decisions(gates, probes.fit_group_sizes(START))
+    gate = decisions["regimes.many_rows.min_context_tokens"]
+    assert gate["value"] == 4096 and gate["boundary_class"] == 4096
+    assert gate["measured_margin"] == pytest.approx(18.0 / 15.0) and gate["margin_below"] == pytest.approx(10.0 / 12.0)
+    assert gate["noise_band"] == 0.02 and gate["required_margin"] == pytest.approx(1 / 1.02)
+    groups = decisions["supported_group_sizes"]
+    assert groups["value"] == [4, 8] and groups["by_group"] == {"8": {"measured_margin": pytest.approx(60 / 61),
+                                                                     "opened": True}}
 
 
 # --------------------------------------------------------------------------------------

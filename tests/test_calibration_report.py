@@ -173,3 +173,13 @@ def test_a_tie_of_split_counts_is_shown_with_the_fastest_alone():
     lines = split_sweeps({"bimodal_b8": sweep})
     assert "  tied within noise: 24, 28; the fewest splits taken (fastest alone: 28)" in lines
     assert not any("tied" in line for line in split_sweeps(MEASURED["split_sweeps"]))
+
+
+def test_report_names_the_noise_band_a_route_decision_had_to_clear(tmp_path):
+    path = tmp_path / "calibration.json"
+    route = {"fits": "regimes.few_rows.route", "fitted": "flashinfer", "applied": True, "speedup": 1.0041,
+             "measured_margin": 1.0041, "noise_band": 0.0117, "required_margin": 1.0117, "steps": 64}
+    b4 = {**MEASURED["split_sweeps"]["bimodal_b4"], "regime_route": route}
+    save_calibration(path, CALIB, {"measurements": {**MEASURED, "split_sweeps": {"bimodal_b4": b4}}})
+    text = calibration_report.report(path)
+    assert "  B2-7 route flashinfer (1.004x; noise band 1.2%, needs > 1.012x, applied)" in text

@@ -81,3 +81,54 @@ def test_a_missing_file_is_one_refusal_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pkv.report.calibration_spread", REFERENCE, str(tmp_path / "x.json")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("pkv: ") and "x.json" in proc.stderr
+
+
+def _with_route(tmp_path, name, route, margin, band):
+    """The reference calibration with the B2-7 route ``route``, decided on ``margin`` against ``band``."""
+    path = tmp_path / name
+    decision = {"value": route, "measured_margin": margin, "noise_band": band, "required_margin": 1 + band,
+                "steps": 64, "default": "flashinfer", "basis": "test", "applied": True}
+    save_calibration(path, load_calibration(REFERENCE).with_regime("few_rows", route=route),
+                     {"measurements": {"decisions": {"regimes.few_rows.route": decision}}})
+    return path
+
+
+def test_a_flipped_route_shows_each_runs_margin_and_band(tmp_path):
+    first = _with_route(tmp_path, "a.json", "persistentkv_workqueue", 1.0153, 0.0121)
+    second = _with_route(tmp_path, "b.json", "flashinfer", 1.0041, 0.0117)
+    report = spread([first, second])
+    route = {d["name"]: d for d in report["decisions"]}["regimes.few_rows.route"]
+    assert not route["agree"] and [e["measured_margin"] for e in route["evidence"]] == [1.0153, 1.0041]
+    text = render_markdown(report)
+    assert ("| regimes.few_rows.route | persistentkv_workqueue: margin 1.015x; band 1.2%, needs > 1.012x | "
+            "flashinfer: margin 1.004x; band 1.2%, needs > 1.012x |") in text
+    # What that does to Table 2: the bimodal B4 trace's steps move, the B8 trace's do not.
+    steps = {row["trace"]: row for row in report["steps"]}
+    assert steps["bimodal_b4"]["differ"][0] > 0 and steps["bimodal_b8"]["differ"] == [0]
+
+
+def test_a_flipped_split_count_shows_each_runs_tied_candidates(tmp_path):
+    paths = []
+    for name, splits, tied in (("a.json", 24, [24, 28]), ("b.json", 28, [28])):
+        decision = {"value": splits, "measured_margin": 1.0, "noise_band": 0.01, "required_margin": 1 / 1.01,
+                    "fastest": 28, "tied": tied}
+        paths.append(tmp_path / name)
+        save_calibration(paths[-1], load_calibration(REFERENCE).with_regime("many_rows", num_splits=splits),
+                         {"measurements": {"decisions": {"regimes.many_rows.num_splits": decision}}})
+    text = render_markdown(spread(paths))
+    assert ("| regimes.many_rows.num_splits | 24: fastest 28; within 1.0% of it: 24, 28 | "
+            "28: fastest 28; within 1.0% of it: 28 |") in text
+
+
+def test_a_file_from_before_the_decisions_were_recorded_still_compares(tmp_path):
+    """A pkv.calibration/3 file without measurements.decisions: the B2-7 route's margin from its split
+    sweep, its band not recorded; any other decision not recorded."""
+    old = tmp_path / "old.json"
+    sweep = {"bimodal_b4": {"regime_route": {"fits": "regimes.few_rows.route", "fitted": "persistentkv_workqueue",
+                                             "applied": True, "speedup": 1.0229}}}
+    save_calibration(old, load_calibration(REFERENCE).with_regime("few_rows", route="persistentkv_workqueue")
+                     .with_regime("many_rows", num_splits=28), {"measurements": {"split_sweeps": sweep}})
+    new = _with_route(tmp_path, "new.json", "flashinfer", 1.0041, 0.0117)
+    text = render_markdown(spread([old, new]))
+    assert "| regimes.few_rows.route | persistentkv_workqueue: margin 1.023x; band not recorded |" in text
+    assert "| regimes.many_rows.num_splits | 28: not recorded |" in text

@@ -272,3 +272,73 @@ def test_the_cluster_merge_holds_on_buckets_of_at_most_16_splits():
     with pytest.raises(ValueError, match="cluster merge is a bucket-route merge"):
         RoutePolicy(run_calibration(cfg), num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
                     head_dim=shape.head_dim, variants=KernelVariants(merge="cluster"))
+
+
+# ---------------------------------------------------------------------------------------------
+# A conf/gpu file names its own GPU, and the device a GPU-profile run times on
+
+
+def test_a_gpu_file_copied_without_its_gpu_field_changed_is_refused(tmp_path):
+    """README 'A new GPU' copies conf/gpu/h200.yaml: a copy whose `gpu` still says h200 would label
+    the new GPU's calibration and results as the H200's."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "gpu" / "newcard.yaml").write_text((CONF_DIR / "gpu" / "h200.yaml").read_text())
+    with pytest.raises(ConfigError, match=r"^conf/gpu/newcard\.yaml: field 'gpu' = 'h200': must be 'newcard', "
+                                          r"this file's name .*set `gpu: newcard` in conf/gpu/newcard\.yaml$"):
+        compose(["out=x", "gpu=newcard", "profile=cpu"], conf_dir=conf)
+    # Set as the README says, it composes.
+    path = conf / "gpu" / "newcard.yaml"
+    path.write_text(path.read_text().replace("gpu: h200", "gpu: newcard"))
+    assert compose(["out=x", "gpu=newcard", "profile=cpu"], conf_dir=conf).gpu["gpu"] == "newcard"
+    # An override of the field is refused the same way.
+    with pytest.raises(ConfigError, match=r"conf/gpu/h200\.yaml: field 'gpu' = 'h100': must be 'h200'"):
+        compose(["out=x", "gpu=h200", "gpu.gpu=h100"])
+
+
+def test_every_gpu_file_names_itself_and_the_h100_file_is_the_h200_copy_the_readme_makes():
+    import yaml
+
+    for path in sorted((CONF_DIR / "gpu").glob("*.yaml")):
+        assert compose(["out=x", f"gpu={path.stem}", "profile=cpu"]).gpu["gpu"] == path.stem
+    h100, h200 = (yaml.safe_load((CONF_DIR / "gpu" / f"{name}.yaml").read_text()) for name in ("h100", "h200"))
+    # Its own name and the device's SM count (an H100 SXM has the H200's 132); every other value is
+    # the H200's starting value, which the calibrate rule refits on the H100.
+    assert h100["gpu"] == "h100" and h100["num_sms"] == 132
+    assert {k: v for k, v in h100.items() if k != "gpu"} == {k: v for k, v in h200.items() if k != "gpu"}
+
+
+@pytest.mark.parametrize("option, device, refused", [
+    ("h100", "NVIDIA H100 80GB HBM3", None),
+    ("h100", "NVIDIA H200", r"'NVIDIA H200', which conf/gpu/h200\.yaml is for: pass gpu=h200"),
+    ("h200", "NVIDIA H100 80GB HBM3", r"conf/gpu/h100\.yaml is for"),
+    ("h200", "NVIDIA H200 NVL", None),
+    ("h100", "NVIDIA A100-SXM4-80GB", r"names another card than the device torch sees, 'NVIDIA A100-SXM4-80GB'"),
+    ("rtx3060", "NVIDIA GeForce RTX 3060 Laptop GPU", None),
+    ("h100_lab", "NVIDIA H100 80GB HBM3", None),  # a file of its own for one H100 machine
+    ("mycard", "NVIDIA A100-SXM4-80GB", None),  # names no card: cannot be judged
+])
+def test_a_gpu_option_is_judged_against_the_device_where_it_names_a_card(option, device, refused):
+    from pkv.config.checks import gpu_device_problem
+
+    problem = gpu_device_problem(option, device, ["cpu", "h100", "h200", "rtx3060"])
+    if refused is None:
+        assert problem is None
+    else:
+        assert problem is not None and __import__("re").search(refused, problem), problem
+
+
+def test_a_gpu_profile_run_on_another_cards_device_is_refused(monkeypatch):
+    from pkv.config import checks
+
+    monkeypatch.setattr(checks, "_visible_device_name", lambda: "NVIDIA H200")
+    with pytest.raises(ConfigError, match=r"^command line: field 'gpu' = 'h100': the device is 'NVIDIA H200', "
+                                          r"which conf/gpu/h200\.yaml is for"):
+        compose(["out=x", "gpu=h100", "profile=gpu"])
+    assert compose(["out=x", "gpu=h200", "profile=gpu"]).gpu["gpu"] == "h200"
+    # The CPU profile times no GPU, and neither does the cpu option: neither is judged.
+    assert compose(["out=x", "gpu=h100", "profile=cpu"]).gpu["gpu"] == "h100"
+    assert compose(["out=x", "gpu=cpu", "profile=cpu"]).gpu["gpu"] == "cpu"
+    # Without a CUDA device there is nothing to judge.
+    monkeypatch.setattr(checks, "_visible_device_name", lambda: None)
+    assert compose(["out=x", "gpu=h100", "profile=gpu"]).gpu["gpu"] == "h100"

@@ -177,9 +177,9 @@ def test_split_counts_within_noise_resolve_to_the_fewest_splits_whatever_their_o
 
 
 def test_regime_route_fit_needs_a_device_time_win():
-    assert fit_regime_route(90.0, 100.0, "persistentkv_workqueue") == ("persistentkv_workqueue",
-                                                                       pytest.approx(100 / 90))
-    assert fit_regime_route(100.0, 100.0, "persistentkv_workqueue")[0] == "flashinfer"
+    fit = fit_regime_route([45.0, 45.0], [50.0, 50.0], "persistentkv_workqueue")
+    assert fit.route == "persistentkv_workqueue" and fit.gain.gain == pytest.approx(100 / 90)
+    assert fit_regime_route([50.0, 50.0], [50.0, 50.0], "persistentkv_workqueue").route == "flashinfer"
 
 
 def test_group_size_holds_on_every_probe_within_the_tolerance():

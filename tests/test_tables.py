@@ -404,3 +404,23 @@ def test_the_selected_route_names_the_steps_a_calibrated_rule_moved_off_the_fixe
     assert selected_route([rec({"fixed": 64})])[1] == "PersistentKV workqueue, split 20"
     assert selected_route([{"metrics": {"selected_route": "persistentkv_workqueue", "num_splits": 20}}])[1] == (
         "PersistentKV workqueue, split 20")
+
+
+def test_table2s_bimodal_b4_row_names_the_route_its_run_took(tmp_path):
+    """Bimodal B4's route is the calibration's B2-7 decision: the row names it, and where the
+    context gate sent some steps to the other route, those too."""
+    ctx = table_data.table2(FIXTURE)
+    assert _row(ctx["rows"], "trace", "bimodal_b4")["route"].text == "FlashInfer"  # a closed B2-7 regime
+
+    root = tmp_path / "artifacts" / "fake"
+    prov = collect_provenance({"profile": "gpu"}, 0)
+    for seed, routes in ((20260623, {"persistentkv_workqueue": 60, "flashinfer": 4}),
+                         (20260624, {"persistentkv_workqueue": 62, "flashinfer": 2})):
+        _write_run(root, "bimodal_b4", seed, f"b4{seed}", 1.1, 1.0, True, prov, adaptive_routes=routes)
+    row = _row(table_data.table2(root)["rows"], "trace", "bimodal_b4")
+    assert row["route"].text == "PersistentKV workqueue, split 4; FlashInfer on 6 of 128 steps"
+    # Every step on one route: that route alone.
+    from pkv.report.table_data.labels import other_routes
+
+    assert other_routes([{"metrics": {"routes": {"flashinfer": 64}}}], "flashinfer") == ""
+    assert other_routes([{"metrics": {}}], "flashinfer") == ""

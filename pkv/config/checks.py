@@ -4,6 +4,7 @@ and the value."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,8 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from pkv.config.fields import bounds_problem, calibration_bounds_problem, unknown_key
 from pkv.config.schema import (
-    CALIBRATION_FITS, DEVICES, DRIVERS, DTYPES, EXTERNAL_FAMILY, PLANNERS, PROFILES, ConfigError, EngineConfig,
-    ExperimentConfig, PkvConfig, TraceConfig,
+    CALIBRATION_FITS, CONF_DIR, DEVICES, DRIVERS, DTYPES, EXTERNAL_FAMILY, PLANNERS, PROFILES, ConfigError,
+    EngineConfig, ExperimentConfig, PkvConfig, TraceConfig,
 )
 from pkv.pipeline.kv_pool import PAGE_LAYOUTS
 from pkv.pipeline.schedule import SPLIT_KINDS
@@ -212,6 +213,72 @@ def _check_gpu(gpu: Mapping[str, Any], where: str) -> None:
     check_calibration_bounds(calib, where)
 
 
+def _check_gpu_name(gpu: Mapping[str, Any], option: str, where: str) -> None:
+    """A conf/gpu file's ``gpu`` field is its own name: the calibration, its spread and every result
+    record that field as the GPU, so a file copied from another GPU's and left unchanged would
+    label this GPU's measurements as that one's."""
+    name = gpu.get("gpu")
+    if name != option:
+        raise _fail(where, "gpu", name, f"must be {option!r}, this file's name (the calibration and every result "
+                                        f"record it as the GPU): set `gpu: {option}` in conf/gpu/{option}.yaml")
+
+
+def _normalized(name: str) -> str:
+    """A GPU name as auto-detection compares it (workflow/rules/common.smk): "NVIDIA H100 80GB HBM3"
+    -> "h10080gbhbm3", option "h100" -> "h100"."""
+    return re.sub(r"[^a-z0-9]", "", name.lower().replace("nvidia", "").replace("geforce", ""))
+
+
+def _card(option: str) -> str | None:
+    """The card an option's name starts with (letters then digits: "h100" of "h100_lab", "rtx3060"),
+    or None for a name that names no card ("mygpu"), which cannot be judged against a device."""
+    m = re.match(r"[a-z]+\d+", _normalized(option))
+    return m.group(0) if m else None
+
+
+def gpu_device_problem(option: str, device: str, options: Sequence[str]) -> str | None:
+    """Why the conf/gpu option ``option`` is not for the device torch names ``device``, or None where
+    it is or that cannot be judged. It is for the device when the device's name starts with the
+    option's name or its card (as auto-detection matches them) and no other option's name matches
+    it longer; it is not when another option matches the device, or when the option names a card
+    the device's name does not start with. An option that names no card is not judged."""
+    key = _normalized(device)
+    card = _card(option)
+    matched = max((len(n) for n in (_normalized(option), card) if n and key.startswith(n)), default=0)
+    better = [o for o in options if o not in (option, "cpu") and key.startswith(_normalized(o))
+              and len(_normalized(o)) > matched]
+    if better:
+        other = max(better, key=lambda o: len(_normalized(o)))
+        return (f"the device is {device!r}, which conf/gpu/{other}.yaml is for: pass gpu={other} (the DAG: "
+                f"--config gpu={other}, or gpu: auto)")
+    if matched or card is None:
+        return None
+    return (f"names another card than the device torch sees, {device!r}: pass this device's conf/gpu option, or "
+            f"add conf/gpu/<name>.yaml for it (README, 'A new GPU')")
+
+
+def _visible_device_name() -> str | None:
+    """The name of the CUDA device a run times on (device 0 of those visible), None without one."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def _check_gpu_device(cfg: PkvConfig, option: str, conf: Path = CONF_DIR) -> None:
+    """Refuse a GPU-profile run whose conf/gpu option is another card's than the device it times on:
+    its calibration, results and tables would carry that card's name and constants. The CPU
+    profile and the cpu option time no GPU, and an option that names no card is not judged."""
+    if option == "cpu" or cfg.profile != "gpu" or cfg.device != "cuda":
+        return
+    device = _visible_device_name()
+    if device is None:
+        return
+    options = sorted(p.stem for p in (conf / "gpu").glob("*.yaml"))
+    problem = gpu_device_problem(option, device, options)
+    if problem:
+        raise _fail("command line", "gpu", option, problem)
+
+
 def _trace_families() -> tuple[str, ...]:
     return tuple(TRACE_FAMILIES)
 
@@ -244,7 +311,11 @@ def validate(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> PkvCo
     _check_experiment(obj.experiment, _source("experiment", choices))
     if obj.variant is not None:
         parse_variant(obj.variant, obj.experiment)
-    _check_gpu(obj.gpu, f"conf/gpu/{choices.get('gpu', '?')}.yaml")
+    option = choices.get("gpu")
+    _check_gpu(obj.gpu, f"conf/gpu/{option or '?'}.yaml")
+    if option:
+        _check_gpu_name(obj.gpu, option, f"conf/gpu/{option}.yaml")
+        _check_gpu_device(obj, option)
     _check_paths(obj)
     return obj
 

@@ -4,7 +4,8 @@ route of batches 2..7, the context gate of each batch regime and the group sizes
 Only the calibration seed may be used: every held-out result is judged with these constants, so
 fitting on a held-out seed would leak the evaluation into the policy. The output is the JSON that
 pkv.policy.load_calibration reads; the raw measurements (sweep totals, fit residual) ride along
-in its provenance.
+in its provenance, with each decision between a PersistentKV route (or rule) and its default, its
+measured margin and the noise band it was judged against (``measurements.decisions``).
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ from pkv.policy.calibration import Calibration, regime_field, save_calibration
 from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, is_over_split, is_skewed
 from pkv.policy.estimator import Estimator, total_tokens
 from pkv.policy.fits import (
+    REGIME_ROUTE_DEFAULT,
     SPLIT_TIE_FRACTION,
     fit_c_min,
     fit_context_gate,
     fit_regime_route,
     fit_split_count,
     group_size_holds,
+    measured_gain,
 )
 from pkv.policy.regime import FEW_ROWS, SINGLE_ROW, regime_of
 from pkv.policy.route import FLASHINFER_ROUTE, ROUTE_BUCKET, ROUTE_WORKQUEUE, SCHEDULES, StepRoute
@@ -102,6 +105,10 @@ def run(cfg: PkvConfig) -> list[Path]:
         "launch": launch, "launch_probe_reps": settings.launch_probe_reps,
         "c_min_fit": dataclasses.asdict(fit), "split_sweeps": sweep.records,
         "gate_probes": probes.records, "context_gates": context_gates, "group_sizes": group_fit,
+        # Each decision the calibration took between a PersistentKV route (or rule) and its default,
+        # with the measured margin and the noise band it was judged against (spread.md shows them
+        # for a decision that differs between repeated calibrations).
+        "decisions": {**sweep.decisions, **probes.decisions(context_gates, group_fit)},
         "performance_result": settings.performance_result,
     }
     out = Path(cfg.out)
@@ -144,6 +151,16 @@ class _TimedTrace:
         return time_steps(baseline, FLASHINFER_ROUTE, self.steps, **self.timing)
 
 
+# What measurements.decisions keeps of a decision's record: the measured margin (the default's
+# device time over the candidate's: above 1, the candidate is faster), the band it was judged
+# against, the margin it needed, what it falls back to, and why it came out as it did.
+_DECISION_KEYS = ("measured_margin", "noise_band", "required_margin", "steps", "default", "basis", "applied")
+
+
+def _decision_fields(record: dict) -> dict:
+    return {key: record[key] for key in _DECISION_KEYS if key in record}
+
+
 def _gate_rows(pkv_timed, fi_timed) -> dict:
     """Per step: the longest row and both routes' device times, the inputs of fit_context_gate."""
     return {"contexts": [int(max(s.step.seq_lens)) for s in pkv_timed.samples],
@@ -166,6 +183,7 @@ class _SplitSweep:
         self._swept: list[dict] = []  # traces that fit their regime's split count
         self._uniform: list[dict] = []  # traces that fit Calibration.uniform_target_ctas
         self._skewed: list[dict] = []  # traces that fit Calibration.skew_target_ctas
+        self.decisions: dict[str, dict] = {}  # decision path -> its margin, band and value (measurements.decisions)
 
     def run(self, ct) -> None:
         trace = dataclasses.replace(load_trace_option(ct.trace), max_active=ct.max_active)
@@ -206,6 +224,14 @@ class _SplitSweep:
                               f"{[t['name'] for t in traces]}: {problem}")
         summed = {s: sum(t["timed_by_splits"][s].total_us for t in traces) for s in sorted(shared)}
         split_fit = fit_split_count(summed)
+        # A split count's margin: the fastest candidate's time over the chosen one's (1 where the
+        # fastest is chosen); candidates within SPLIT_TIE_FRACTION are tied and go to the fewest.
+        self.decisions[field] = {
+            "value": split_fit.num_splits,
+            "measured_margin": summed[split_fit.fastest] / summed[split_fit.num_splits],
+            "noise_band": SPLIT_TIE_FRACTION, "required_margin": 1.0 / (1.0 + SPLIT_TIE_FRACTION),
+            "fastest": split_fit.fastest, "tied": list(split_fit.tied),
+            "basis": "the fewest splits within the band of the fastest"}
         for t in traces:
             self.records[t["name"]] = {
                 "route": t["route"], "fits": field, "steps": t["steps"],
@@ -230,16 +256,24 @@ class _SplitSweep:
                       f"the candidates {sorted(summed)}; widening them may find a faster one", file=sys.stderr)
             if regime == FEW_ROWS:
                 # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at break-even
-                # on its GPU). Here the calibration seed's steps decide, in device time; as for the
-                # context gates, CPU timings are recorded and the configured route kept.
-                route, speedup = fit_regime_route(summed[split_fit.num_splits],
-                                                  sum(t["timed_fi"].total_us for t in traces), ROUTE_WORKQUEUE)
+                # on its GPU). Here the calibration seed's steps decide, in device time, each step
+                # timed on both routes; the workqueue only where its gain clears the noise band of
+                # those paired steps (fit_regime_route). As for the context gates, CPU timings are
+                # recorded and the configured route kept.
+                splits = split_fit.num_splits
+                fit = fit_regime_route([s.measured_us for t in traces for s in t["timed_by_splits"][splits].samples],
+                                       [s.measured_us for t in traces for s in t["timed_fi"].samples],
+                                       ROUTE_WORKQUEUE)
                 if self.settings.performance_result:
-                    points[regime]["route"] = route
+                    points[regime]["route"] = fit.route
+                field = regime_field(regime, "route")
+                measured = fit.gain.record()
+                record = {"fits": field, "fitted": fit.route, "applied": self.settings.performance_result,
+                          "speedup": measured["measured_margin"], **measured, "default": REGIME_ROUTE_DEFAULT,
+                          "basis": fit.basis, "num_splits": splits}
                 for t in traces:
-                    self.records[t["name"]]["regime_route"] = {
-                        "fits": regime_field(regime, "route"), "fitted": route,
-                        "applied": self.settings.performance_result, "speedup": speedup}
+                    self.records[t["name"]]["regime_route"] = record
+                self.decisions[field] = {"value": fit.route, **_decision_fields(record)}
         return points
 
     def _regime_splits(self, points: dict, regime: str) -> int:
@@ -261,6 +295,7 @@ class _SplitSweep:
         for t in self._uniform:
             self.records[t["name"]]["uniform_target_ctas"] = {
                 "fitted": target, "regime_splits": regime_splits, "applied": self.settings.performance_result}
+        self.decisions[field].update(value=target, applied=self.settings.performance_result)
         return target
 
     def _add_skewed(self, ct, trace, timed_trace) -> None:
@@ -291,11 +326,11 @@ class _SplitSweep:
 
         skew_target_ctas: the balanced rule's budget, in CTAs, with the least device time summed
         over their skewed steps (the fewest waves among those within SPLIT_TIE_FRACTION of it),
-        where it beats the fixed rule at the regime's fitted split count by more than that
-        fraction; else 0 (the fixed rule).
-        over_split_balanced: whether the balanced rule at that budget beats the fixed rule by more
-        than that fraction on the traces' over-split steps too (false where the budget is 0 or
-        none of their steps is over-split)."""
+        where its gain over the fixed rule at the regime's fitted split count clears the noise
+        band of those paired steps (pkv.policy.fits.measured_gain); else 0 (the fixed rule).
+        over_split_balanced: whether the balanced rule at that budget clears the noise band over
+        the fixed rule on the traces' over-split steps too (false where the budget is 0 or none
+        of their steps is over-split)."""
         field, regime = "skew_target_ctas", traces[0]["regime"]
         # The budgets every trace lists (pkv.config.checks refuses a regime's set without one), each
         # timed on every trace: the others could not be compared.
@@ -325,20 +360,38 @@ class _SplitSweep:
                 "over_split_steps": {"steps": mine_over_split["steps"], **_by_rule_record(mine_over_split, shared)},
             }
         wave_fit = fit_split_count(skewed.by_waves())
-        gain = skewed.totals["fixed"] / skewed.totals[wave_fit.num_splits]
-        target = wave_fit.num_splits * num_sms if gain > 1.0 + SPLIT_TIE_FRACTION else 0
-        over_split_gain = (over_split.totals["fixed"] / over_split.totals[wave_fit.num_splits]
-                           if over_split.steps else None)
-        over_split_fitted = bool(target and over_split_gain is not None and over_split_gain > 1.0 + SPLIT_TIE_FRACTION)
+        waves = wave_fit.num_splits
+        # Either rule is opened over the fixed one (its default) only where its gain on the paired
+        # steps clears their noise band, as a regime's route is (pkv.policy.fits.measured_gain).
+        gain = measured_gain(skewed.per_step[waves], skewed.per_step["fixed"])
+        target = waves * num_sms if gain.clears else 0
+        over_gain = (measured_gain(over_split.per_step[waves], over_split.per_step["fixed"])
+                     if over_split.steps else None)
+        over_split_fitted = bool(target and over_gain is not None and over_gain.clears)
+        measured = gain.record()
+        skew_record = {
+            "fitted": target, "selected_waves": waves, "tied_waves": list(wave_fit.tied),
+            "selected_at_edge": wave_fit.at_edge, "speedup_over_fixed": measured["measured_margin"],
+            "num_sms": num_sms, "applied": self.settings.performance_result, **measured, "default": 0}
+        skew_record["basis"] = gain.verdict(f"the balanced rule at {waves} wave{'s' if waves != 1 else ''}",
+                                            "the fixed rule")
+        over_record = {
+            "fits": regime_field(regime, "over_split_balanced"), "fitted": over_split_fitted,
+            "steps": over_split.steps, "speedup_over_fixed": over_gain.record()["measured_margin"] if over_gain else None,
+            "applied": self.settings.performance_result, "default": False,
+            **({k: v for k, v in over_gain.record().items() if k != "steps"} if over_gain else {})}
+        if over_gain is None:
+            over_record["basis"] = "no over-split steps: the fixed rule"
+        elif not target:
+            over_record["basis"] = "no skew budget, so no over-split rule: the fixed rule"
+        else:
+            over_record["basis"] = over_gain.verdict("the balanced rule", "the fixed rule")
         for key in keys:
-            self.records[key][field] = {
-                "fitted": target, "selected_waves": wave_fit.num_splits, "tied_waves": list(wave_fit.tied),
-                "selected_at_edge": wave_fit.at_edge, "speedup_over_fixed": gain, "num_sms": num_sms,
-                "applied": self.settings.performance_result}
-            self.records[key]["over_split_balanced"] = {
-                "fits": regime_field(regime, "over_split_balanced"), "fitted": over_split_fitted,
-                "steps": over_split.steps, "speedup_over_fixed": over_split_gain,
-                "applied": self.settings.performance_result}
+            self.records[key][field] = skew_record
+            self.records[key]["over_split_balanced"] = over_record
+        self.decisions[regime_field(regime, field)] = {"value": target, **_decision_fields(skew_record)}
+        self.decisions[regime_field(regime, "over_split_balanced")] = {"value": over_split_fitted,
+                                                                       **_decision_fields(over_record)}
         return {field: target, "over_split_balanced": over_split_fitted}
 
     def gate_steps(self, points: dict) -> dict[str, list[dict]]:
@@ -370,13 +423,18 @@ class _BalancedTotals:
         self.waves = list(waves)
         self.steps = 0
         self.totals = dict.fromkeys(["fixed", "flashinfer", *self.waves], 0.0)
+        # Each kept step's time by rule, in one step order for every rule: the paired steps whose
+        # spread gives a decision's noise band.
+        self.per_step: dict = {rule: [] for rule in self.totals}
 
     def add(self, timed: dict, keep) -> dict:
         """Add the samples of ``timed`` (rule -> TimedSteps, one sample a step in the same order)
         whose step ``keep`` accepts; return this trace's own sums."""
         mine = dict.fromkeys(self.totals, 0.0)
         for rule, steps in timed.items():
-            mine[rule] = sum(sample.measured_us for sample in steps.samples if keep(sample.step))
+            kept = [sample.measured_us for sample in steps.samples if keep(sample.step)]
+            self.per_step[rule] += kept
+            mine[rule] = sum(kept)
             self.totals[rule] += mine[rule]
         mine["steps"] = sum(1 for sample in timed["fixed"].samples if keep(sample.step))
         self.steps += mine["steps"]
@@ -449,6 +507,32 @@ class _GateProbes:
                             "sources": [src["source"] for src in sources],
                             "classes": {str(k): v for k, v in gate.classes.items()}}
         return fits
+
+    def decisions(self, context_gates: dict, group_fit: dict) -> dict:
+        """measurements.decisions of the gates and group sizes. Their rule holds PersistentKV where
+        its device time is at most FlashInfer's x (1 + tolerance), so the band is the tolerance and
+        a tie inside it goes to PersistentKV (the cheaper host path); the margin of a gate is its
+        boundary class's (the shortest that held, else the longest measured), with the next shorter
+        class's beside it, and a group size's is its worst probe's."""
+        required = 1.0 / (1.0 + self.tolerance)
+        band = {"noise_band": self.tolerance, "required_margin": required}
+        out = {}
+        for field, fit in context_gates.items():
+            ratios = {int(c): t["flashinfer_us"] / t["persistentkv_us"] for c, t in fit["classes"].items()}
+            ordered = sorted(ratios)
+            boundary = fit["fitted"] if fit["fitted"] in ratios else ordered[-1]
+            below = [c for c in ordered if c < boundary]
+            out[field] = {"value": fit["fitted"], "measured_margin": ratios[boundary], "boundary_class": boundary,
+                          "margin_below": ratios[below[-1]] if below else None, **band,
+                          "basis": fit["reason"], "applied": fit["applied"]}
+        by_group = {}
+        for group, records in sorted(self.group_totals.items()):
+            worst = min(r["flashinfer_device_us_total"] / r["persistentkv_device_us_total"] for r in records)
+            by_group[str(group)] = {"measured_margin": worst, "opened": group in group_fit["opened"]}
+        if by_group:
+            out["supported_group_sizes"] = {"value": group_fit["fitted"], "by_group": by_group, **band,
+                                            "applied": group_fit["applied"]}
+        return out
 
     def fit_group_sizes(self, start: Calibration) -> dict:
         """The configured group sizes, and each probed one where PersistentKV's device time held

@@ -1,5 +1,7 @@
 """Fits of the calibration: C_min and lambda from timed steps, each regime's operating point from
-the split sweeps, the context gates and the routed group sizes.
+the split sweeps, the context gates and the routed group sizes, and the decisions that open a
+PersistentKV route or rule over its default only where its measured gain clears the noise band of
+the steps it was measured on (measured_gain).
 
 Every fit here is a pure function of timings the calibrate rule (pkv.experiments.calibrate)
 measured on the calibration seed; nothing here times anything.
@@ -10,12 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import NamedTuple
 
 import numpy as np
 
 from pkv.policy.estimator import Estimator
-from pkv.policy.route import StepRoute
+from pkv.policy.route import ROUTE_FLASHINFER, StepRoute
 
 # Range searched by fit_c_min: from a quarter CTA per SM (below any useful target) to 64
 # CTAs per SM (above what one SM can keep resident for these kernels), step 0.25.
@@ -198,11 +201,123 @@ def fit_split_count(device_us_by_splits: Mapping[int, float], tie_fraction: floa
     return SplitFit(best, at_edge, int(fastest), tied)
 
 
-def fit_regime_route(persistentkv_us: float, flashinfer_us: float, candidate: str) -> tuple[str, float]:
-    """(route, speedup) of a regime the calibration may close (batches of 2..7 rows, paper 4.4):
-    its PersistentKV route where that route's summed device time beat FlashInfer's, else FlashInfer."""
-    speedup = flashinfer_us / persistentkv_us
-    return (candidate if speedup > 1.0 else "flashinfer"), speedup
+# --------------------------------------------------------------------------------------
+# Route decisions: a measured gain against its noise band
+
+
+# The least noise band of a decision that opens a PersistentKV route (or rule) over its default. The
+# spread of the paired steps (measured_gain) is the noise inside one calibration; what moves
+# between two calibrations of one GPU and commit (clocks, where the page pool lies) shows in no
+# single run, and repeated H200 calibrations moved a whole trace's ratio by about 1% (the same
+# observation as SPLIT_TIE_FRACTION).
+ROUTE_NOISE_FLOOR = SPLIT_TIE_FRACTION
+# The gain's interval is two-sided 95% (_T975_SMALL holds its quantiles): the band is its
+# half-width where that is wider than the floor.
+ROUTE_CONFIDENCE = 0.95
+# What a regime the calibration may close takes when its measurement does not clear the band (an
+# exact tie included): FlashInfer, the route paper 4.4 keeps batches of 2..7 rows on and the one
+# every conf/gpu file starts from, so a decision inside the noise comes out the same every run.
+REGIME_ROUTE_DEFAULT = ROUTE_FLASHINFER
+
+# Student's t at 0.975 for 1..9 degrees of freedom; from 10 on, the Cornish-Fisher expansion about
+# the normal quantile is within 0.003 of it (the calibration's 64-step traces have 63).
+_T975_SMALL = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)
+
+
+def _t975(df: int) -> float:
+    if df < 1:
+        raise ValueError(f"_t975: needs at least 1 degree of freedom, got {df}")
+    if df <= len(_T975_SMALL):
+        return _T975_SMALL[df - 1]
+    z = NormalDist().inv_cdf(0.5 + ROUTE_CONFIDENCE / 2)
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+@dataclass(frozen=True)
+class GainFit:
+    """A candidate's measured gain over a baseline on paired steps, and the band it must clear."""
+
+    gain: float  # summed baseline device time over the candidate's: above 1, the candidate is faster
+    noise_band: float  # the gain must exceed 1 + noise_band
+    half_width: float  # relative half-width of the gain's interval from the steps' spread (inf below 2 steps)
+    steps: int
+
+    @property
+    def required(self) -> float:
+        return 1.0 + self.noise_band
+
+    @property
+    def clears(self) -> bool:
+        """Whether the candidate is faster by more than the noise: a gain at the band's edge does not."""
+        return self.gain > self.required
+
+    def verdict(self, candidate: str, default: str) -> str:
+        """Why the decision between ``candidate`` and ``default`` came out as it did."""
+        band = f"the noise band ({self.noise_band:.1%})" if math.isfinite(self.noise_band) else "the noise band"
+        if self.clears:
+            return f"{candidate} faster by more than {band}"
+        if self.steps < 2:
+            return f"fewer than 2 steps, so the noise cannot be measured: {default}"
+        if self.gain > 1.0 / self.required:
+            return f"within {band}: {default}"
+        return f"{default} faster by more than {band}"
+
+    def record(self) -> dict:
+        """The fields a calibration records for the decision this gain made."""
+        # JSON has no inf or NaN: a band that could not be measured (fewer than 2 steps) is null.
+        return {"measured_margin": _finite(self.gain), "noise_band": _finite(self.noise_band),
+                "required_margin": _finite(self.required), "interval_half_width": _finite(self.half_width),
+                "steps": self.steps}
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def measured_gain(candidate_us: Sequence[float], baseline_us: Sequence[float], *,
+                  floor: float = ROUTE_NOISE_FLOOR) -> GainFit:
+    """The gain sum(baseline) / sum(candidate) of steps timed on both (paired in order), and its
+    noise band: the larger of ``floor`` and the relative half-width of the gain's ROUTE_CONFIDENCE
+    interval. The interval is the ratio estimator's over the steps: each step's median of several
+    repetitions is one paired measurement, so the residuals baseline_i - gain x candidate_i carry
+    the repetitions' noise and the steps' own variation. With fewer than 2 steps the spread cannot
+    be measured and the band is infinite: the decision takes its default."""
+    if len(candidate_us) != len(baseline_us):
+        raise ValueError(f"measured_gain: {len(candidate_us)} candidate and {len(baseline_us)} baseline times; "
+                         f"one of each per step")
+    if not (math.isfinite(floor) and floor >= 0):
+        raise ValueError(f"measured_gain: floor must be finite and >= 0, got {floor!r}")
+    cand = np.asarray(candidate_us, dtype=np.float64)
+    base = np.asarray(baseline_us, dtype=np.float64)
+    if not (np.all(np.isfinite(cand)) and np.all(cand > 0) and np.all(np.isfinite(base)) and np.all(base > 0)):
+        raise ValueError("measured_gain: every device time must be finite and > 0")
+    n = int(cand.size)
+    if n == 0:
+        return GainFit(math.nan, math.inf, math.inf, 0)
+    gain = float(base.sum() / cand.sum())
+    if n < 2:
+        return GainFit(gain, math.inf, math.inf, n)
+    residuals = base - gain * cand
+    # Var(gain) ~ sum(r^2) / (n (n - 1)) / mean(candidate)^2; relative to the gain, over mean(baseline).
+    rel_se = float(math.sqrt(float((residuals**2).sum()) / (n * (n - 1))) / base.mean())
+    half = _t975(n - 1) * rel_se
+    return GainFit(gain, max(floor, half), half, n)
+
+
+class RouteFit(NamedTuple):
+    route: str
+    gain: GainFit
+    basis: str  # why: the gain cleared the band, lay inside it, or FlashInfer was faster
+
+
+def fit_regime_route(persistentkv_us: Sequence[float], flashinfer_us: Sequence[float], candidate: str) -> RouteFit:
+    """The route of a regime the calibration may close (batches of 2..7 rows, paper 4.4), from its
+    steps timed on its PersistentKV route and on FlashInfer (paired in order): that route only where
+    its measured gain clears the noise band (measured_gain), else REGIME_ROUTE_DEFAULT. A gain inside
+    the band, a tie included, is no evidence either way, so it goes to the default every time."""
+    fit = measured_gain(persistentkv_us, flashinfer_us)
+    return RouteFit(candidate if fit.clears else REGIME_ROUTE_DEFAULT, fit,
+                    fit.verdict(candidate, REGIME_ROUTE_DEFAULT))
 
 
 def group_size_holds(records: Iterable[Mapping], tolerance: float) -> bool:

@@ -33,6 +33,17 @@ def _recorded(records: dict, regime: str, param: str):
     return next((records[name] for name in legacy if name in records), None)
 
 
+def _band(fit: dict) -> str:
+    """The noise band a decision's measured margin had to clear, where the record keeps one (files
+    before the band keep none; a band that could not be measured is null)."""
+    band, required = fit.get("noise_band"), fit.get("required_margin")
+    if "noise_band" not in fit:
+        return ""
+    if band is None or required is None:
+        return "; noise band not measurable (fewer than 2 steps)"
+    return f"; noise band {float(band):.1%}, needs > {float(required):.3f}x"
+
+
 def _ratio(flashinfer_us: float, persistentkv_us: float) -> str:
     return f"{flashinfer_us / persistentkv_us:.3f}" if persistentkv_us > 0 else "-"
 
@@ -82,7 +93,7 @@ def split_sweeps(sweeps: dict) -> list[str]:
                          f"{cap['regime_splits']}), {'applied' if cap['applied'] else 'not applied'}")
         route = sweep.get("regime_route", sweep.get("boundary_route"))  # the latter in files before the regimes
         if route:
-            lines.append(f"  B2-7 route {route['fitted']} ({float(route['speedup']):.3f}x, "
+            lines.append(f"  B2-7 route {route['fitted']} ({float(route['speedup']):.3f}x{_band(route)}, "
                          f"{'applied' if route['applied'] else 'not applied'})")
     return lines
 
@@ -94,7 +105,7 @@ def _skew_sweep(name: str, sweep: dict) -> list[str]:
     fits = sweep.get("fits", "skew_target_ctas")  # the field alone in files before the budget was per regime
     return [f"{name} -> {fits} ({sweep['steps']} skewed steps): " + _by_rule_cells(sweep, sweep),
             f"  skew budget {fit['fitted']} CTAs (0: the fixed rule; {float(fit['speedup_over_fixed']):.3f}x the "
-            f"fixed rule at {fit['selected_waves']} waves of {fit['num_sms']} SMs), "
+            f"fixed rule at {fit['selected_waves']} waves of {fit['num_sms']} SMs{_band(fit)}), "
             f"{'applied' if fit['applied'] else 'not applied'}", *_over_split_lines(sweep)]
 
 
@@ -120,7 +131,7 @@ def _over_split_lines(sweep: dict) -> list[str]:
     gain = fit["speedup_over_fixed"]
     return [f"  over-split steps ({steps['steps']}): " + _by_rule_cells(sweep, steps),
             f"  over-split rule {'open' if fit['fitted'] else 'closed'} ({float(gain):.3f}x the fixed rule at the "
-            f"budget, over the regime's skewed traces' over-split steps), "
+            f"budget, over the regime's skewed traces' over-split steps{_band(fit)}), "
             f"{'applied' if fit['applied'] else 'not applied'}"]
 
 

@@ -6,6 +6,8 @@ gate, margin; the routed group sizes; the split rule) with its value in every fi
 constant with its spread, and what the differences do to Table 2: the route and split count each
 calibration gives every measured decode step of Table 2's synthetic traces on the held-out seeds
 (the lengths decide a route, so no GPU is needed to count them), against the first calibration's.
+A decision that differs is shown with the measured margin and the noise band each calibration
+judged it by (``provenance.measurements.decisions``; "not recorded" in files written before it).
 
     python -m pkv.report.calibration_spread calib_a.json calib_b.json [...] [--out spread.md]
 """
@@ -24,7 +26,7 @@ from pkv.measure.calibration_probe import trace_steps
 from pkv.pipeline.traces import synthetic_trace
 from pkv.policy.calibration import load_calibration_record, recorded_profile, regime_field
 from pkv.policy.choose import RoutePolicy
-from pkv.policy.regime import REGIMES
+from pkv.policy.regime import FEW_ROWS, REGIMES
 from pkv.refusal import exit_on_refusal
 from pkv.shape import ModelShape
 
@@ -58,6 +60,8 @@ def spread(paths: list[Path]) -> dict:
                       ("uniform_target_ctas", lambda c: c.uniform_target_ctas)):
         values = [get(c) for c in calibs]
         decisions.append({"name": name, "values": values, "agree": len(set(values)) == 1})
+    for d in decisions:
+        d["evidence"] = [decision_evidence(record, d["name"]) for _, record in loaded]
     constants = []
     for name in CONSTANTS:
         values = [float(getattr(c, name)) for c in calibs]
@@ -66,6 +70,48 @@ def spread(paths: list[Path]) -> dict:
                           "rel_spread": (max(values) - min(values)) / mean if mean else 0.0})
     return {"files": [str(p) for p in paths], "gpus": gpus, "decisions": decisions, "constants": constants,
             "steps": step_decisions(calibs), "performance_result": not cpu_profile}
+
+
+def decision_evidence(record: dict, name: str) -> dict | None:
+    """What a calibration record kept of how it took decision ``name``: its measured margin and
+    noise band (measurements.decisions); for the B2-7 route of files written before those, the
+    margin alone (its split sweep's speedup); None where it kept neither."""
+    measured = (record.get("provenance") or {}).get("measurements") or {}
+    entry = (measured.get("decisions") or {}).get(name)
+    if isinstance(entry, dict):
+        return entry
+    if name == regime_field(FEW_ROWS, "route"):
+        for sweep in (measured.get("split_sweeps") or {}).values():
+            route = sweep.get("regime_route") or sweep.get("boundary_route")
+            if isinstance(route, dict) and "speedup" in route:
+                return {"value": route.get("fitted"), "measured_margin": route["speedup"]}
+    return None
+
+
+def evidence_text(entry: dict | None) -> str:
+    """One decision's margin and band as spread.md prints them."""
+    if not entry:
+        return "not recorded"
+    band = entry.get("noise_band")
+    band_text = f"band {band:.1%}" if isinstance(band, (int, float)) else "band not recorded"
+    if "by_group" in entry:  # the group sizes: each probed G's worst probe
+        groups = ", ".join(f"G={g} {e['measured_margin']:.3f}x{'' if e.get('opened') else ' (closed)'}"
+                           for g, e in sorted(entry["by_group"].items(), key=lambda item: int(item[0])))
+        return f"{groups}; {band_text}"
+    margin = entry.get("measured_margin")
+    if "tied" in entry:  # a split count: the candidates tied with the fastest, the fewest taken
+        within = f"within {band:.1%} of it" if isinstance(band, (int, float)) else "tied with it"
+        return f"fastest {entry['fastest']}; {within}: {', '.join(map(str, entry['tied']))}"
+    text = f"margin {margin:.3f}x" if isinstance(margin, (int, float)) else "margin not measured"
+    if "boundary_class" in entry:  # a context gate: the class at its boundary, and the one below
+        text = f"class {entry['boundary_class']} {text}"
+        if isinstance(entry.get("margin_below"), (int, float)):
+            text += f", the class below {entry['margin_below']:.3f}x"
+    required = entry.get("required_margin")
+    if isinstance(required, (int, float)):
+        relation = ">=" if required < 1 else ">"
+        band_text += f", needs {relation} {required:.3f}x"
+    return f"{text}; {band_text}"
 
 
 def _table2_runs() -> tuple[list[tuple[str, int]], list[int], int, int]:
@@ -127,8 +173,19 @@ def render_markdown(report: dict) -> str:
     for c in report["constants"]:
         cells = " | ".join(f"{v:.4g}" for v in c["values"])
         lines.append(f"| {c['name']} | {cells} | {c['rel_spread']:.1%} |")
-    disagree = [d["name"] for d in report["decisions"] if not d["agree"]]
-    lines += ["", ("Decisions that differ: " + ", ".join(disagree)) if disagree else "Every decision agrees."]
+    disagree = [d for d in report["decisions"] if not d["agree"]]
+    lines += ["", ("Decisions that differ: " + ", ".join(d["name"] for d in disagree)) if disagree
+              else "Every decision agrees."]
+    if disagree:
+        # Each differing decision as each calibration took it: the value, the measured margin (the
+        # default's device time over the candidate's) and the noise band it had to clear.
+        lines += ["", "Each decision that differs, with its measured margin and noise band in every calibration:",
+                  "", "| Decision | " + " | ".join(f"[{i + 1}]" for i in range(len(files))) + " |",
+                  "|---|" + "---|" * len(files)]
+        for d in disagree:
+            cells = " | ".join(f"{_text(v)}: {evidence_text(e)}" for v, e in zip(d["values"], d.get("evidence")
+                                                                                 or [None] * len(files)))
+            lines.append(f"| {d['name']} | {cells} |")
     others = [f"[{i + 1}]" for i in range(1, len(files))]
     lines += ["", "Table 2's measured steps (held-out seeds) that take another route or split count than under [1]:",
               "", "| Trace | Steps | " + " | ".join(others) + " |", "|---|---:|" + "---:|" * len(others)]

@@ -113,6 +113,19 @@ def selected_route(subjects: list[dict]) -> tuple[str | None, str]:
     return route, text
 
 
+def other_routes(subjects: list[dict], selected: str | None) -> str:
+    """Table 2's route cell after selected_route: each route other than ``selected`` that the runs'
+    steps took, with its steps over the seeds ("; FlashInfer on 12 of 320 steps"), so a row whose
+    steps the context gate split between routes names both; "" where every step took one route
+    (or the records do not count steps by route)."""
+    routes: Counter = Counter()
+    for rec in subjects:
+        routes.update((rec.get("metrics") or {}).get("routes") or {})
+    total = sum(routes.values())
+    return "".join(f"; {route_label(route)} on {n} of {total} steps"
+                   for route, n in sorted(routes.items()) if route != selected and n)
+
+
 def seeds_phrase(text: str) -> str:
     """seeds_text with its noun: "seed 20260623", "seeds 20260623–20260627", "no seeds"."""
     if text == "none":

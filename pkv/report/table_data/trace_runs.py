@@ -26,6 +26,7 @@ from pkv.report.table_data.labels import (
     PAPER_MLP_TRACES,
     PAPER_SERVING_TRACES,
     ordered,
+    other_routes,
     paper_then_found,
     seeds_text,
     selected_route,
@@ -84,7 +85,10 @@ def table2(root: Path) -> dict[str, Any]:
         cuda, wall = ratio_cells(agg, notes, "no comparable runs")
         cuda_xqa, wall_xqa, xqa_marks = _second_baseline_cells(seeds, trace, inputs, notes)
         if agg.ok:
-            route: Cell = Text(selected_route(agg.subjects)[1])
+            # The route the run took: the most common over its steps and seeds, then any other
+            # route its steps took (bimodal B4's route is the calibration's B2-7 decision).
+            selected, text = selected_route(agg.subjects)
+            route: Cell = Text(text + other_routes(agg.subjects, selected))
             errs = {}
             for key in ("max_abs_err", "mean_abs_err", "ref_max_rel_err"):
                 vals = [metric(s, key) for s in agg.subjects]
