@@ -168,3 +168,33 @@ class RecordingOps(ReferenceOps):
             return attr(*args, **kwargs)
 
         return call
+
+
+def install_recorded_graphs(monkeypatch) -> None:
+    """CUDA graphs on the CPU: the device step's ops in torch (RecordingOps), a capture that keeps
+    their calls and a replay that makes them again (RecordedGraph), and streams that do nothing, so
+    DeviceDecodeStep, GraphedDecodeStep, RoutedGraphStep and capture_graph run end to end here."""
+    import contextlib
+
+    import torch
+
+    from pkv import ops
+
+    @contextlib.contextmanager
+    def graph(recorded, *args, **kwargs):
+        RecordedGraph.capturing = recorded.calls
+        try:
+            yield
+        finally:
+            RecordedGraph.capturing = None
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(ops, "load", RecordingOps)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Stream())

@@ -418,31 +418,9 @@ def test_ring_depths_follow_the_gpus_shared_memory(monkeypatch):
 def recorded_graphs(monkeypatch, reference_ops):
     """CUDA graphs on the CPU: capture keeps the reference ops' calls and replay does them again
     (tests/device_ops_reference.py, RecordedGraph), so the routed graphs run end to end here."""
-    import contextlib
+    from device_ops_reference import install_recorded_graphs
 
-    import torch
-    from device_ops_reference import RecordedGraph, RecordingOps
-
-    from pkv import ops
-
-    @contextlib.contextmanager
-    def graph(recorded, *args, **kwargs):
-        RecordedGraph.capturing = recorded.calls
-        try:
-            yield
-        finally:
-            RecordedGraph.capturing = None
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    monkeypatch.setattr(ops, "load", RecordingOps)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordedGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Stream())
+    install_recorded_graphs(monkeypatch)
 
 
 @pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])

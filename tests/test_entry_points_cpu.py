@@ -56,28 +56,9 @@ def device_step_ops(monkeypatch):
     """The device step's ops in torch, and CUDA graphs whose capture keeps those ops' calls and whose
     replay makes them again (tests/device_ops_reference.py), so DeviceDecodeStep, GraphedDecodeStep,
     RoutedGraphStep and capture_graph run on the CPU."""
-    from device_ops_reference import RecordedGraph, RecordingOps
+    from device_ops_reference import install_recorded_graphs
 
-    from pkv import ops
-
-    @contextlib.contextmanager
-    def graph(recorded, *args, **kwargs):
-        RecordedGraph.capturing = recorded.calls
-        try:
-            yield
-        finally:
-            RecordedGraph.capturing = None
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    monkeypatch.setattr(ops, "load", RecordingOps)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordedGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Stream())
+    install_recorded_graphs(monkeypatch)
 
 
 def _quiet(msg) -> None:

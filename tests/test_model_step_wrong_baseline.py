@@ -10,7 +10,6 @@ import re
 import pytest
 import torch
 
-from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
 from pkv.measure.harness import CorrectnessError
 from pkv.measure.model_step import ModelStep, StepShape
@@ -19,6 +18,7 @@ from pkv.measure.model_step_run import ModelStepSpec, run_model_step
 from pkv.pipeline.serving import ContinuousDecoder, page_layout
 from pkv.policy import ROUTE_WORKQUEUE, PinnedRoutePolicy, StepRoute
 from pkv.report.results import read_result, result_envelope, write_json_atomic
+from wrong_engines import WrongReference, WrongSdpa
 
 traces = pytest.importorskip("pkv.pipeline.traces")
 
@@ -26,36 +26,6 @@ SHAPE = StepShape(hidden=64, intermediate=96, num_qo_heads=8, num_kv_heads=2, he
 PAGE = 4
 WARMUP, MEASURED, CHECK_EVERY = 2, 6, 2
 BASELINE = "sdpa_eager"
-
-
-class CorruptsSteps:
-    """An engine whose attention is wrong on the given steps, counted from the first step it plans
-    (0 and 1 are the warmup steps): its first row is off by ``shift`` in every layer, as a kernel
-    that read the wrong pages would be."""
-
-    def __init__(self, *args, bad=(), shift=1.0, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.bad, self.shift = frozenset(bad), shift
-        self.ordinal: dict[int, int] = {}
-
-    def plan(self, step):
-        self.ordinal.setdefault(int(step.step), len(self.ordinal))
-        return super().plan(step)
-
-    def run(self, q, k_pages, v_pages, plan):
-        out = super().run(q, k_pages, v_pages, plan)
-        if self.ordinal[int(plan.step.step)] in self.bad:
-            out = out.clone()
-            out[0] += self.shift
-        return out
-
-
-class WrongSdpa(CorruptsSteps, SdpaEngine):
-    """A baseline (another library's kernel: not under study) that is wrong on some steps."""
-
-
-class WrongReference(CorruptsSteps, ReferenceEngine):
-    """PersistentKV's stand-in (under study) that is wrong on some steps."""
 
 
 class CorruptOutput:

@@ -7,7 +7,6 @@ import re
 
 import pytest
 
-from pkv.engines.reference import ReferenceEngine
 from pkv.engines.sdpa import SdpaEngine
 from pkv.measure.harness import CorrectnessError, TraceRunSpec, run_trace
 from pkv.policy import ROUTE_WORKQUEUE, PinnedRoutePolicy, StepRoute
@@ -15,6 +14,7 @@ from pkv.report import claims, evidence, table_data, tables
 from pkv.report.results import ResultFileError, read_result, result_envelope, write_json_atomic
 from pkv.report.table_data import BaselineWrong, MeanStd
 from pkv.shape import ModelShape
+from wrong_engines import WrongReference, WrongSdpa
 
 traces = pytest.importorskip("pkv.pipeline.traces")
 
@@ -28,36 +28,6 @@ def tiny_spec():
     return TraceRunSpec(name="tiny_b3", family="mixed", seed=11, requests=requests, max_active=3,
                         warmup_steps=WARMUP, measured_steps=MEASURED, dtype="float32", device="cpu",
                         check_every=CHECK_EVERY)
-
-
-class CorruptsSteps:
-    """An engine whose output is wrong on the given steps, counted from the first step it plans
-    (0 and 1 are the warmup steps): its first row is off by 1, as a kernel that read the wrong
-    pages would be."""
-
-    def __init__(self, *args, bad=(), shift=1.0, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.bad, self.shift = frozenset(bad), shift
-        self.ordinal: dict[int, int] = {}
-
-    def plan(self, step):
-        self.ordinal.setdefault(int(step.step), len(self.ordinal))
-        return super().plan(step)
-
-    def run(self, q, k_pages, v_pages, plan):
-        out = super().run(q, k_pages, v_pages, plan)
-        if self.ordinal[int(plan.step.step)] in self.bad:
-            out = out.clone()
-            out[0] += self.shift
-        return out
-
-
-class WrongSdpa(CorruptsSteps, SdpaEngine):
-    """A baseline (another library's kernel: not under study) that is wrong on some steps."""
-
-
-class WrongReference(CorruptsSteps, ReferenceEngine):
-    """PersistentKV's stand-in (under study) that is wrong on some steps."""
 
 
 def studied(**kwargs):
