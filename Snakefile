@@ -35,6 +35,15 @@ rule all:
         RESULTS,
 
 
+# The warm workers the jobs started (pkv.worker) end with the run, whether it succeeded or not.
+onsuccess:
+    stop_workers()
+
+
+onerror:
+    stop_workers()
+
+
 # Said once before the first job, so a run's console says what its numbers are.
 onstart:
     if ON_GPU:

@@ -18,6 +18,7 @@ leaves the previous run's results and config together.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from pkv.atomic_io import OutputLock, OutputLocked, write_files_atomic
 from pkv.config import ConfigError, apply_variant, compose, validate
 from pkv.refusal import REFUSALS, refuse
+from pkv.worker import with_jit_cache
 
 # conf/ lives at the repository root, next to the package (editable installs and checkouts).
 _CONF_PATH = "../conf"
@@ -94,6 +96,9 @@ def _lock(out: str) -> OutputLock:
 def main(argv: list[str] | None = None) -> None:
     global _save_config
     argv = list(sys.argv[1:] if argv is None else argv)
+    # FlashInfer compiles its JIT modules under the project's build cache, as in the DAG's jobs (set
+    # before any driver imports FlashInfer, which reads it once).
+    with_jit_cache(os.environ)
     if any(arg.startswith("-") for arg in argv):
         # Hydra's own flags (--help, --cfg job, --info, --multirun): no run of ours to guard.
         _main()

@@ -17,6 +17,16 @@ The devices to choose from are the entries of ``CUDA_VISIBLE_DEVICES`` when a sc
 (a Slurm job's cards: a slot never widens them), else the devices ``nvidia-smi`` lists;
 ``PKV_FAKE_DEVICE_COUNT=N`` stands in for detection on a machine without GPUs (tests). With no
 device at all (the CPU profile) the command runs without a slot.
+
+``--warm`` runs a ``python -m <module>`` command in the slot's warm worker (pkv.worker): a process
+that keeps torch, the CUDA context, FlashInfer and the package loaded from one job to the next and
+puts back what each job leaves behind. Without a device, ``--warm`` takes a CPU worker slot
+(``<host>.cpu-<k>.lock``, one per usable core or ``PKV_CPU_WORKERS``) instead, so that each CPU
+worker runs one job at a time. ``PKV_WORKER=0``, a Slurm job, or a command that is not
+``python -m`` runs the command in a fresh process as without ``--warm``.
+
+This module is the client side of every GPU job, so it loads nothing heavy: no torch, no Hydra
+(a refusal loads pkv.refusal only when there is one to print).
 """
 
 from __future__ import annotations
@@ -34,15 +44,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pkv.atomic_io import read_lock_holder
-from pkv.config import ConfigError
-from pkv.provenance import DEVICE_SLOT_ENV, nvidia_smi_devices
-from pkv.refusal import exit_on_refusal
+from pkv import worker
 
 SLOT_DIR_ENV = "PKV_SLOT_DIR"
 FAKE_COUNT_ENV = "PKV_FAKE_DEVICE_COUNT"
-# What the command sees of its slot: the device entry it holds, for the result's provenance.
-SLOT_ENV = DEVICE_SLOT_ENV
+# What the command sees of its slot: the device entry it holds, for the result's provenance
+# (pkv.provenance.DEVICE_SLOT_ENV, which reads it; named here so that the client imports no more).
+SLOT_ENV = "PKV_DEVICE_SLOT"
 # Where the slots live without --slot-dir or PKV_SLOT_DIR: under the default artifacts root, which
 # every job of one DAG run (started from the repository root) shares.
 DEFAULT_SLOT_DIR = "artifacts/.slots"
@@ -63,8 +71,17 @@ def _visible_entries(value: str) -> list[str]:
     return entries
 
 
+def _config_error(message: str) -> Exception:
+    # pkv.config loads Hydra: only when there is something to refuse.
+    from pkv.config import ConfigError
+
+    return ConfigError(message)
+
+
 def _nvidia_smi_indices() -> list[str] | None:
     """Device indices nvidia-smi lists (the provenance's one call), or None without a working nvidia-smi."""
+    from pkv.provenance import nvidia_smi_devices
+
     name, _, uuids = nvidia_smi_devices()
     return None if name is None else list(uuids)
 
@@ -93,7 +110,7 @@ def available_devices(devices: int | None = None, environ: dict | None = None) -
         except ValueError:
             count = -1
         if count < 0:
-            raise ConfigError(f"environment: field '{FAKE_COUNT_ENV}' = {raw!r}: must be a whole number >= 0")
+            raise _config_error(f"environment: field '{FAKE_COUNT_ENV}' = {raw!r}: must be a whole number >= 0")
         entries = [str(i) for i in range(count)]
     elif devices is not None:
         # An explicit count needs no detection: the devices are 0..N-1 of this machine.
@@ -108,21 +125,35 @@ def _plain_name(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
 
 
-def _lock_name(entry: str) -> str:
-    """``<host>[-slurm<job>].device-<entry>.lock``. Device entries name devices of one host (a slot
-    folder on a shared filesystem serves several), and a Slurm job's entries name the cards of its
-    own allocation ("0" in every job when Slurm constrains devices), which no other job can have:
-    the names are scoped so that only jobs that can share a device wait for each other."""
+def host_scope() -> str:
+    """``<host>[-slurm<job>]``: the part of a slot's name that says whose devices it hands out."""
     scope = socket.gethostname() or "localhost"
     if os.environ.get("SLURM_JOB_ID"):
         scope += f"-slurm{os.environ['SLURM_JOB_ID']}"
+    return _plain_name(scope)
+
+
+# Slot kinds: a device of this host, or a CPU worker's place (warm jobs without a device).
+DEVICE, CPU = "device", "cpu"
+_NOUN = {DEVICE: "device", CPU: "CPU worker slot"}
+
+
+def slot_name(entry: str, kind: str = DEVICE) -> str:
+    """``<host>[-slurm<job>].device-<entry>`` (or ``.cpu-<k>``). Device entries name devices of one
+    host (a slot folder on a shared filesystem serves several), and a Slurm job's entries name the
+    cards of its own allocation ("0" in every job when Slurm constrains devices), which no other job
+    can have: the names are scoped so that only jobs that can share a device wait for each other."""
     # Entries are indices, or GPU/MIG UUIDs under some schedulers; keep the file name plain.
-    return f"{_plain_name(scope)}.device-{_plain_name(entry)}.lock"
+    return f"{host_scope()}.{kind}-{_plain_name(entry)}"
 
 
-def lock_path(slot_dir: str | os.PathLike, entry: str) -> Path:
-    """The lock file of device ``entry`` in ``slot_dir``, for this host (and Slurm job)."""
-    return Path(slot_dir) / _lock_name(entry)
+def _lock_name(entry: str, kind: str = DEVICE) -> str:
+    return f"{slot_name(entry, kind)}.lock"
+
+
+def lock_path(slot_dir: str | os.PathLike, entry: str, kind: str = DEVICE) -> Path:
+    """The lock file of device ``entry`` (or CPU worker slot) in ``slot_dir``, for this host (and Slurm job)."""
+    return Path(slot_dir) / _lock_name(entry, kind)
 
 
 def _describe(holder: dict | None) -> str:
@@ -135,8 +166,9 @@ def _describe(holder: dict | None) -> str:
 class DeviceSlot:
     """One held device: ``entry`` (what CUDA_VISIBLE_DEVICES is set to), its lock ``path`` and fd."""
 
-    def __init__(self, entry: str, path: Path, fd: int):
-        self.entry, self.path, self.fd = entry, path, fd
+    def __init__(self, entry: str, path: Path, fd: int, kind: str = DEVICE):
+        self.entry, self.path, self.fd, self.kind = entry, path, fd, kind
+        self.name = path.name.removesuffix(".lock")
         self.started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     def record(self, command: Sequence[str], child_pid: int | None = None) -> None:
@@ -169,14 +201,14 @@ def _slot_dir_error(slot_dir: Path, exc: OSError) -> OSError:
                    f"({why}); pass --slot-dir or set {SLOT_DIR_ENV} to a writable folder every job of the run shares")
 
 
-def try_acquire(slot_dir: Path, entries: Sequence[str]) -> DeviceSlot | None:
+def try_acquire(slot_dir: Path, entries: Sequence[str], kind: str = DEVICE) -> DeviceSlot | None:
     """The first free device of ``entries`` in order, locked; None when every one is busy."""
     try:
         slot_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _slot_dir_error(slot_dir, exc) from None
     for entry in entries:
-        path = lock_path(slot_dir, entry)
+        path = lock_path(slot_dir, entry, kind)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as exc:
@@ -190,41 +222,43 @@ def try_acquire(slot_dir: Path, entries: Sequence[str]) -> DeviceSlot | None:
             # No flock on this filesystem (some network mounts): slots cannot be kept apart here.
             os.close(fd)
             raise _slot_dir_error(slot_dir, exc) from None
-        return DeviceSlot(entry, path, fd)
+        return DeviceSlot(entry, path, fd, kind)
     return None
 
 
-def busy_holders(slot_dir: Path, entries: Sequence[str]) -> list[str]:
+def busy_holders(slot_dir: Path, entries: Sequence[str], kind: str = DEVICE) -> list[str]:
     """"<entry>: <holder>" of each device's lock file, for the waiting and timeout messages."""
+    from pkv.atomic_io import read_lock_holder
+
     lines = []
     for entry in entries:
         try:
-            fd = os.open(lock_path(slot_dir, entry), os.O_RDONLY)
+            fd = os.open(lock_path(slot_dir, entry, kind), os.O_RDONLY)
         except OSError:
             continue
         try:
-            lines.append(f"device {entry}: {_describe(read_lock_holder(fd))}")
+            lines.append(f"{_NOUN[kind]} {entry}: {_describe(read_lock_holder(fd))}")
         finally:
             os.close(fd)
     return lines
 
 
 def acquire(slot_dir: Path, entries: Sequence[str], timeout_s: float | None = None,
-            log=sys.stderr) -> DeviceSlot:
+            log=sys.stderr, kind: str = DEVICE) -> DeviceSlot:
     """A free device of ``entries``, waiting while all are busy; TimeoutError after ``timeout_s``."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     said = False
     while True:
-        slot = try_acquire(slot_dir, entries)
+        slot = try_acquire(slot_dir, entries, kind)
         if slot is not None:
             return slot
         if deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError(f"{slot_dir}: field 'timeout' = {timeout_s!r}: every device of {list(entries)} stayed "
-                               f"busy ({'; '.join(busy_holders(slot_dir, entries))})")
+            raise TimeoutError(f"{slot_dir}: field 'timeout' = {timeout_s!r}: every {_NOUN[kind]} of {list(entries)} "
+                               f"stayed busy ({'; '.join(busy_holders(slot_dir, entries, kind))})")
         if not said:
             # Once per job: the log then says why it started late.
-            print(f"device slots: all {len(entries)} devices in {slot_dir} are busy, waiting "
-                  f"({'; '.join(busy_holders(slot_dir, entries))})", file=log, flush=True)
+            print(f"device slots: all {len(entries)} {_NOUN[kind]}s in {slot_dir} are busy, waiting "
+                  f"({'; '.join(busy_holders(slot_dir, entries, kind))})", file=log, flush=True)
             said = True
         time.sleep(POLL_S)
 
@@ -235,12 +269,14 @@ def _exit_status(returncode: int) -> int:
 
 
 def run_in_slot(command: Sequence[str], slot_dir: Path, devices: int | None = None,
-                timeout_s: float | None = None) -> int:
-    """Run ``command`` on a device of its own and return its exit status (128+N if signal N killed it)."""
+                timeout_s: float | None = None, warm: bool = False) -> int:
+    """Run ``command`` on a device of its own and return its exit status (128+N if signal N killed it).
+    With ``warm``, a ``python -m`` command runs in the slot's warm worker (pkv.worker)."""
     if not command:
-        raise ConfigError("command line: field 'command' = '': name the command after --")
+        raise _config_error("command line: field 'command' = '': name the command after --")
     entries = available_devices(devices)
-    env = dict(os.environ)
+    env = worker.with_jit_cache(dict(os.environ))
+    use_worker = warm and worker.enabled(env) and worker.module_call(command) is not None
     slot = None
     if entries:
         slot = acquire(slot_dir, entries, timeout_s)
@@ -250,9 +286,21 @@ def run_in_slot(command: Sequence[str], slot_dir: Path, devices: int | None = No
             env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         env["CUDA_VISIBLE_DEVICES"] = slot.entry
         env[SLOT_ENV] = slot.entry
+    elif use_worker:
+        # No device: a CPU worker's place, so that each CPU worker runs one job at a time.
+        cpu_entries = [str(k) for k in range(worker.cpu_worker_count(env))]
+        slot = acquire(slot_dir, cpu_entries, timeout_s, kind=CPU)
     try:
         if slot is not None:
             slot.record(command)
+        if use_worker:
+            status = worker.run_in_worker(command, env, slot_dir, slot.name, slot.fd, device=slot.kind == DEVICE)
+            if status is not None:
+                return status
+            if slot.kind == CPU:
+                # A fresh process runs without the CPU worker's place, as without --warm.
+                slot.release()
+                slot = None
         try:
             # pass_fds: the command holds the lock with us, so the slot stays taken while it runs
             # even if this wrapper is killed alone.
@@ -291,6 +339,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="use only the first N devices (default: every visible one)")
     run.add_argument("--timeout", type=float, default=None, metavar="S",
                      help="give up after S seconds of every device busy (default: wait)")
+    run.add_argument("--warm", action="store_true",
+                     help="run a `python -m <module>` command in the slot's warm worker (pkv.worker); "
+                          f"{worker.WORKER_ENV}=0 or a Slurm job runs it in a fresh process instead")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     return parser
 
@@ -307,8 +358,20 @@ def main(argv: list[str] | None = None) -> int:
     # and a user who runs DAGs with other artifacts roots on one machine points them at one folder
     # without changing the command text (which Snakemake would take for a code change).
     slot_dir = Path(os.environ.get(SLOT_DIR_ENV) or args.slot_dir or DEFAULT_SLOT_DIR)
-    return run_in_slot(command, slot_dir, args.devices, args.timeout)
+    return run_in_slot(command, slot_dir, args.devices, args.timeout, warm=args.warm)
+
+
+def _main_refusing(argv: list[str] | None = None) -> int | None:
+    """main, with a refusal as its one line and exit status 2 (pkv.refusal, loaded only then)."""
+    try:
+        return main(argv)
+    except Exception as exc:
+        from pkv.refusal import REFUSALS, refuse
+
+        if isinstance(exc, REFUSALS):
+            refuse(exc)
+        raise
 
 
 if __name__ == "__main__":
-    raise SystemExit(exit_on_refusal(main))
+    raise SystemExit(_main_refusing())

@@ -7,6 +7,7 @@ deleting one result file reruns only the job that wrote it, the tables and the f
 """
 
 import base64
+import os
 import re
 import shutil
 import subprocess
@@ -49,9 +50,9 @@ def _copy_checkout(dest: Path) -> None:
             shutil.copy2(src, dest / name)
 
 
-def _snakemake(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+def _snakemake(cwd: Path, *args: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "snakemake", "--configfile", "axes.yaml", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=900)
+                          cwd=cwd, capture_output=True, text=True, timeout=900, env={**os.environ, **env})
 
 
 def _planned_rules(proc) -> dict[str, int]:
@@ -68,9 +69,13 @@ def finished_dag(tmp_path_factory):
     work = tmp_path_factory.mktemp("dag")
     _copy_checkout(work)
     (work / "axes.yaml").write_text(AXES)
-    proc = _snakemake(work, "--cores", "2")
+    # The CPU workers stay warm for the runs the tests make in this tree (the last of them, with
+    # PKV_WORKER_KEEP unset, stops them; the teardown stops whatever a failed test left).
+    proc = _snakemake(work, "--cores", "2", PKV_WORKER_KEEP="1")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return work
+    yield work
+    subprocess.run([sys.executable, "-m", "pkv.worker", "stop", "--slot-dir", "artifacts/.slots"], cwd=work,
+                   capture_output=True, timeout=120)
 
 
 def test_all_nine_tables_are_rendered(finished_dag):
@@ -190,6 +195,72 @@ def test_table9_has_the_cpu_rows_and_says_why_graph_and_xqa_did_not_run(finished
     assert 0 < metrics["attention_share"] < 1 and len(metrics["per_step"]) == metrics["steps"]
 
 
+def test_the_jobs_ran_in_warm_workers(finished_dag):
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "pkv.dag_timing", "rules", "--workdir", str(finished_dag),
+                           "--json", str(finished_dag / "rules.json")], cwd=finished_dag, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["rule"]: r for r in json.loads((finished_dag / "rules.json").read_text())["rules"]}
+    # Every job but the build ran warm (on the CPU profile the tables and figures too).
+    for rule in ("calibrate", "evaluate", "mlp", "model_step", "isolated", "ablate_b4", "profile", "kernel_bench",
+                 "tables", "figure"):
+        assert rows[rule]["warm_jobs"] == rows[rule]["jobs"] >= 1, rows[rule]
+    assert rows["build"]["warm_jobs"] == 0
+    assert rows["evaluate"]["median_s_not_measuring"] is not None
+    assert "| evaluate |" in proc.stdout and "s from the first job's start" in proc.stdout
+
+
+def test_the_ab_reruns_a_dag_run_fresh_and_warm_and_sets_them_side_by_side(finished_dag, tmp_path):
+    import json
+
+    out = tmp_path / "ab"
+    # No device here: the fresh arm's slot wrapper need not look for one.
+    proc = subprocess.run([sys.executable, "-m", "pkv.dag_timing", "ab", "--root", "artifacts/cpu", "--out", str(out),
+                           "--rounds", "1", "evaluate/bimodal_b8/seed20260623"], cwd=finished_dag,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PKV_FAKE_DEVICE_COUNT": "0"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "ab.json").read_text())
+    runs = report["runs"]["evaluate/bimodal_b8/seed20260623"]
+    assert set(runs) == {"fresh", "warm"} and all("failed" not in r for rounds in runs.values() for r in rounds)
+    summary = report["summary"]["evaluate/bimodal_b8/seed20260623"]
+    assert {"adaptive.speedup_cuda", "adaptive.cuda_ms_per_step", "flashinfer.wall_ms_per_step"} <= set(summary)
+    assert "| evaluate/bimodal_b8/seed20260623 | adaptive.speedup_cuda |" in (out / "ab.md").read_text()
+    # The warm arm ran in the worker the DAG's jobs had run in, the fresh one in a process of its own.
+    logs = {arm: (out / "logs" / arm / "round0" / "evaluate/bimodal_b8/seed20260623.log").read_text()
+            for arm in ("fresh", "warm")}
+    assert re.match(r"pkv\.worker: job (\d+)", logs["warm"]) and int(re.match(r"pkv\.worker: job (\d+)",
+                                                                            logs["warm"]).group(1)) > 1
+    assert "pkv.worker: job" not in logs["fresh"]
+    # What the two arms wrote is the same but for what a clock decides (CPU times are noise, not
+    # results): the run in a worker that ran the DAG's other jobs first, and the one in a fresh process.
+    arms = {arm: out / arm / "round0" / "evaluate/bimodal_b8/seed20260623" for arm in ("fresh", "warm")}
+    names = sorted(p.name for p in arms["fresh"].glob("*.json"))
+    assert names == ["adaptive.json", "flashinfer.json", "xqa.json"]
+    for name in names:
+        fresh, warm = (json.loads((arms[arm] / name).read_text()) for arm in ("fresh", "warm"))
+        assert _untimed(fresh) == _untimed(warm), name
+    configs = [(arms[arm] / ".run" / ".hydra" / "config.yaml").read_text().replace(str(arms[arm]), "OUT")
+               for arm in ("fresh", "warm")]
+    assert configs[0] == configs[1]
+
+
+# Keys of what a clock measured: milliseconds, microseconds, seconds, tokens per second.
+_CLOCKED = re.compile(r"(^|_)(ms|us|s|tok_s)(_|$)")
+
+
+def _untimed(record):
+    """A result without what a clock decides: times, rates, timestamps, run ids and paths."""
+    if isinstance(record, dict):
+        return {k: _untimed(v) for k, v in record.items()
+                if not _CLOCKED.search(k) and k not in ("run_id", "timestamp_utc", "out", "provenance")}
+    if isinstance(record, list):
+        return [_untimed(v) for v in record]
+    return record
+
+
 def test_second_run_has_nothing_to_do(finished_dag):
     proc = _snakemake(finished_dag, "-n")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -208,3 +279,7 @@ def test_deleting_one_result_reruns_only_its_dependents(finished_dag):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert result.is_file()
     assert "Nothing to be done" in _snakemake(finished_dag, "-n").stdout
+    # The rerun's jobs ran in the workers the earlier runs kept warm, and its end stopped them.
+    log = (finished_dag / "artifacts/cpu/logs/evaluate/bimodal_b8/seed20260623.log").read_text()
+    assert int(re.match(r"pkv\.worker: job (\d+)", log).group(1)) > 1
+    assert not list((finished_dag / "artifacts" / ".slots").glob("*.sock"))

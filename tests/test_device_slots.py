@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv import device_slots, provenance
+from pkv import provenance
 from pkv.device_slots import available_devices, lock_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -193,7 +193,9 @@ def test_visible_devices_are_read_as_cuda_reads_them(monkeypatch):
     assert available_devices(2, environ={"CUDA_VISIBLE_DEVICES": "3,4,5"}) == ["3", "4"]
     assert available_devices(environ={"PKV_FAKE_DEVICE_COUNT": "3"}) == ["0", "1", "2"]
     assert available_devices(8, environ={"PKV_FAKE_DEVICE_COUNT": "2"}) == ["0", "1"]  # never widened
-    with pytest.raises(device_slots.ConfigError, match="field 'PKV_FAKE_DEVICE_COUNT' = 'two'"):
+    from pkv.config import ConfigError
+
+    with pytest.raises(ConfigError, match="field 'PKV_FAKE_DEVICE_COUNT' = 'two'"):
         available_devices(environ={"PKV_FAKE_DEVICE_COUNT": "two"})
 
 
@@ -289,7 +291,7 @@ def _gpu_rules(dry_run: str) -> set[str]:
     return rules
 
 
-def test_the_dags_gpu_rules_run_through_the_wrapper(tmp_path):
+def test_the_dags_gpu_rules_run_through_the_wrapper_and_vllms_build_beside_them(tmp_path):
     # profile=gpu with a GPU's conf file plans the GPU profile without touching a device.
     proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--config", "gpu=h200", "profile=gpu",
                            f"artifacts_root={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -297,13 +299,34 @@ def test_the_dags_gpu_rules_run_through_the_wrapper(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     commands, gpu_rules = _shell_commands(proc.stdout), _gpu_rules(proc.stdout)
     assert {"calibrate", "evaluate", "ablate_splits", "profile", "kernel_bench"} <= gpu_rules
-    wrapper = f"-m pkv.device_slots run --slot-dir {tmp_path}/.slots -- "
-    for rule in gpu_rules - {"build", "vllm_sources"}:
+    wrapper = f"-m pkv.device_slots run --slot-dir {tmp_path}/.slots "
+    for rule in gpu_rules - {"build"}:
         for command in commands[rule]:
             assert wrapper in command, (rule, command)
             # The package's path and thread count reach the command through the wrapper's environment.
             assert command.index("PYTHONPATH=") < command.index(wrapper)
-    # The builds (the extension, vLLM's kernels) time nothing and run before the timed jobs: no slot.
+            # Every timed job runs in its slot's warm worker but the profile, which runs ncu around
+            # a second process: a fresh process on its device.
+            warm = f"{wrapper}--warm -- "
+            assert (warm in command) == (rule != "profile"), (rule, command)
+    # The builds (the extension, vLLM's kernels) time nothing: no slot. vLLM's nvcc work holds no
+    # GPU either, so it runs beside the calibration.
+    assert "vllm_sources" not in gpu_rules
+    # vLLM's kernels compile in a job of their own, which the timing rules that run its rows wait for.
+    assert len(commands["vllm_sources"]) == 1
+    for rule in ("kernel_bench", "isolated"):
+        assert re.search(rf"rule {rule}:\n\s+input: [^\n]*{tmp_path}/h200/build/vllm\.json", proc.stdout), rule
     assert not any("pkv.device_slots" in c for c in commands["build"])
     assert not any("pkv.device_slots" in c for c in commands["vllm_sources"])
     assert not any("pkv.device_slots" in c for c in commands["tables"])
+
+
+def test_the_client_loads_no_torch_and_names_the_slot_as_provenance_reads_it():
+    """The slot wrapper is the client of every GPU job: it starts without torch or Hydra, and the
+    variable it sets for the job is the one pkv.provenance records."""
+    from pkv import device_slots
+
+    assert device_slots.SLOT_ENV == provenance.DEVICE_SLOT_ENV
+    code = "import sys, pkv.device_slots; print(sorted(m for m in ('torch', 'hydra') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

@@ -23,6 +23,8 @@ rule calibrate:
         CONDA_ENV
     resources:
         gpu=GPU_SLOTS,
+    # First of the GPU jobs: every timed rule but the repeats and the kernel benchmark waits for it.
+    priority: 50
     shell:
         f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
 
@@ -64,4 +66,4 @@ rule calibration_spread:
     conda:
         CONDA_ENV
     shell:
-        f"{PYTHON} -m pkv.report.calibration_spread {{input}} --out {{output}} > {{log}} 2>&1"
+        f"{REPORT_JOB} -m pkv.report.calibration_spread {{input}} --out {{output}} > {{log}} 2>&1"

@@ -191,12 +191,35 @@ PYTHON = (
 # one folder between DAG runs with other artifacts roots; it stays out of the command, whose text
 # Snakemake compares (rerun-triggers: code), so setting it reruns nothing.
 SLOT_DIR = f"{config['artifacts_root']}/.slots"
-# The rules that hold the GPU (gpu=GPU_SLOTS) run their command through pkv.device_slots on the GPU
-# profile: it takes a free device, narrows CUDA_VISIBLE_DEVICES to it and records it for the
-# result's provenance. On the CPU profile there is no device to hand out.
-GPU_JOB = (
-    f"{PYTHON} -m pkv.device_slots run --slot-dir {shlex.quote(SLOT_DIR)} -- {INTERPRETER}" if ON_GPU else PYTHON
-)
+# The rules that time (gpu=GPU_SLOTS) run their command through pkv.device_slots: on the GPU profile
+# it takes a free device, narrows CUDA_VISIBLE_DEVICES to it and records it for the result's
+# provenance. --warm hands the `python -m` call to that slot's warm worker (pkv.worker), which keeps
+# Python, torch, the CUDA context and FlashInfer loaded from one job to the next and puts back what
+# each job leaves behind, so a job pays none of that start-up; PKV_WORKER=0 (read when the job runs,
+# so setting it reruns nothing) runs each job in a fresh process instead, and so does a Slurm job.
+# On the CPU profile there is no device (--devices 0: no detection) and the slot is a CPU worker's,
+# one per usable core.
+_SLOTS = f"{PYTHON} -m pkv.device_slots run --slot-dir {shlex.quote(SLOT_DIR)}" + ("" if ON_GPU else " --devices 0")
+GPU_JOB = f"{_SLOTS} --warm -- {INTERPRETER}"
+# A fresh process on a device of its own: the profile rule, which runs ncu around a second process.
+DEVICE_JOB = f"{_SLOTS} -- {INTERPRETER}" if ON_GPU else GPU_JOB
+# The tables, figures and calibration spread: on the CPU profile in the CPU workers, like every
+# other job there; on the GPU profile processes, a handful of jobs on the host's other cores beside
+# the device jobs, where a worker would only add one more process start.
+REPORT_JOB = PYTHON if ON_GPU else f"{_SLOTS} --warm -- {INTERPRETER}"
+
+
+def stop_workers():
+    """Stop this host's warm workers in the run's slot folder (onsuccess/onerror: a finished DAG
+    leaves no process behind; a killed one's workers exit after PKV_WORKER_IDLE_S idle seconds).
+    PKV_WORKER_KEEP=1 leaves them warm for the next DAG run, until that idle timeout."""
+    import subprocess
+
+    if os.environ.get("PKV_WORKER_KEEP", "0") not in ("", "0"):
+        return
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    subprocess.run([sys.executable, "-m", "pkv.worker", "stop", "--slot-dir", SLOT_DIR], env=env, cwd=str(REPO),
+                   stdout=subprocess.DEVNULL, check=False, timeout=60)
 
 
 def result_files(folder, experiment):

@@ -58,7 +58,7 @@ rule model_step_figure:
     conda:
         CONDA_ENV
     shell:
-        f"{PYTHON} -m pkv.report.figures --root {{params.root}} --out {{params.out}} --figure model_step_ratio "
+        f"{REPORT_JOB} -m pkv.report.figures --root {{params.root}} --out {{params.out}} --figure model_step_ratio "
         "> {log} 2>&1"
 
 

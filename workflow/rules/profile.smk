@@ -26,5 +26,6 @@ rule profile:
         CONDA_ENV
     resources:
         gpu=GPU_SLOTS,
+    # ncu runs a second process around the job's own: a fresh process, never a warm worker, on a GPU.
     shell:
-        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        f"{DEVICE_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"

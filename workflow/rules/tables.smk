@@ -46,7 +46,7 @@ rule tables:
     conda:
         CONDA_ENV
     shell:
-        f"{PYTHON} -m pkv.report.tables --root {{params.root}} --out {{params.out}} > {{log}} 2>&1"
+        f"{REPORT_JOB} -m pkv.report.tables --root {{params.root}} --out {{params.out}} > {{log}} 2>&1"
 
 
 rule figure:
@@ -73,7 +73,7 @@ rule figure:
     conda:
         CONDA_ENV
     shell:
-        f"{PYTHON} -m pkv.report.figures --root {{params.root}} --out {{params.out}} --figure {{wildcards.figure}} "
+        f"{REPORT_JOB} -m pkv.report.figures --root {{params.root}} --out {{params.out}} --figure {{wildcards.figure}} "
         "> {log} 2>&1"
 
 

@@ -16,11 +16,12 @@ rule vllm_sources:
         VLLM_RECORD,
     log:
         f"{LOGS}/vllm_sources.log",
+    # One nvcc at a time (pkv.build.compile_library), so one thread.
     threads: 1
     conda:
         CONDA_ENV
-    resources:
-        gpu=GPU_SLOTS,
-    # Like the build: no device slot, it times nothing.
+    # nvcc work: no device slot and no gpu resource, since it times nothing. It builds beside the
+    # calibration (the longest GPU job) instead of holding the GPU behind it; the timing rules that
+    # run vLLM's rows wait for its record.
     shell:
         f"{PYTHON} -m pkv.engines.vllm_build record --record {{output}} > {{log}} 2>&1"
