@@ -22,7 +22,7 @@ import pytest
 import pkv.atomic_io as atomic_io
 from pkv.atomic_io import JsonFileError, OutputLock, OutputLocked, lock_path_for, read_json, write_files_atomic
 from pkv.config import DEFAULT_MAX_CONTEXT_TOKENS, MAX_CONTEXT_TOKENS, ConfigError, PkvConfig, compose
-from pkv.experiments.common import load_requests, resolve_settings, write_all_or_nothing
+from pkv.experiments.common import kv_pool_pages, load_requests, resolve_settings, write_all_or_nothing
 from pkv.pipeline.trace_readers import TraceError, read_trace
 from pkv.report import tables
 
@@ -214,9 +214,20 @@ def test_a_trace_path_that_is_a_device_is_refused_before_reading():
 
 
 def test_a_run_whose_pages_do_not_fit_one_h200_is_refused_before_allocating():
-    cfg = compose(["out=x", "profile=gpu", "device=cpu", "trace=homogeneous", "trace.num_requests=4096"])
+    # Up front, every request's pages at once: 4096 requests of 32K tokens take 512 GiB.
+    cfg = compose(["out=x", "profile=gpu", "device=cpu", "trace=homogeneous", "trace.num_requests=4096",
+                   "trace.page_layout=up_front"])
     with pytest.raises(ConfigError, match=r"field 'trace.num_requests' = 4096: .* GiB, more than the 96 GiB"):
         load_requests(cfg.trace, cfg.seed, resolve_settings(cfg))
+    # On the recycled pool the same trace holds only what its active requests reserve.
+    recycled = compose(["out=x", "profile=gpu", "device=cpu", "trace=homogeneous", "trace.num_requests=4096"])
+    settings = resolve_settings(recycled)
+    requests = load_requests(recycled.trace, recycled.seed, settings)
+    pages = kv_pool_pages(recycled.trace, settings, requests)
+    assert pages * recycled.trace.page_size * settings.kv_bytes_per_token < 96 << 30
+    named = compose(["out=x", "profile=gpu", "device=cpu", "trace=homogeneous", f"trace.kv_pool_tokens={1 << 26}"])
+    with pytest.raises(ConfigError, match=r"field 'trace.kv_pool_tokens' = 67108864: .* GiB, more than the 96 GiB"):
+        load_requests(named.trace, named.seed, resolve_settings(named))
 
 
 # ---------------------------------------------------------------- keys added with +
