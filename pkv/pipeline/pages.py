@@ -7,8 +7,9 @@ page IDs. One seeded permutation of the universe is cut into consecutive slices,
 request: logical order is kept inside a block table while physical IDs are scattered, and the
 ``U - L`` IDs past the last slice are the holes no request owns.
 
-This is not a production allocator (no eviction or reuse); its job is to give every engine the
-same fragmented layout. The arrays are read-only for the same reason: one assignment is shared
+This is not a production allocator (no eviction or reuse; pkv.pipeline.kv_pool is the recycled
+pool a serving engine keeps, and runs use it unless trace.page_layout is "up_front"); its job is
+to give every engine the same fragmented layout. The arrays are read-only for the same reason: one assignment is shared
 by all engines of a run, and none may alter it.
 """
 
