@@ -415,33 +415,37 @@ def _not_skewed(step) -> bool:
 
 
 class _BalancedTotals:
-    """Device time summed over one kind of step of the skewed traces (the skewed steps, or the
-    over-split ones), by the rule that ran them: "fixed", "flashinfer", or the balanced rule's
-    budget in waves."""
+    """Device time of one kind of step of the skewed traces (the skewed steps, or the over-split
+    ones), by the rule that ran them: "fixed", "flashinfer", or the balanced rule's budget in
+    waves. Each kept step's time is kept, in one step order for every rule: the paired steps
+    whose spread gives a decision's noise band, and whose sums are the totals."""
 
     def __init__(self, waves):
         self.waves = list(waves)
-        self.steps = 0
-        self.totals = dict.fromkeys(["fixed", "flashinfer", *self.waves], 0.0)
-        # Each kept step's time by rule, in one step order for every rule: the paired steps whose
-        # spread gives a decision's noise band.
-        self.per_step: dict = {rule: [] for rule in self.totals}
+        self.per_step: dict = {rule: [] for rule in ["fixed", "flashinfer", *self.waves]}
+
+    @property
+    def steps(self) -> int:
+        return len(self.per_step["fixed"])
+
+    @property
+    def totals(self) -> dict:
+        return {rule: sum(times) for rule, times in self.per_step.items()}
 
     def add(self, timed: dict, keep) -> dict:
         """Add the samples of ``timed`` (rule -> TimedSteps, one sample a step in the same order)
         whose step ``keep`` accepts; return this trace's own sums."""
-        mine = dict.fromkeys(self.totals, 0.0)
+        mine = dict.fromkeys(self.per_step, 0.0)
         for rule, steps in timed.items():
             kept = [sample.measured_us for sample in steps.samples if keep(sample.step)]
             self.per_step[rule] += kept
             mine[rule] = sum(kept)
-            self.totals[rule] += mine[rule]
         mine["steps"] = sum(1 for sample in timed["fixed"].samples if keep(sample.step))
-        self.steps += mine["steps"]
         return mine
 
     def by_waves(self) -> dict:
-        return {w: self.totals[w] for w in self.waves}
+        totals = self.totals
+        return {w: totals[w] for w in self.waves}
 
 
 def _by_rule_record(sums: dict, waves) -> dict:

@@ -28,9 +28,8 @@ from pkv.config import (
     check_calibration_bounds,
 )
 from pkv.engines import OPTION_NAMES, EngineUnavailable, build_engine, role_policy
-from pkv.pipeline.kv_pool import pool_pages_for
 from pkv.pipeline.pages import universe_size
-from pkv.pipeline.serving import decode_plan_summary
+from pkv.pipeline.serving import page_layout
 from pkv.pipeline.trace_readers import read_trace
 from pkv.pipeline.traces import synthetic_trace
 from pkv.policy.calibration import Calibration, load_calibration_record, recorded_profile
@@ -164,12 +163,11 @@ def _check_kv_pool(trace: TraceConfig, settings: RunSettings, requests: list) ->
     An up-front layout holds every request's pages at once; a recycled pool holds what
     kv_pool_pages gives it, which a named size must keep under the same bound and above the
     longest request."""
-    page_bytes = trace.page_size * settings.kv_bytes_per_token
     if trace.page_layout == "recycled":
         longest = max(requests, key=lambda r: r.total_len)
         if trace.kv_pool_tokens is not None:
             where = f"conf/trace/{trace.family}.yaml: field 'trace.kv_pool_tokens' = {trace.kv_pool_tokens!r}"
-            if trace.kv_pool_tokens // trace.page_size * page_bytes > MAX_KV_POOL_BYTES:
+            if trace.kv_pool_tokens * settings.kv_bytes_per_token > MAX_KV_POOL_BYTES:
                 raise ConfigError(f"{where}: its K and V pages take "
                                   f"{trace.kv_pool_tokens * settings.kv_bytes_per_token / 2**30:.1f} GiB, more than "
                                   f"the {MAX_KV_POOL_BYTES >> 30} GiB one H200 holds for them")
@@ -200,14 +198,14 @@ def kv_pool_pages(trace: TraceConfig, settings: RunSettings, requests: list) -> 
         return None
     if trace.kv_pool_tokens is not None:
         return trace.kv_pool_tokens // trace.page_size
-    page_bytes = trace.page_size * settings.kv_bytes_per_token
     budget = MAX_KV_POOL_BYTES
     if settings.device == "cuda" and torch.cuda.is_available():
-        budget = min(budget, torch.cuda.get_device_properties(0).total_memory // 2)
-    longest = max(-(-r.total_len // trace.page_size) for r in requests)
-    steps = settings.warmup_steps + settings.measured_steps
-    peak = decode_plan_summary(requests, trace.max_active, steps, page_size=trace.page_size)["peak_reserved_pages"]
-    return pool_pages_for(peak, trace.hole_fraction, longest_pages=longest, max_pages=budget // page_bytes)
+        budget = min(budget, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory // 2)
+    # The size alone: the seed only orders the free list.
+    pool = page_layout(requests, layout="recycled", page_size=trace.page_size, hole_fraction=trace.hole_fraction,
+                       seed=0, max_active=trace.max_active, max_steps=settings.warmup_steps + settings.measured_steps,
+                       max_pool_pages=budget // (trace.page_size * settings.kv_bytes_per_token))
+    return pool.num_physical_pages
 
 
 def trace_record(trace: TraceConfig, seed: int, settings: RunSettings, num_requests: int,

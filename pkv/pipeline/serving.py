@@ -253,13 +253,13 @@ def decode_plan_summary(requests: Sequence[Request], max_active: int, max_steps:
 
 
 def page_layout(requests: Sequence[Request], *, layout: str, page_size: int, hole_fraction: float, seed: int,
-                max_active: int, max_steps: int | None = None,
-                pool_pages: int | None = None) -> PageAssignment | KVPoolSpec:
+                max_active: int, max_steps: int | None = None, pool_pages: int | None = None,
+                max_pool_pages: int | None = None) -> PageAssignment | KVPoolSpec:
     """Where a replay of ``requests`` finds its pages (pkv.pipeline.kv_pool.PAGE_LAYOUTS).
 
     ``recycled``: a fixed pool of ``pool_pages`` pages, or when that is None the pages the replay's
-    first ``max_steps`` steps reserve at their peak over ``1 - hole_fraction``
-    (pkv.pipeline.kv_pool.pool_pages_for). ``up_front``: assign_pages over every request, which
+    first ``max_steps`` steps reserve at their peak over ``1 - hole_fraction``, at most
+    ``max_pool_pages`` and at least the longest request (pkv.pipeline.kv_pool.pool_pages_for). ``up_front``: assign_pages over every request, which
     takes ``hole_fraction`` as its share of empty pages and ignores ``pool_pages``.
     """
     if layout == "up_front":
@@ -269,5 +269,5 @@ def page_layout(requests: Sequence[Request], *, layout: str, page_size: int, hol
     if pool_pages is None:
         peak = decode_plan_summary(requests, max_active, max_steps, page_size=page_size)["peak_reserved_pages"]
         longest = max(pages_for_tokens(r.total_len, page_size) for r in requests)
-        pool_pages = pool_pages_for(peak, hole_fraction, longest_pages=longest)
+        pool_pages = pool_pages_for(peak, hole_fraction, longest_pages=longest, max_pages=max_pool_pages)
     return KVPoolSpec(int(pool_pages), int(page_size), int(seed))

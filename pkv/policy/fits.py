@@ -211,9 +211,8 @@ def fit_split_count(device_us_by_splits: Mapping[int, float], tie_fraction: floa
 # single run, and repeated H200 calibrations moved a whole trace's ratio by about 1% (the same
 # observation as SPLIT_TIE_FRACTION).
 ROUTE_NOISE_FLOOR = SPLIT_TIE_FRACTION
-# The gain's interval is two-sided 95% (_T975_SMALL holds its quantiles): the band is its
-# half-width where that is wider than the floor.
-ROUTE_CONFIDENCE = 0.95
+# The gain's interval is two-sided 95% (_t975, Student's t at 0.975): the band is its half-width
+# where that is wider than the floor.
 # What a regime the calibration may close takes when its measurement does not clear the band (an
 # exact tie included): FlashInfer, the route paper 4.4 keeps batches of 2..7 rows on and the one
 # every conf/gpu file starts from, so a decision inside the noise comes out the same every run.
@@ -229,7 +228,7 @@ def _t975(df: int) -> float:
         raise ValueError(f"_t975: needs at least 1 degree of freedom, got {df}")
     if df <= len(_T975_SMALL):
         return _T975_SMALL[df - 1]
-    z = NormalDist().inv_cdf(0.5 + ROUTE_CONFIDENCE / 2)
+    z = NormalDist().inv_cdf(0.975)
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
@@ -277,7 +276,7 @@ def _finite(value: float) -> float | None:
 def measured_gain(candidate_us: Sequence[float], baseline_us: Sequence[float], *,
                   floor: float = ROUTE_NOISE_FLOOR) -> GainFit:
     """The gain sum(baseline) / sum(candidate) of steps timed on both (paired in order), and its
-    noise band: the larger of ``floor`` and the relative half-width of the gain's ROUTE_CONFIDENCE
+    noise band: the larger of ``floor`` and the relative half-width of the gain's two-sided 95%
     interval. The interval is the ratio estimator's over the steps: each step's median of several
     repetitions is one paired measurement, so the residuals baseline_i - gain x candidate_i carry
     the repetitions' noise and the steps' own variation. With fewer than 2 steps the spread cannot
