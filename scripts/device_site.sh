@@ -5,6 +5,11 @@
 #   .whl/flashinfer-*-slim.tgz          FlashInfer 0.7.2 slimmed to fit the carry limit
 #                                       (../shared/device/flashinfer_slim.sh; leave its full
 #                                       wheel and the 0.5.3 wheel out of .whl/ when carrying it)
+# Two wheels of that list stay out of .whl/ as well: nvidia-cudnn-frontend (11.6 MB) and nccl4py
+# (3.7 MB). FlashInfer imports cudnn inside a try (its cuDNN backends) and nccl only in its MoE
+# expert-parallel package; decode uses neither, and the 15 MB they free carry the build caches
+# below (build_cache.tgz and flashinfer_jit_cache.tgz) beside an exported tree within 64 MiB:
+#   rm -f .whl/flashinfer_python-*.whl .whl/nvidia_cudnn_frontend-*.whl .whl/nccl4py-*.whl
 # A run that carries vLLM's sources names their folder in its carry (scripts/vllm_carry.sh).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || return 1

@@ -71,8 +71,9 @@ def _studied_engine(**kwargs):
     return WrongReference(SHAPE.attention, policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, 4)), **kwargs)
 
 
-def _run(make_paths, baseline=BASELINE):
-    """The tiny trace's model step over the paths ``make_paths(model)`` builds, float32 on the CPU."""
+def _run(make_paths, baseline=BASELINE, rest=None, progress=False):
+    """The tiny trace's model step over the paths ``make_paths(model)`` builds, float32 on the CPU;
+    ``rest(model)`` makes the eager rest-of-step path where given."""
     lens = [(0, 30, 6), (0, 9, 4), (1, 61, 8), (2, 5, 5), (3, 22, 6)]
     requests = tuple(traces.Request(i, a, p, d) for i, (a, p, d) in enumerate(lens))
     total = WARMUP + MEASURED
@@ -83,8 +84,8 @@ def _run(make_paths, baseline=BASELINE):
     spec = ModelStepSpec(name="tiny_b3", seed=11, warmup_steps=WARMUP, measured_steps=MEASURED,
                          check_every=CHECK_EVERY, beta_gbps=100.0, baseline=baseline, flush_l2=False)
     decoder = ContinuousDecoder(requests, assignment, 3, max_steps=total)
-    rests = {"eager": EagerPath("rest_eager", None, model)}
-    return run_model_step(spec, model, decoder, make_paths(model), rests, layers_model=2, progress=False)
+    rests = {"eager": (rest or (lambda m: EagerPath("rest_eager", None, m)))(model)}
+    return run_model_step(spec, model, decoder, make_paths(model), rests, layers_model=2, progress=progress)
 
 
 def _eager(label, engine):
@@ -201,3 +202,37 @@ def test_the_run_baseline_is_a_baseline_whatever_engine_it_is():
     results = _run(_paths(_eager("adaptive_eager", _studied_engine(bad={WARMUP + 3})),
                           _eager(BASELINE, SdpaEngine(SHAPE.attention, "cpu"))), baseline="adaptive_eager")
     assert results["adaptive_eager"]["wrong_steps"] == 1 and results[BASELINE]["wrong_steps"] == 0
+
+
+class CountingRest(EagerPath):
+    """The step without attention, counting the batch size of each step it times."""
+
+    def __init__(self, model):
+        super().__init__("rest_eager", None, model)
+        self.timed: list[int] = []
+
+    def plan(self, step, x):
+        self.timed.append(step.batch_size)
+        super().plan(step, x)
+
+
+def test_the_rest_of_the_step_is_timed_on_its_first_measured_steps_of_each_batch_size(capsys):
+    from pkv.dag_timing import _DONE
+    from pkv.measure.model_step_run import REST_SAMPLES
+
+    rests = []
+    metrics = _run(_paths(_eager(BASELINE, SdpaEngine(SHAPE.attention))),
+                   rest=lambda model: rests.append(CountingRest(model)) or rests[0], progress=True)
+    steps = metrics[BASELINE]["per_step"]
+    batches = [s["batch"] for s in steps]
+    want = [b for b in sorted(set(batches)) for _ in range(min(batches.count(b), REST_SAMPLES))]
+    assert sorted(rests[0].timed) == want
+    assert len(rests[0].timed) < len(steps)  # the tiny trace repeats a batch size past REST_SAMPLES
+    # Every step of one batch size reads the same rest time, a median of its samples.
+    by_batch = {}
+    for s in steps:
+        by_batch.setdefault(s["batch"], set()).add(s["rest_us"])
+    assert all(len(times) == 1 and all(math.isfinite(t) for t in times) for times in by_batch.values())
+    # The job's "done" line is the one pkv.dag_timing reads its measured loop from.
+    done = _DONE.search(capsys.readouterr().err)
+    assert done and float(done.group(1)) >= 0

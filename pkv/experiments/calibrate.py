@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from pkv.config import ConfigError, PkvConfig, load_trace_option
@@ -63,13 +64,16 @@ def run(cfg: PkvConfig) -> list[Path]:
     # The probes fit the gates in the run's tokens: a GPU's file on the CPU profile is scaled first.
     start = gates_for_profile(Calibration.from_mapping(dict(cfg.gpu), "conf/gpu (selected option)"), cfg)
 
+    clock = _Clock()
     read_gbps = measure_read_gbps(settings.device, settings.probe_buffer_mib)
     launch = measure_launch_us(settings.device, launches=settings.launch_probe_reps)
     calib = dataclasses.replace(start, beta_gbps=read_gbps, lambda_us=launch["lambda_us"])
+    clock.lap("bandwidth and launch probes")
 
     sweep = _SplitSweep(cfg, settings, shape, calib)
     for ct in exp.calibration_traces:
         sweep.run(ct)
+        clock.lap(f"{ct.trace} B{ct.max_active} ({ct.fits})")
     operating_points = sweep.operating_points()
     uniform_ctas = sweep.uniform_target_ctas(operating_points)
     balanced_fits = sweep.balanced_rule_fits(operating_points)
@@ -78,6 +82,7 @@ def run(cfg: PkvConfig) -> list[Path]:
                          sweep.gate_steps(operating_points), exp.gate_tolerance)
     for probe in exp.gate_probes:
         probes.run(probe)
+    clock.lap(f"{len(exp.gate_probes)} gate probes")
     context_gates = probes.fit_context_gates(start)
     group_fit = probes.fit_group_sizes(start)
     calib = _apply(calib, operating_points)
@@ -113,7 +118,24 @@ def run(cfg: PkvConfig) -> list[Path]:
     }
     out = Path(cfg.out)
     save_calibration(out, calib, prov)
+    clock.done()
     return [out]
+
+
+class _Clock:
+    """Where a calibration's time goes, one log line per part: the run's own work beside its
+    start-up (docs/performance.md's per-rule table)."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.perf_counter()
+
+    def lap(self, what: str) -> None:
+        now = time.perf_counter()
+        print(f"pkv calibrate: {what} in {now - self.last:.1f}s", file=sys.stderr, flush=True)
+        self.last = now
+
+    def done(self) -> None:
+        print(f"pkv calibrate: done in {time.perf_counter() - self.started:.1f}s", file=sys.stderr, flush=True)
 
 
 def _apply(calib: Calibration, points: dict) -> Calibration:

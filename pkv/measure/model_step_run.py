@@ -1,10 +1,16 @@
 """Time a model-shaped decode step per engine and mode over a serving trace (Table 9).
 
 Every path (engine x mode) of a run sees the same steps, page tables, pools and inputs, as in
-pkv.measure.harness. Per step: the step without attention is timed once per mode (the rest of the
-step, for attention's share); then each path, in a rotated order, gets the L2 flush (untimed), the
+pkv.measure.harness. Per step: the step without attention is timed per mode (the rest of the step,
+for attention's share; below); then each path, in a rotated order, gets the L2 flush (untimed), the
 synchronized wall time of its host plan plus the whole step, and, after another flush, the device
 time of the same planned step queued behind a GPU-side hold (pkv.measure.timing.hold_device).
+
+The step without attention depends on the batch size alone (its append writes one token per row
+wherever the lengths put it), so each mode's rest is timed on the first ``REST_SAMPLES`` measured
+steps of each batch size and their median stands for the later steps of that size. Timing it on
+every step took a quarter of a job's step runs; no ratio between engines reads it, only
+attention's share of the step and the floor of the step.
 
 Checks: every step, each path's output against the baseline path's (the step's final hidden state,
 a bound a few times the dtype's rounding over the layers). A disagreement does not say which side
@@ -23,6 +29,7 @@ under study; a baseline's is recorded), and each graph path against its own engi
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -49,6 +56,11 @@ from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer, hold_device
 # leaves room for it and still catches a wrong page or length, which is an O(1) error.
 STEP_REL_FACTOR = 4.0
 PROGRESS_EVERY_S = 5.0
+# Measured steps of one batch size whose rest of the step is timed (module docstring).
+REST_SAMPLES = 3
+# Where a job's seconds go, printed with its "done" line: untimed probes and graph captures, the
+# rest-of-step timings, the paths' timed runs, the float64 checks and agreement judgements.
+PHASES = ("prepare", "rest", "paths", "checks")
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,12 @@ class _Record(Float64Checks):
                               "max_len": int(max(step.seq_lens)), "route": route, "split_rule": split_rule,
                               "position": position, **{k: float(v) for k, v in us.items()},
                               "ref_rel_err": None, "wrong": False})
+
+    def settle_rest(self, rest_by_batch: dict[int, float]) -> None:
+        """Each step's rest of the step: its batch size's median (pkv.measure.model_step_run)."""
+        for entry in self.per_step:
+            entry["rest_us"] = float(rest_by_batch[entry["batch"]])
+        self.sums["rest_us"] = sum(entry["rest_us"] for entry in self.per_step)
 
     def metrics(self, layers_run: int, layers_model: int, mode: str, implementation: str) -> dict:
         per = {k.replace("_us", ""): v / 1e3 / self.steps for k, v in self.sums.items()}
@@ -199,15 +217,22 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
     flusher = L2Flusher(device) if spec.flush_l2 else None
     labels = list(paths)
     records = {label: _Record() for label in labels}
+    rest_samples: dict[tuple[str, int], list[float]] = {}
+    spent = dict.fromkeys(PHASES, 0.0)
     started = last = time.perf_counter()
     index = -1
     for index, step in enumerate(decoder.steps()):
         measured_index = index - spec.warmup_steps
         measured = measured_index >= 0
         x = model.hidden_input(step.batch_size, query_seed(spec.seed, step.step))
+        mark = time.perf_counter()
         for path in (*rests.values(), *paths.values()):
             path.prepare(step, x)  # untimed: probes, and a capture for a batch size not seen yet
-        rest_us = {mode: _time(rest, step, x, flusher, device, measured)[4] for mode, rest in rests.items()}
+        spent["prepare"] += time.perf_counter() - mark
+        mark = time.perf_counter()
+        _time_rest(rests, rest_samples, step, x, flusher, device, measured)
+        spent["rest"] += time.perf_counter() - mark
+        mark = time.perf_counter()
         kv_bytes = model.kv_bytes_read(step.seq_lens)
         floor_us = kv_bytes / (spec.beta_gbps * 1e3)
         outs = {}
@@ -217,21 +242,41 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
             outs[label], plan_us, issue_us, wall_us, cuda_us = _time(path, step, x, flusher, device, measured)
             if measured:
                 records[label].add(step, path.route, position, path.split_rule, plan_us=plan_us, issue_us=issue_us,
-                                   wall_us=wall_us, cuda_us=cuda_us, rest_us=rest_us[path.mode], floor_us=floor_us)
+                                   wall_us=wall_us, cuda_us=cuda_us, rest_us=math.nan, floor_us=floor_us)
                 records[label].kv_bytes += kv_bytes
+        spent["paths"] += time.perf_counter() - mark
+        mark = time.perf_counter()
         check = measured and measured_index % spec.check_every == 0
         if check:
             _check(spec, model, step, x, paths, outs, records, limit)
         _judge(spec, model, step, x, paths, outs, records, STEP_REL_FACTOR * limit, measured, check)
         now = time.perf_counter()
+        spent["checks"] += now - mark
         if progress and now - last >= PROGRESS_EVERY_S:
             print(f"[{spec.name} model step] step {index + 1} elapsed {now - started:.1f}s", file=sys.stderr, flush=True)
             last = now
     if records[spec.baseline].steps == 0:
         raise ValueError(f"trace {spec.name!r} has {index + 1} decode steps, none after the "
                          f"{spec.warmup_steps} warmup steps")
+    for label, path in paths.items():
+        records[label].settle_rest({batch: statistics.median(times) for (mode, batch), times in rest_samples.items()
+                                    if mode == path.mode and times})
+    if progress:
+        # The "done" line pkv.dag_timing reads a job's measured loop from, with where its time went.
+        phases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in spent.items())
+        print(f"[{spec.name} model step] done: {index + 1} steps in {time.perf_counter() - started:.1f}s "
+              f"({phases})", file=sys.stderr, flush=True)
     return {label: records[label].metrics(model.layers, layers_model, paths[label].mode,
                                           paths[label].implementation) for label in labels}
+
+
+def _time_rest(rests: dict, samples: dict, step, x, flusher, device, measured: bool) -> None:
+    """Per mode, the device time of the step without attention, into ``samples[(mode, batch)]``
+    while that batch size has fewer than REST_SAMPLES (module docstring)."""
+    for mode, rest in rests.items():
+        taken = samples.setdefault((mode, step.batch_size), [])
+        if measured and len(taken) < REST_SAMPLES:
+            taken.append(_time(rest, step, x, flusher, device, measured)[4])
 
 
 def _judge(spec, model, step, x, paths, outs, records, bound: float, measured: bool, check: bool) -> None:
