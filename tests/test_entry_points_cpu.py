@@ -158,7 +158,8 @@ def test_kernel_bench_runs_its_sweeps_and_summary_on_the_cpu(device_step_ops, ca
         len(lengths), num_sms, stages)}
     engines = record["engines"]
     for role in kernel_bench.BASELINE_ROLES:
-        assert "needs a CUDA device" in engines[role]["skipped"], role
+        why = "not timed: opt-in" if role in kernel_bench.OPT_IN_ROLES else "needs a CUDA device"
+        assert why in engines[role]["skipped"], role
     assert record["flashinfer_best"] == "flashinfer" and record["xqa_us"] is None
     for role in ("persistentkv", "persistentkv_device_planned", "flashinfer"):
         assert engines[role]["rel_err"] < REF_REL_LIMIT[torch.float32], role
@@ -170,6 +171,29 @@ def test_kernel_bench_runs_its_sweeps_and_summary_on_the_cpu(device_step_ops, ca
     table = capsys.readouterr().out
     assert table.splitlines()[1].startswith(name) and "xqa: not available: XQA needs a CUDA device" in table
     json_text("decode.json", {"cases": {name: record}})  # what main writes
+
+
+def test_kernel_bench_times_an_opt_in_baseline_only_when_asked():
+    """FlashInfer's fa3 row (--fa3): left out with the reason unless named, then run as every other
+    baseline is (here, recorded as needing a CUDA device)."""
+    from pkv.measure.kv_data import make_kv_pages, make_queries
+    from pkv.pipeline.pages import assign_pages
+    from pkv.pipeline.step import build_step
+
+    lengths = [40, 9]
+    assignment = assign_pages(lengths, 16, 0.5, 3)
+    step = build_step(0, np.arange(2), np.asarray(lengths, dtype=np.int32), assignment.pages, 16)
+    k, v = make_kv_pages(assignment.num_physical_pages, SHAPE, 16, "float32", "cpu", 3)
+    q = make_queries(2, SHAPE, "float32", "cpu", 4)
+    errors = lambda out: {"rel_err": 0.0}  # noqa: E731 - no row here is judged
+    flusher = L2Flusher("cpu")
+    (role,) = kernel_bench.OPT_IN_ROLES
+    left_out, _ = kernel_bench.time_baselines(step, q, k, v, SHAPE, flusher, 1, errors)
+    asked, _ = kernel_bench.time_baselines(step, q, k, v, SHAPE, flusher, 1, errors, opt_in=(role,))
+    assert left_out[role]["skipped"].startswith("not timed: opt-in (pkv.measure.kernel_bench --fa3")
+    assert "needs a CUDA device" in asked[role]["skipped"]
+    assert set(left_out) == set(asked)
+    assert all(left_out[r].get("skipped") == asked[r].get("skipped") for r in left_out if r != role)
 
 
 def test_every_kernel_bench_case_plans_every_configuration_of_its_sweeps(monkeypatch):

@@ -77,6 +77,7 @@ def run(cfg: PkvConfig) -> list[Path]:
     operating_points = sweep.operating_points()
     uniform_ctas = sweep.uniform_target_ctas(operating_points)
     balanced_fits = sweep.balanced_rule_fits(operating_points)
+    clock.lap("skewed steps on each rule (balanced rule fits)")
     # The probes run the operating points just fitted, as the route policy will.
     probes = _GateProbes(cfg, settings, shape, _apply(calib, operating_points),
                          sweep.gate_steps(operating_points), exp.gate_tolerance)

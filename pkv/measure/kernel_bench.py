@@ -79,6 +79,10 @@ CONFIRM_ROUNDS = 5  # interleaved rounds that re-time the fastest FlashInfer, XQ
 # Baselines timed on every case. FlashInfer's best is the fastest of BEST_OF_ROLES; its fa3
 # backend is timed and reported beside them, never picked (pkv.engines.flashinfer).
 BASELINE_ROLES = (*BEST_OF_ROLES, "flashinfer_fa3", "xqa", "vllm", "vllm_triton")
+# Timed only when asked (--fa3): its first use JIT-compiles FlashInfer's sm90 prefill module for
+# minutes on a machine without that module cached, longer than the rest of the benchmark, for a
+# row that is never the baseline.
+OPT_IN_ROLES = ("flashinfer_fa3",)
 
 
 def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
@@ -168,12 +172,17 @@ def baseline_roles(device) -> tuple[str, ...]:
     return tuple(dict.fromkeys((*flashinfer_roles(device), *BASELINE_ROLES)))
 
 
-def time_baselines(step, q, k, v, shape, flusher, reps, errors) -> tuple[dict, dict]:
+def time_baselines(step, q, k, v, shape, flusher, reps, errors, opt_in=()) -> tuple[dict, dict]:
     """Every baseline role on the case's pages, on q's device: ({role: timing and errors, or why it
     did not run}, {role: (engine, plan)} of those that ran). Each role's plan() host time is
-    recorded beside its decode time, which is taken alone with the L2 flushed."""
+    recorded beside its decode time, which is taken alone with the L2 flushed. A role of
+    OPT_IN_ROLES runs only where ``opt_in`` names it."""
     rows, runs = {}, {}
     for role in baseline_roles(q.device):
+        if role in OPT_IN_ROLES and role not in opt_in:
+            rows[role] = {"skipped": "not timed: opt-in (pkv.measure.kernel_bench --fa3; its first use "
+                                     "JIT-compiles for minutes, and it is never the baseline)"}
+            continue
         if role not in ENGINE_NAMES:
             rows[role] = {"skipped": f"no engine {role!r} in this build"}
             continue
@@ -229,7 +238,8 @@ def b1_breakdown(engine, plan, q, k, v, flusher, reps) -> dict:
     return {label: time_device_us(fn, reps=reps, warmup=3, flusher=flusher).median_us for label, fn in timed.items()}
 
 
-def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layout="hnd", *, dtype="float16"):
+def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layout="hnd", *, dtype="float16",
+             opt_in=()):
     """One case on the flusher's device. On the CPU the stand-ins run it (the torch reference engine
     for PersistentKV's routes at one ring depth, repack + SDPA for FlashInfer) without the B1
     breakdown, which times the CUDA kernels' launches one by one."""
@@ -247,7 +257,7 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layo
         return dict(max_abs_err=diff.max().item(), mean_abs_err=diff.mean().item(),
                     rel_err=((out.double() - ref).norm() / ref.norm()).item())
 
-    rows, baseline_runs = time_baselines(step, q, k, v, shape, flusher, reps, errors)
+    rows, baseline_runs = time_baselines(step, q, k, v, shape, flusher, reps, errors, opt_in)
     # PersistentKV's pages: the baselines' HND pages, or the same pages stored NHD (vLLM's cache
     # layout) and read in place through a permuted view.
     pk, pv = (k, v) if kv_layout == "hnd" else (stored_nhd(k), stored_nhd(v))
@@ -359,7 +369,10 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-layout", choices=("hnd", "nhd"), default="hnd",
                         help="how PersistentKV's pages are stored (the baselines read HND): nhd is vLLM's cache "
                              "layout, read in place")
+    parser.add_argument("--fa3", action="store_true",
+                        help="also time FlashInfer's fa3 backend (OPT_IN_ROLES: minutes of JIT compile on first use)")
     args = parser.parse_args(argv)
+    opt_in = OPT_IN_ROLES if args.fa3 else ()
 
     if not torch.cuda.is_available():
         return write_skipped_no_gpu(args.out, "pkv.measure.kernel_bench/3", None, args.seed)
@@ -370,14 +383,14 @@ def main(argv=None) -> int:
     flusher = L2Flusher("cuda", mode=args.flush)  # time_device_us holds the GPU while the call is queued
     start = time.time()
     cases = {name: run_case(name, CASES[name], shape, flusher, read_gbps, args.reps, args.seed, log,
-                            args.kv_layout)
+                            args.kv_layout, opt_in=opt_in)
              for name in args.cases}
     record = {"schema": "pkv.measure.kernel_bench/3", "read_gbps": read_gbps, "dtype": "float16", "page_size": 16,
               "hole_fraction": 0.5, "reps": args.reps, "flush": args.flush, "kv_layout": args.kv_layout,
-              "seconds": time.time() - start, "cases": cases,
+              "opt_in_roles": list(opt_in), "seconds": time.time() - start, "cases": cases,
               "command": "python -m pkv.measure.kernel_bench " + " ".join(argv or sys.argv[1:]),
               "provenance": collect_provenance(config={"cases": args.cases, "reps": args.reps, "flush": args.flush,
-                                                       "kv_layout": args.kv_layout}, seed=args.seed)}
+                                                       "kv_layout": args.kv_layout, "fa3": args.fa3}, seed=args.seed)}
     write_json_atomic(args.out, record)
     print_summary(cases)
     return 0

@@ -18,7 +18,9 @@ rule kernel_bench:
     resources:
         gpu=GPU_SLOTS,
     shell:
-        f"{GPU_JOB} -m pkv.measure.kernel_bench --out {{output}} > {{log}} 2>&1"
+        f"{GPU_JOB} -m pkv.measure.kernel_bench --out {{output}}"
+        + (" --fa3" if config.get("kernel_bench_fa3", False) else "")
+        + " > {log} 2>&1"
 
 
 rule host_bench:
