@@ -69,6 +69,23 @@ def test_cli_profile_on_cpu_records_why(tmp_path):
     assert json.loads(out.read_text())["skipped"] == "no GPU: Nsight Compute needs one"
 
 
+def test_the_run_ncu_starts_passes_the_clis_checks(tmp_path):
+    """What ncu launches (pkv.experiments.profile.ncu_command's command after the ncu flags), run
+    here without ncu: the child's overrides pass the CLI's checks and it times its trace."""
+    from pkv.experiments.profile import CHILD_ENV, child_overrides
+
+    out = tmp_path / "profile" / "ncu_counters.json"
+    outer = ["experiment=profile", "profile=cpu", "experiment.measured_steps=2", "progress=false",
+             f"out={out}", f"hydra.run.dir={tmp_path}/profile/.run"]
+    env = {**os.environ, CHILD_ENV: "1"}
+    proc = subprocess.run([sys.executable, "-m", "pkv.cli", *child_overrides(outer, out)], cwd=REPO,
+                          env={**env, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                               "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "profile" / "ncu_child").is_dir() and not out.exists()
+
+
 def test_cli_bad_value_exits_with_field_and_value(tmp_path):
     proc = _cli("trace.page_size=24", "out=x", f"hydra.run.dir={tmp_path}/.run", cwd=tmp_path)
     assert proc.returncode != 0

@@ -71,6 +71,15 @@ def range_name(label: str) -> str:
     return f"{label}_decode"
 
 
+def child_overrides(overrides: Sequence[str], out: Path) -> list[str]:
+    """The CLI overrides of the run ncu starts: the outer run's, with its own Hydra run folder and an
+    ``out`` beside it (the child writes no file, but its out must pass the CLI's checks: a file
+    path, not the run folder Hydra has made by then)."""
+    child = [o for o in overrides if not o.startswith(("out=", "hydra.run.dir="))]
+    # Hydra reads "=" inside a value only when quoted.
+    return [*child, f"out='{out.parent / 'ncu_child.json'}'", f"hydra.run.dir='{out.parent / 'ncu_child'}'"]
+
+
 def ncu_command(ncu: str, report_base: Path, overrides: Sequence[str], labels: Sequence[str]) -> list[str]:
     cmd = [ncu, "--clock-control", "none", "--nvtx"]
     for name in sorted({range_name(label) for label in labels}):
@@ -199,11 +208,9 @@ def run(cfg: PkvConfig, overrides: Sequence[str] = ()) -> list[Path]:
         return [write_json_atomic(out, _record(cfg, settings, skipped="ncu (Nsight Compute) not on PATH"))]
 
     report_base = out.parent / "profile"
-    child = [o for o in overrides if not o.startswith(("out=", "hydra.run.dir="))]
-    # Hydra reads "=" inside a value only when quoted.
-    child += [f"out='{out.parent / 'ncu_child'}'", f"hydra.run.dir='{out.parent / 'ncu_child'}'"]
     env = {**os.environ, CHILD_ENV: "1"}
-    proc = subprocess.run(ncu_command(ncu, report_base, child, cfg.experiment.engines), env=env,
+    proc = subprocess.run(ncu_command(ncu, report_base, child_overrides(overrides, out), cfg.experiment.engines),
+                          env=env,
                           capture_output=True, text=True, check=False)
     log = out.parent / "ncu.log"
     write_text_atomic(log, proc.stdout + proc.stderr)
