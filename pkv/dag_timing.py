@@ -165,7 +165,9 @@ def _run_arm(arm: str, overrides: list[str], out: Path, slot_dir: str | None, lo
     if arm == "warm":
         wrapper.append("--warm")
     run_dir = out.parent / f".run_{out.stem}" if out.suffix == ".json" else out / ".run"
-    command = [*wrapper, "--", sys.executable, "-m", "pkv.cli", *overrides, f"out={out}", f"hydra.run.dir={run_dir}"]
+    # Quoted for Hydra, which reads "=" inside a value only when quoted (variant folders: splits=28).
+    command = [*wrapper, "--", sys.executable, "-m", "pkv.cli", *overrides, f"out='{out}'",
+               f"hydra.run.dir='{run_dir}'"]
     # As the DAG's rules run their jobs, so that the warm arm finds the worker the DAG's jobs ran in
     # where it is still up: the checkout first on the path and one thread (workflow/rules/common.smk),
     # and what Snakemake sets for a job of one thread (its thread counts, its temporary folder).

@@ -23,7 +23,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -v -p no:cacheprovider tests/test_large_pool_gpu.py > "$OUT/large_pool_tests.log" 2>&1
   echo "large-pool GPU tests: $(grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed)' "$OUT/large_pool_tests.log" | tail -4 | tr '\n' ' ')"
 fi
-calibration=${LONG_CALIBRATION:-artifacts/reference/h200/measured_gates/calibration.json}
+calibration=${LONG_CALIBRATION:-artifacts/reference/h200/history/4ff4a2f_measured_gates/calibration.json}
 replay() {  # replay <name> <requests> <measured steps> [overrides...]
   local name=$1 requests=$2 steps=$3; shift 3
   local start=$SECONDS

@@ -503,7 +503,7 @@ def test_a_gpus_gates_are_read_in_the_cpu_profiles_tokens(tmp_path):
     from pkv.config import compose
     from pkv.experiments.common import run_calibration
 
-    reference = "artifacts/reference/h200/calibration.json"
+    reference = "artifacts/reference/h200/history/2c0348e_full_dag/calibration.json"
     gates = {r: load_calibration(reference).regime(r).min_context_tokens for r in REGIMES}
 
     def gates_of(*overrides):

@@ -9,7 +9,7 @@ import sys
 from pkv.policy.calibration import load_calibration, save_calibration
 from pkv.report.calibration_spread import render_markdown, spread
 
-REFERENCE = "artifacts/reference/h200/calibration.json"
+REFERENCE = "artifacts/reference/h200/history/2c0348e_full_dag/calibration.json"
 
 
 def _variant(tmp_path, name, many_rows_splits=None, lambda_us=None):

@@ -212,19 +212,23 @@ def test_the_jobs_ran_in_warm_workers(finished_dag):
     assert "| evaluate |" in proc.stdout and "s from the first job's start" in proc.stdout
 
 
+ABLATION_RUN = "ablate/graph/splits=28/bimodal_b4/seed20260623"
+
+
 def test_the_ab_reruns_a_dag_run_fresh_and_warm_and_sets_them_side_by_side(finished_dag, tmp_path):
     import json
 
     out = tmp_path / "ab"
     # No device here: the fresh arm's slot wrapper need not look for one.
     proc = subprocess.run([sys.executable, "-m", "pkv.dag_timing", "ab", "--root", "artifacts/cpu", "--out", str(out),
-                           "--rounds", "1", "evaluate/bimodal_b8/seed20260623"], cwd=finished_dag,
+                           "--rounds", "1", "evaluate/bimodal_b8/seed20260623", ABLATION_RUN], cwd=finished_dag,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PKV_FAKE_DEVICE_COUNT": "0"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "ab.json").read_text())
-    runs = report["runs"]["evaluate/bimodal_b8/seed20260623"]
-    assert set(runs) == {"fresh", "warm"} and all("failed" not in r for rounds in runs.values() for r in rounds)
+    for name in ("evaluate/bimodal_b8/seed20260623", ABLATION_RUN):  # a variant folder holds "="
+        runs = report["runs"][name]
+        assert set(runs) == {"fresh", "warm"} and all("failed" not in r for rounds in runs.values() for r in rounds)
     summary = report["summary"]["evaluate/bimodal_b8/seed20260623"]
     assert {"adaptive.speedup_cuda", "adaptive.cuda_ms_per_step", "flashinfer.wall_ms_per_step"} <= set(summary)
     assert "| evaluate/bimodal_b8/seed20260623 | adaptive.speedup_cuda |" in (out / "ab.md").read_text()
