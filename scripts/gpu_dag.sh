@@ -7,9 +7,10 @@
 #     device's warm worker (pkv.worker: Python, torch, the CUDA context and FlashInfer loaded once
 #     per device, not once per job); before that it took about 50 minutes on an H200 (the build
 #     48 s, the calibration 160 s, a model-step job about 20 s, an evaluate job about 10 s, vLLM's
-#     build about 5 minutes). docs/performance.md ("GPU jobs in warm workers") has the targets and
-#     the per-rule table this script writes. Where runs have a shorter time limit, run it in parts
-#     with DAG_TIMEOUT and RESUME_FROM.
+#     build about 5 minutes); with them, 15.9 minutes on an H100 with the caches carried, in two
+#     parts (commit 487846a, artifacts/reference/h100/). docs/performance.md ("GPU jobs in warm
+#     workers") has the targets and the per-rule table this script writes. Where runs have a
+#     shorter time limit, run it in parts with DAG_TIMEOUT and RESUME_FROM.
 #   PKV_WORKER=0 runs every GPU job in a fresh process, as before warm workers (the "before" figures).
 #   DAG_TIMEOUT=<s>: stop the DAG after this long. RESUME=1 continues a stopped run whose
 #     artifacts/<gpu>/ is in place (left on the machine, or unpacked from artifacts.tgz, which
