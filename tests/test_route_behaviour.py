@@ -96,7 +96,8 @@ def test_every_step_routes_and_plans_as_recorded(recorded):
     for case in recorded["cases"]:
         group = case["group_size"]
         shape = ModelShape(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128)
-        engine = _adaptive(calibs[MOVED.get(case["calibration"], case["calibration"])], shape, OPTION_SETS[case["options"]])
+        calib = calibs[MOVED.get(case["calibration"], case["calibration"])]
+        engine = _adaptive(calib, shape, OPTION_SETS[case["options"]])
         reqs = synthetic_trace(case["family"], num_requests=4 * case["batch"], seed=20260623, length_scale=1.0)
         _, steps = trace_steps(reqs, page_size=16, hole_fraction=0.1, max_active=case["batch"], num_steps=12,
                                seed=20260623)
