@@ -236,3 +236,19 @@ def test_the_rest_of_the_step_is_timed_on_its_first_measured_steps_of_each_batch
     # The job's "done" line is the one pkv.dag_timing reads its measured loop from.
     done = _DONE.search(capsys.readouterr().err)
     assert done and float(done.group(1)) >= 0
+
+
+def test_a_check_step_runs_one_float64_pass_that_holds_every_eager_engine(monkeypatch):
+    """On the check_every-th steps one float64 step holds every eager engine's attention, layer by
+    layer, on its own queries: one float64 attention a layer, however many eager engines there are."""
+    from pkv.measure import model_step_run
+
+    calls = []
+    exact = model_step_run.dense_decode
+    monkeypatch.setattr(model_step_run, "dense_decode", lambda *a, **k: calls.append(1) or exact(*a, **k))
+    metrics = _run(_paths(_eager(BASELINE, SdpaEngine(SHAPE.attention, "cpu")),
+                          _eager("adaptive_eager", _studied_engine())))
+    checks = -(-MEASURED // CHECK_EVERY)
+    assert len(calls) == checks * SHAPE.num_layers  # no step disagreed: no other float64 pass
+    for label in (BASELINE, "adaptive_eager"):
+        assert 0 < metrics[label]["attention_ref_max_rel_err"] < 1e-4, label

@@ -21,9 +21,10 @@ float64 (pkv.engines.dense; the paths differ only in their attention). A path un
 error; a baseline path that is wrong (the run's baseline, or another library's kernel) has the
 step recorded in its metrics (``wrong_steps``, ``first_wrong_step``, its per-step record) and the
 run goes on, the others held to the float64 reference instead of its output on that step. Every
-``check_every`` measured steps the same float64 check runs on every path; besides, each eager
-engine's attention in every layer is checked against float64 in an untimed pass (binding the paths
-under study; a baseline's is recorded), and each graph path against its own engine's eager output.
+``check_every`` measured steps the same float64 check runs on every path; in the same untimed
+float64 pass, each eager engine's attention in every layer is held to float64 on the reference's
+queries and pages (binding the paths under study; a baseline's is recorded), and each graph path
+is checked against its own engine's eager output.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from pkv.measure.harness import (
     query_seed,
     step_where,
 )
-from pkv.measure.model_step import ModelStep, dense_attend
+from pkv.measure.model_step import ModelStep
 from pkv.measure.model_step_paths import EagerPath
 from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer, hold_device
 
@@ -148,34 +149,29 @@ class _Record(Float64Checks):
         }
 
 
-def _verify_eager(path: EagerPath, model: ModelStep, step, x) -> float:
-    """Untimed: the engine's attention in every layer against float64 over the same q and pages."""
-    worst = 0.0
-    plan = path.engine.plan(step)
-    tables, _ = upload_block_table(step, model.device)
-    table, lens = tables["block_table"], tables["seq_lens"]
-
-    def attend(layer, q):
-        nonlocal worst
-        out = path.engine.run(q, model.k_pages[layer], model.v_pages[layer], plan)
-        ref = dense_decode(q, model.k_pages[layer], model.v_pages[layer], step.seq_lens, step.block_table,
-                           sm_scale=model.shape.attention.sm_scale)
-        worst = max(worst, compare(out, ref)["rel_err"])
-        return out
-
-    model.forward(x, table, lens, attend)
-    return worst
-
-
-def _float64_step(model: ModelStep, step, x):
+def _float64_step(model: ModelStep, step, x, eager: dict | None = None):
     """Untimed: the step with every layer's attention in float64 (dense_decode, the trace harness's
     reference), the rest of the step as every path runs it: what each path's final hidden state is
-    held to. It runs after the paths and the eager checks, so its append is the last to write the
-    step's token into the pools: the steps after one a path got wrong read none of that path's K
-    and V."""
+    held to. ``eager`` (label -> EagerPath) also holds each eager engine's attention to the float64
+    attention in every layer, on the reference's own queries and pages, in the same pass: returns
+    (final hidden state, {label: largest relative error over the layers}). It runs after the paths,
+    so its append is the last to write the step's token into the pools: the steps after one a path
+    got wrong read none of that path's K and V."""
     tables, _ = upload_block_table(step, model.device)
-    return model.forward(x, tables["block_table"], tables["seq_lens"],
-                         dense_attend(model, step.block_table, step.seq_lens)).float()
+    plans = {label: path.engine.plan(step) for label, path in (eager or {}).items()}
+    worst = dict.fromkeys(plans, 0.0)
+
+    def attend(layer, q):
+        # pkv.measure.model_step.dense_attend's float64 attention, kept in float64 for the comparison.
+        exact = dense_decode(q, model.k_pages[layer], model.v_pages[layer], step.seq_lens, step.block_table,
+                             sm_scale=model.shape.attention.sm_scale)
+        for label, plan in plans.items():
+            got = eager[label].engine.run(q, model.k_pages[layer], model.v_pages[layer], plan)
+            worst[label] = max(worst[label], compare(got, exact)["rel_err"])
+        return exact.to(q.dtype)
+
+    final = model.forward(x, tables["block_table"], tables["seq_lens"], attend).float()
+    return final, worst
 
 
 def _agreement(out, expected, bound: float) -> tuple[float, bool, str]:
@@ -247,9 +243,8 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
         spent["paths"] += time.perf_counter() - mark
         mark = time.perf_counter()
         check = measured and measured_index % spec.check_every == 0
-        if check:
-            _check(spec, model, step, x, paths, outs, records, limit)
-        _judge(spec, model, step, x, paths, outs, records, STEP_REL_FACTOR * limit, measured, check)
+        reference = _check(spec, model, step, x, paths, outs, records, limit) if check else None
+        _judge(spec, model, step, x, paths, outs, records, STEP_REL_FACTOR * limit, measured, reference)
         now = time.perf_counter()
         spent["checks"] += now - mark
         if progress and now - last >= PROGRESS_EVERY_S:
@@ -279,16 +274,18 @@ def _time_rest(rests: dict, samples: dict, step, x, flusher, device, measured: b
             taken.append(_time(rest, step, x, flusher, device, measured)[4])
 
 
-def _judge(spec, model, step, x, paths, outs, records, bound: float, measured: bool, check: bool) -> None:
+def _judge(spec, model, step, x, paths, outs, records, bound: float, measured: bool, reference=None) -> None:
     """Every path's final hidden state against the baseline's; where one disagrees, and on the
-    check_every-th measured steps, every path's against the float64 reference (the trace harness's
-    rule and its bookkeeping: pkv.measure.harness)."""
+    check_every-th measured steps (``reference``: _check's float64 step), every path's against the
+    float64 reference (the trace harness's rule and its bookkeeping: pkv.measure.harness)."""
+    check = reference is not None
     baseline = spec.baseline
     agreement = {label: _agreement(outs[label], outs[baseline], bound) for label in paths if label != baseline}
     disagreeing = {label: text for label, (_, within, text) in agreement.items() if not within}
-    reference, rels, wrong = None, {}, set()
+    rels, wrong = {}, set()
     if disagreeing or check:
-        reference = _float64_step(model, step, x)
+        if reference is None:
+            reference, _ = _float64_step(model, step, x)
         try:
             rels, wrong = judge_against_float64(step, outs, reference, paths, baseline, records, bound,
                                                  model.dtype, measured, disagreeing)
@@ -313,19 +310,22 @@ def _judge(spec, model, step, x, paths, outs, records, bound: float, measured: b
         records[label].rel_vs_baseline = max(records[label].rel_vs_baseline, rel)
 
 
-def _check(spec, model, step, x, paths, outs, records, limit) -> None:
-    for label, path in paths.items():
-        rec = records[label]
-        if isinstance(path, EagerPath):
-            rel = _verify_eager(path, model, step, x)
-            if not rel < limit and is_studied(label, path, spec.baseline):
-                raise CorrectnessError(f"model step: path {label!r} at {step_where(step)}: attention relative "
-                                       f"error {rel:.3e} against float64 exceeds {limit:.0e} for {model.dtype}")
-            # A baseline's attention error is recorded; whether its step was wrong is the float64
-            # check of its final hidden state, which the ratios of its timings rest on.
-            rec.attention_ref_rel = max(rec.attention_ref_rel or 0.0, rel)
-        else:
-            eager = label.rsplit("_", 1)[0] + "_eager"
-            if eager in outs:
-                rel = compare(outs[label], outs[eager])["rel_err"]
-                rec.rel_vs_eager = max(rec.rel_vs_eager or 0.0, rel)
+def _check(spec, model, step, x, paths, outs, records, limit):
+    """The check_every-th step's float64 pass: every eager engine's attention in every layer held to
+    float64 (binding the paths under study; a baseline's is recorded), each graph path against its
+    own engine's eager output. Returns the float64 step's final hidden state for _judge."""
+    eager = {label: path for label, path in paths.items() if isinstance(path, EagerPath)}
+    reference, attention_rels = _float64_step(model, step, x, eager)
+    for label, rel in attention_rels.items():
+        if not rel < limit and is_studied(label, paths[label], spec.baseline):
+            raise CorrectnessError(f"model step: path {label!r} at {step_where(step)}: attention relative "
+                                   f"error {rel:.3e} against float64 exceeds {limit:.0e} for {model.dtype}")
+        # A baseline's attention error is recorded; whether its step was wrong is the float64
+        # check of its final hidden state, which the ratios of its timings rest on.
+        records[label].attention_ref_rel = max(records[label].attention_ref_rel or 0.0, rel)
+    for label in paths.keys() - eager.keys():
+        own_eager = label.rsplit("_", 1)[0] + "_eager"
+        if own_eager in outs:
+            rel = compare(outs[label], outs[own_eager])["rel_err"]
+            records[label].rel_vs_eager = max(records[label].rel_vs_eager or 0.0, rel)
+    return reference
