@@ -128,3 +128,77 @@ def test_time_interleaved_us_rotates_the_order_and_keeps_round_medians():
     assert min(slow["slow"]) > max(slow["fast"])
     with pytest.raises(ValueError, match="rounds"):
         time_interleaved_us(fns, rounds=0)
+
+
+class _ScriptedQueue:
+    """A device queue whose start events report, in turn, whether the device had reached them by
+    the time the host queued the matching end event (True: the repetition was caught)."""
+
+    def __init__(self, reached):
+        self.reached = list(reached)
+        self.log = []
+
+    def event(self):
+        queue = self
+
+        class Event:
+            def __init__(self):
+                self.index = None
+
+            def record(self):
+                queue.log.append("record")
+                self.index = sum(1 for entry in queue.log if entry == "record")
+
+            def query(self):
+                return queue.reached.pop(0) if queue.reached else False
+
+            def elapsed_time(self, end):
+                return end.index / 1000  # ms: the end event's record count, a rep's fingerprint
+
+        return Event()
+
+    def hold(self, cycles):
+        self.log.append(("hold", cycles))
+
+    def synchronize(self):
+        self.log.append("sync")
+
+
+def _holds(log):
+    return [entry[1] for entry in log if isinstance(entry, tuple)]
+
+
+def test_queued_reps_hold_once_while_the_host_stays_ahead():
+    from pkv.measure.timing import QueuedReps
+
+    queue = _ScriptedQueue(reached=[])
+    samples = QueuedReps(queue).time(lambda: None, 5)
+    assert len(samples) == 5
+    assert _holds(queue.log) == [QueuedReps.FIRST_HOLD_CYCLES]
+
+
+def test_queued_reps_time_a_caught_repetition_again_behind_a_hold():
+    from pkv.measure.timing import QueuedReps
+
+    # rep 3 (unheld) is caught: it is dropped, every later rep is held, and a second round times
+    # one more; its hold stays the same length, since the caught rep had none
+    queue = _ScriptedQueue(reached=[False, False, True, False, False])
+    timer = QueuedReps(queue)
+    samples = timer.time(lambda: None, 5)
+    assert len(samples) == 5 and timer.caught == 1 and timer.hold_every
+    assert 6 / 1000 * 1e3 not in samples  # the caught rep's end event is the 6th record
+    assert _holds(queue.log) == [QueuedReps.FIRST_HOLD_CYCLES] * 4
+    assert queue.log.count("sync") == 4
+
+
+def test_queued_reps_double_a_hold_that_was_too_short_and_give_up_past_the_rounds():
+    from pkv.measure.timing import QueuedReps
+
+    queue = _ScriptedQueue(reached=[True, False])
+    timer = QueuedReps(queue)
+    assert len(timer.time(lambda: None, 1)) == 1
+    assert _holds(queue.log) == [QueuedReps.FIRST_HOLD_CYCLES, 2 * QueuedReps.FIRST_HOLD_CYCLES]
+    always = _ScriptedQueue(reached=[True] * 100)
+    with pytest.raises(RuntimeError, match="caught by the device"):
+        QueuedReps(always).time(lambda: None, 2)
+    assert max(_holds(always.log)) == QueuedReps.MAX_HOLD_CYCLES
