@@ -202,3 +202,19 @@ def test_queued_reps_double_a_hold_that_was_too_short_and_give_up_past_the_round
     with pytest.raises(RuntimeError, match="caught by the device"):
         QueuedReps(always).time(lambda: None, 2)
     assert max(_holds(always.log)) == QueuedReps.MAX_HOLD_CYCLES
+
+
+def test_queued_reps_every_holds_before_each_repetition_and_bad_holds_are_refused(tmp_path):
+    import json
+
+    from pkv.measure import timing_ab
+    from pkv.measure.timing import HEAD_START_CYCLES, QueuedReps
+
+    queue = _ScriptedQueue(reached=[])
+    QueuedReps(queue, hold_every=True, hold_cycles=HEAD_START_CYCLES).time(lambda: None, 3)
+    assert _holds(queue.log) == [HEAD_START_CYCLES] * 3
+    with pytest.raises(ValueError, match="hold must be one of"):
+        time_device_us(lambda: None, reps=1, hold="never")
+    # The A/B of the two holds needs a GPU: without one it records why it did not run.
+    assert timing_ab.main(["--out", str(tmp_path / "ab.json")]) == 0
+    assert json.loads((tmp_path / "ab.json").read_text())["skipped"] == "no GPU"

@@ -112,17 +112,25 @@ def summarize_us(samples: list[float]) -> TimingStats:
     )
 
 
+# How time_device_us gives the host its lead on CUDA (QueuedReps): "queued" holds the device only
+# where a repetition needs it; "every" holds it HEAD_START_CYCLES before every repetition, as all
+# timings did before (pkv.measure.timing_ab times one against the other).
+HOLDS = ("queued", "every")
+
+
 def time_device_us(fn, *, reps: int = 30, warmup: int = 5, flusher: L2Flusher | None = None,
-                   device=None) -> TimingStats:
+                   device=None, hold: str = "queued") -> TimingStats:
     """Time ``fn()`` ``reps`` times: CUDA events around each call on CUDA, perf_counter on CPU.
 
     The L2 flush runs before each repetition, outside the events. On CUDA every timed repetition
-    is queued while the device is still busy with earlier work (``QueuedReps``), so the events
-    time the queued device work and never the host's issue latency. ``device`` defaults to CUDA
-    when available and the flusher's device otherwise.
+    is queued while the device is still busy with earlier work (``QueuedReps``, ``hold`` of
+    HOLDS), so the events time the queued device work and never the host's issue latency.
+    ``device`` defaults to CUDA when available and the flusher's device otherwise.
     """
     if reps < 1 or warmup < 0:
         raise ValueError(f"reps must be >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
+    if hold not in HOLDS:
+        raise ValueError(f"hold must be one of {HOLDS}, got {hold!r}")
     if device is None:
         device = flusher.device if flusher is not None else (
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -130,7 +138,9 @@ def time_device_us(fn, *, reps: int = 30, warmup: int = 5, flusher: L2Flusher | 
         fn()
     samples: list[float] = []
     if _is_cuda(device):
-        samples = QueuedReps(_CudaQueue(device)).time(fn, reps, flusher)
+        every = hold == "every"
+        samples = QueuedReps(_CudaQueue(device), hold_every=every,
+                             hold_cycles=HEAD_START_CYCLES if every else None).time(fn, reps, flusher)
     else:
         for _ in range(reps):
             if flusher is not None:
@@ -177,10 +187,10 @@ class QueuedReps:
     MAX_HOLD_CYCLES = HEAD_START_CYCLES * 32
     MAX_ROUNDS = 8
 
-    def __init__(self, queue) -> None:
+    def __init__(self, queue, *, hold_every: bool = False, hold_cycles: int | None = None) -> None:
         self.queue = queue
-        self.hold_cycles = self.FIRST_HOLD_CYCLES
-        self.hold_every = False  # the device outruns the host on this call
+        self.hold_cycles = int(hold_cycles or self.FIRST_HOLD_CYCLES)
+        self.hold_every = hold_every  # set when the device outruns the host on this call
         self.caught = 0          # repetitions dropped and timed again
 
     def time(self, fn, reps: int, flusher=None) -> list[float]:
