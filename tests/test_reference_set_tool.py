@@ -1,0 +1,89 @@
+"""pkv.report.reference_set: a run becomes a GPU's reference set only whole and at one commit, and
+the set it replaces moves, whole, under history/ with an index entry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pkv.config import ConfigError
+from pkv.report import reference_set as rs
+
+GPU = "NVIDIA H100 80GB HBM3"
+
+
+def _provenance(commit: str, dirty=False) -> dict:
+    return {"git_commit": commit, "git_dirty": dirty, "source_digest": "abc", "gpu_name": GPU,
+            "driver_version": "580", "cuda_version": "13.0", "torch": "2.11", "flashinfer": "0.7.2",
+            "python": "3.12", "timestamp_utc": "2026-12-06T00:00:00+00:00"}
+
+
+def _run(root: Path, commit: str) -> Path:
+    for name in rs.TABLES:
+        for fmt in rs.TABLE_FORMATS:
+            path = root / "tables" / f"{name}.{fmt}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"# {name}\n\nDevice: {GPU}. Commit: {commit[:12]}.\n")
+    for rel in rs.REQUIRED + ("isolated/ctx8192.json",):
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"provenance": _provenance(commit)}) if rel.endswith(".json") else "spread\n")
+    for rel in ("figures/serving_ratio.png", "logs/evaluate/b1/seed1/x.log", "logs/calibrate.log"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x\n")
+    (root / "evaluate" / "b1").mkdir(parents=True)
+    (root / "evaluate" / "b1" / "pkv.json").write_text("{}")  # per-seed results stay out of the set
+    return root
+
+
+def test_a_run_becomes_the_set_and_the_set_it_replaces_moves_to_history(tmp_path):
+    dest = tmp_path / "reference" / "h100"
+    first = _run(tmp_path / "a", "1" * 40)
+    rs.promote(first, dest)
+    assert (dest / "tables" / "table9.html").is_file() and (dest / "logs" / "evaluate" / "b1" / "seed1" / "x.log").is_file()
+    assert not (dest / "evaluate").exists()
+    assert "commit 1111111" in (dest / "README.md").read_text()
+    assert oct((dest / "tables" / "table1.md").stat().st_mode & 0o777) == "0o644"
+
+    log = tmp_path / "part1_dag.log"
+    log.write_text("dag\n")
+    replaced = rs.promote(_run(tmp_path / "b", "2" * 40), dest, [log], "## How it ran\n\ntwo parts\n")
+    assert replaced == dest / "history" / "1111111"
+    assert (replaced / "tables" / "table1.md").read_text().count("Commit: 111111111111") == 1
+    assert (replaced / "README.md").is_file() and not (replaced / "history").exists()
+    index = (dest / "history" / "README.md").read_text()
+    assert "| `1111111/` | 1111111 |" in index and "replaced it" in index
+    assert (dest / "logs" / "dag" / "part1_dag.log").is_file()
+    readme = (dest / "README.md").read_text()
+    assert "commit 2222222" in readme and "two parts" in readme
+    assert not list(tmp_path.glob("reference/.*"))  # no staging left behind
+
+
+@pytest.mark.parametrize("spoil", ["two_commits", "dirty", "other_commit", "no_repeat"])
+def test_a_run_that_is_not_one_clean_commit_is_refused_and_nothing_changes(tmp_path, spoil):
+    dest = tmp_path / "reference" / "h100"
+    rs.promote(_run(tmp_path / "a", "1" * 40), dest)
+    before = sorted(p.relative_to(dest) for p in dest.rglob("*"))
+    run = _run(tmp_path / "b", "2" * 40)
+    if spoil == "two_commits":
+        (run / "tables" / "table4.md").write_text("Commit: 333333333333.\n")
+    elif spoil == "dirty":
+        (run / "host_bench" / "host.json").write_text(json.dumps({"provenance": _provenance("2" * 40, dirty=True)}))
+    elif spoil == "other_commit":
+        (run / "isolated" / "ctx8192.json").write_text(json.dumps({"provenance": _provenance("4" * 40)}))
+    else:
+        (run / "calibration" / "repeat1" / "calibration.json").unlink()
+    with pytest.raises(ConfigError, match=str(run)):
+        rs.promote(run, dest)
+    assert sorted(p.relative_to(dest) for p in dest.rglob("*")) == before
+
+
+def test_the_command_refuses_in_one_line(tmp_path, capsys):
+    run = _run(tmp_path / "a", "1" * 40)
+    (run / "tables" / "claims.md").unlink()
+    with pytest.raises(SystemExit) as exit_:
+        rs.main([str(run), str(tmp_path / "dest")])
+    assert exit_.value.code == 2
+    assert "claims.md: missing" in capsys.readouterr().err
