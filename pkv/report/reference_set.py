@@ -138,14 +138,6 @@ def _readme(commit: str, provenance: dict, gpu: str, notes: str) -> str:
     return head + (notes.rstrip() + "\n\n" if notes.strip() else "") + contents
 
 
-def _history_entry_commit(entry: Path) -> str:
-    for path in sorted(entry.rglob("*.md")):
-        found = COMMIT_LINE.findall(path.read_text(errors="replace"))
-        if found:
-            return found[0][:7]
-    return "–"
-
-
 def _index_with(index: str, name: str, commit: str, count: int, note: str, gpu_title: str) -> str:
     row = f"| `{name}/` | {commit} | {count} files |"
     if not index.strip():
