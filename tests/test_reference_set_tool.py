@@ -30,7 +30,8 @@ def _run(root: Path, commit: str) -> Path:
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"provenance": _provenance(commit)}) if rel.endswith(".json") else "spread\n")
-    for rel in ("figures/serving_ratio.png", "logs/evaluate/b1/seed1/x.log", "logs/calibrate.log"):
+    figures = tuple(f"figures/{name}.png" for name in rs.FIGURES)
+    for rel in figures + ("logs/evaluate/b1/seed1/x.log", "logs/calibrate.log"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("x\n")
     (root / "evaluate" / "b1").mkdir(parents=True)

@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from pkv.report import reference_set as rs
+
 REFERENCE = Path(__file__).resolve().parents[1] / "artifacts" / "reference"
 SETS = sorted(p.parent for p in REFERENCE.glob("*/tables"))
-TABLES = [f"table{k}" for k in range(1, 10)] + ["claims"]
-FORMATS = ("md", "tex", "html")
-# What a set holds beside its tables (rules tables, figure, calibrate, calibrate_repeat,
-# calibration_spread, kernel_bench, host_bench, profile).
-REQUIRED = ("calibration/calibration.json", "calibration/repeat1/calibration.json", "calibration/spread.md",
-            "kernel_bench/decode.json", "host_bench/host.json", "profile/ncu_counters.json", "README.md")
-FIGURES = ("serving_ratio", "route_mix", "isolated_time", "host_device", "kernel_floor", "model_step_ratio")
-# Provenance every result file records: commit, GPU, driver, versions, and whether the tree was clean.
-PROVENANCE = ("git_commit", "git_dirty", "source_digest", "gpu_name", "driver_version", "cuda_version", "torch",
-              "flashinfer", "python", "timestamp_utc")
+# What a set holds and the provenance every result records are the promoting command's
+# (pkv.report.reference_set); the committed sets also have the README it writes.
+TABLES = rs.TABLES
+FORMATS = rs.TABLE_FORMATS
+REQUIRED = rs.REQUIRED + ("README.md",)
+FIGURES = rs.FIGURES
+PROVENANCE = rs.PROVENANCE
 
 
 def test_there_is_a_reference_set():

@@ -28,9 +28,13 @@ from pathlib import Path
 from pkv.atomic_io import JsonFileError, write_text_atomic
 from pkv.config import ConfigError
 from pkv.refusal import exit_on_refusal
+from pkv.report import tables
+from pkv.report.figure_data import FIGURE_DATA
 
-TABLES = tuple(f"table{k}" for k in range(1, 10)) + ("claims",)
-TABLE_FORMATS = ("md", "tex", "html")
+# The tables and figures a set holds are the ones the tables and figure rules render.
+TABLES = tuple(tables.output_names())
+TABLE_FORMATS = tables.FORMATS + ("html",)
+FIGURES = tuple(FIGURE_DATA)
 # What a set keeps of a run, as globs under the run's folder (the rules that write them: tables,
 # figure, model_step_figure, calibrate, calibrate_repeat, calibration_spread, kernel_bench,
 # host_bench, profile, isolated, build, vllm_sources, and every rule's log).
@@ -38,7 +42,8 @@ KEPT = ("tables/*.md", "tables/*.tex", "tables/*.html", "figures/*.png", "figure
         "calibration/calibration.json", "calibration/repeat*/calibration.json", "calibration/spread.md",
         "kernel_bench/*.json", "host_bench/*.json", "profile/*.json", "profile/*.log", "isolated/*.json",
         "build/*.json", "logs/**/*.log")
-# A set is not whole without these (tests/test_reference_sets.py checks the committed ones).
+# A set is not whole without these and every figure's PNG (tests/test_reference_sets.py checks the
+# committed sets, with the README this command writes).
 REQUIRED = ("calibration/calibration.json", "calibration/repeat1/calibration.json", "calibration/spread.md",
             "kernel_bench/decode.json", "host_bench/host.json", "profile/ncu_counters.json")
 # Provenance every JSON result of a set records.
@@ -50,7 +55,7 @@ HISTORY_INDEX = "README.md"
 
 def tables_commit(run: Path) -> str:
     """The one commit every table and the claims check of ``run`` name (their "Commit:" line)."""
-    commits: dict[str, list[str]] = {}
+    commits: dict[str, list[str]] = {}  # each commit named, and the tables that name it
     for name in TABLES:
         for fmt in TABLE_FORMATS:
             path = run / "tables" / f"{name}.{fmt}"
@@ -71,17 +76,16 @@ def tables_commit(run: Path) -> str:
 def kept_files(run: Path) -> list[Path]:
     """The files of ``run`` that a reference set keeps, relative to it, in a fixed order."""
     files = {path.relative_to(run) for pattern in KEPT for path in run.glob(pattern) if path.is_file()}
-    missing = [name for name in REQUIRED if Path(name) not in files]
+    needed = REQUIRED + tuple(f"figures/{name}.png" for name in FIGURES)
+    missing = [name for name in needed if Path(name) not in files]
     if missing:
         raise ConfigError(f"{run}: missing {missing}: a reference set holds the calibration and its repeat, "
-                          "the benchmarks and the Nsight counters")
+                          "the benchmarks, the Nsight counters and every figure")
     return sorted(files)
 
 
-def check_provenance(run: Path, files: list[Path], commit: str) -> dict:
-    """Every JSON file's provenance names ``commit``, a clean tree and where it ran; returns the
-    kernel benchmark's, which the README quotes."""
-    quoted = None
+def check_provenance(run: Path, files: list[Path], commit: str) -> None:
+    """Every JSON file's provenance names ``commit``, a clean tree and where it ran."""
     for rel in files:
         if rel.suffix != ".json":
             continue
@@ -101,9 +105,6 @@ def check_provenance(run: Path, files: list[Path], commit: str) -> dict:
         if provenance["git_dirty"] is not False:
             raise ConfigError(f"{path}: field 'provenance.git_dirty' = {provenance['git_dirty']!r}: "
                               "a reference set runs a committed tree")
-        if rel == Path("kernel_bench/decode.json"):
-            quoted = provenance
-    return quoted
 
 
 def _readme(commit: str, provenance: dict, gpu: str, notes: str) -> str:
@@ -138,8 +139,9 @@ def _readme(commit: str, provenance: dict, gpu: str, notes: str) -> str:
     return head + (notes.rstrip() + "\n\n" if notes.strip() else "") + contents
 
 
-def _index_with(index: str, name: str, commit: str, count: int, note: str, gpu_title: str) -> str:
-    row = f"| `{name}/` | {commit} | {count} files |"
+def _index_with(index: str, name: str, count: int, note: str, gpu_title: str) -> str:
+    """``index`` (history/README.md) with the entry of folder ``name``, named by its commit."""
+    row = f"| `{name}/` | {name} | {count} files |"
     if not index.strip():
         index = (f"# Earlier {gpu_title} runs\n\nEach entry ran at its own commit (the commit its files' "
                  "provenance names); none is part of the reference set one folder up, and their figures are "
@@ -157,7 +159,9 @@ def promote(run: Path, dest: Path, dag_logs: list[Path] = (), notes: str = "") -
     run, dest = Path(run), Path(dest)
     commit = tables_commit(run)
     files = kept_files(run)
-    provenance = check_provenance(run, files, commit)
+    check_provenance(run, files, commit)
+    # The README quotes one result's provenance: check_provenance held every file's to the same run.
+    provenance = json.loads((run / "kernel_bench" / "decode.json").read_text())["provenance"]
     for log in dag_logs:
         if not Path(log).is_file():
             raise ConfigError(f"{log}: field 'dag-logs' names a file that does not exist")
@@ -187,10 +191,9 @@ def promote(run: Path, dest: Path, dag_logs: list[Path] = (), notes: str = "") -
             count = sum(1 for p in old_set.rglob("*") if p.is_file())
             index_path = staging / "history" / HISTORY_INDEX
             index = index_path.read_text() if index_path.is_file() else ""
-            gpu_title = provenance["gpu_name"].split()[1] if len(provenance["gpu_name"].split()) > 1 else dest.name
             note = (f"the reference set of commit {replaced.name} until commit {commit[:7]}'s replaced it; "
                     "its README says how it ran.")
-            write_text_atomic(index_path, _index_with(index, replaced.name, replaced.name, count, note, gpu_title))
+            write_text_atomic(index_path, _index_with(index, replaced.name, count, note, dest.name.upper()))
         write_text_atomic(staging / "README.md", _readme(commit, provenance, dest.name, notes))
         for path in staging.rglob("*"):
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
