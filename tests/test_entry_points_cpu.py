@@ -81,9 +81,10 @@ def test_each_benchmark_records_why_it_did_not_run_without_a_gpu(tmp_path, modul
 
 # ---- pkv.measure.device_step_bench --------------------------------------------------------------
 
-# Rows with no CPU stand-in: FlashInfer's CUDA-graph wrapper.
+# Rows with no CPU stand-in: FlashInfer's CUDA-graph wrapper, the CUDA engine's graph of a host plan.
 DEVICE_STEP_CPU_ROWS = tuple(row for row in device_step_bench.ROWS
-                             if row not in device_step_bench.FLASHINFER_GRAPH_ROWS)
+                             if row not in device_step_bench.FLASHINFER_GRAPH_ROWS
+                             and row not in device_step_bench.CUDA_ONLY_ROWS)
 
 
 def _check_device_step_case(record, case) -> None:
@@ -97,7 +98,7 @@ def _check_device_step_case(record, case) -> None:
     # Every form of the step that writes an output wrote the host-planned step's.
     compared = [name for name, row in rows.items() if "max_abs_diff_vs_host" in row]
     assert {"routed_graph", "device_planned", "device_planned_lists", "in_decode", "in_decode_lists",
-            "device_planned_balanced", "host_planned_balanced"} <= set(compared)
+            "device_planned_balanced", "host_planned_balanced", "device_planned_decode_graph"} <= set(compared)
     for name in compared:
         assert rows[name]["max_abs_diff_vs_host"] < 1e-5, name
     assert rows["flashinfer"]["path"] == "flashinfer"  # the CPU's FlashInfer role: repack + SDPA

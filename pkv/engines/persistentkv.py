@@ -400,6 +400,11 @@ class PersistentKVEngine(Engine):
             offset += slots
 
     # ---- CUDA graph replay (ablation) --------------------------------------------------------
+    def captured_graphs(self) -> list:
+        """The CUDA graphs a cuda_graph engine has captured, one per layout, in capture order (a
+        benchmark replays one bare to time the kernels apart from the plan and its copy)."""
+        return [graphed.graph for graphed in self._graphs.values()]
+
     def _run_graphed(self, q, k_pages, v_pages, plan: DevicePlan) -> torch.Tensor:
         """Replays a captured decode(+merge) whose shapes match this step; the per-step metadata
         is copied into the graph's static buffer. Returns the graph's static output tensor,

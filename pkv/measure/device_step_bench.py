@@ -1,9 +1,12 @@
 """The device-planned decode step against the host-planned one and FlashInfer, on identical pages.
 
 Per case: PersistentKV's workqueue planned on the host (C++ planner, one upload) and run eagerly,
-with the case's fixed split count and with the balanced split rule on a budget of one wave of CTAs;
+with the case's fixed split count and with the balanced split rule on a budget of one wave of CTAs,
+and the fixed count's plan replayed from a graph captured for the step (its grid the plan's live
+tasks: the kernels a graph could replay if the host planned it, "host_planned_graph", on a GPU);
 the same split count planned on the GPU (pkv.engines.device_step) run eagerly over the block table
-and over page lists (pkv.page_table), replayed from a CUDA graph; the same with no plan launch
+and over page lists (pkv.page_table), replayed from a CUDA graph, and its decode alone replayed after one plan (the capacity grid a
+graphed model step's layers replay, "device_planned_decode_graph"); the same with no plan launch
 (planner "in_decode"), eager and replayed; the balanced rule planned on the GPU, eager and
 replayed; replayed through the routed graphs a serving engine would hold
 (pkv.engines.routed_graphs: the route asked of the policy with the host's lengths, then the
@@ -50,10 +53,12 @@ from pkv.shape import ModelShape
 K = 1024
 # Row names of each planner's forms: <name>, <name>_lists (page lists), <name>_graph (replayed).
 PLANNER_ROWS = {"plan_kernel": "device_planned", "in_decode": "in_decode"}
-ROWS = ("host_planned", "host_planned_balanced",
+ROWS = ("host_planned", "host_planned_balanced", "host_planned_graph",
         *(f"{PLANNER_ROWS[p]}{suffix}" for p in PLANNERS for suffix in ("", "_lists", "_graph")),
-        "device_planned_balanced", "device_planned_balanced_graph", "routed_graph", "flashinfer",
-        "flashinfer_graph_tc", "flashinfer_graph_cc")
+        "device_planned_decode_graph", "device_planned_balanced", "device_planned_balanced_graph", "routed_graph",
+        "flashinfer", "flashinfer_graph_tc", "flashinfer_graph_cc")
+# Rows that need the CUDA engine's graph replay of a host plan (the CPU's reference engine has none).
+CUDA_ONLY_ROWS = ("host_planned_graph",)
 # FlashInfer's CUDA-graph rows: row name -> tensor cores.
 FLASHINFER_GRAPH_ROWS = {"flashinfer_graph_tc": True, "flashinfer_graph_cc": False}
 # The balanced rule's budget: one wave of the stages = 2 decode kernels, three CTAs an SM
@@ -180,6 +185,19 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log, *, d
                                  out=None if reference is None else out, reference=reference)
         reference = out if reference is None else reference
     rows["host_planned_balanced"]["target_ctas"] = wave
+    if is_cuda(device):
+        # The host plan's own grid (its live tasks, no more) replayed from a graph captured for this
+        # step: what a layer of a graphed model step would cost if the graph replayed the host-
+        # planned kernels, against the device-planned decode's capacity grid below (device time of
+        # the replay alone; wall and host time with the plan and its copy into the graph).
+        host = build_engine("persistentkv", shape=shape, device=device,
+                            policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, splits)), options={"cuda_graph": True})
+        host.prepare(step, q, k, v)
+        host.run(q, k, v, host.plan(step))
+        (graph,) = host.captured_graphs()
+        rows["host_planned_graph"] = _timed_row(lambda host=host: host.run(q, k, v, host.plan(step)), flusher, reps,
+                                                device_fn=graph.replay, replay=graph.replay,
+                                                out=host.run(q, k, v, host.plan(step)), reference=reference)
 
     # The step planned on the GPU, by each planner, over the block table and over page lists
     # (FlashInfer's indptr / indices: one more dependent read a CTA), eager and replayed; then the
@@ -206,6 +224,15 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log, *, d
         if "target_ctas" in options:
             for suffix in (*(suffix for suffix, _ in forms), "_graph"):
                 rows[row_name + suffix]["target_ctas"] = options["target_ctas"]
+        if row_name == PLANNER_ROWS["plan_kernel"]:
+            # A graphed model step plans once and replays the decode in every layer: the decode (and
+            # merge) of one device plan replayed alone, its capacity grid included, the plan launch
+            # not. Against host_planned_graph, what the capacity grid costs a layer.
+            out = torch.empty_like(q)
+            workspace.plan(table, lens, step.page_size)
+            graph = capture_graph(lambda workspace=workspace, out=out: workspace.decode(q, k, v, table, lens, out))
+            rows["device_planned_decode_graph"] = _timed_row(graph.replay, flusher, reps, out=out,
+                                                             reference=reference, replay=graph.replay)
 
     # The serving form: the caller has written the step into the bucket's buffers; the host asks
     # the route and replays. The pinned policy keeps the case's route on this split count; the
@@ -265,13 +292,13 @@ def main(argv=None) -> int:
     args = bench_parser(__doc__, CASES, reps=30, seed=20260622).parse_args(argv)
     config = {"cases": args.cases, "reps": args.reps}
     if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/8", config, args.seed)
+        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/9", config, args.seed)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
     cases = run_cases({name: CASES[name] for name in args.cases}, ModelShape(), args.reps, args.seed, log)
-    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/8", "cases": cases,
+    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/9", "cases": cases,
                                  "provenance": collect_provenance(config=config, seed=args.seed)})
     return 0
 
