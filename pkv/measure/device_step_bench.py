@@ -5,12 +5,12 @@ with the case's fixed split count and with the balanced split rule on a budget o
 and the fixed count's plan replayed from a graph captured for the step (its grid the plan's live
 tasks: the kernels a graph could replay if the host planned it, "host_planned_graph", on a GPU);
 the same split count planned on the GPU (pkv.engines.device_step) run eagerly over the block table
-and over page lists (pkv.page_table), replayed from a CUDA graph, and its decode alone replayed after one plan (the capacity grid a
-graphed model step's layers replay, "device_planned_decode_graph"); the same with no plan launch
-(planner "in_decode"), eager and replayed; the balanced rule planned on the GPU, eager and
-replayed; replayed through the routed graphs a serving engine would hold
-(pkv.engines.routed_graphs: the route asked of the policy with the host's lengths, then the
-replay over static buffers the caller writes); FlashInfer's fastest decode path for reference,
+and over page lists (pkv.page_table), replayed from a CUDA graph, and its decode alone replayed
+after one plan (the capacity grid a graphed model step's layers replay,
+"device_planned_decode_graph"); the same with no plan launch (planner "in_decode"), eager and
+replayed; the balanced rule planned on the GPU, eager and replayed; replayed through the routed
+graphs a serving engine would hold (pkv.engines.routed_graphs: the route asked of the policy with
+the host's lengths, then the replay over static buffers the caller writes); FlashInfer's fastest decode path for reference,
 and its CUDA-graph decode on tensor and on CUDA cores (planned on the host, then replayed), the mode
 serving engines run it in.
 Device time is CUDA events with an L2 flush before each call (median); wall time is a
