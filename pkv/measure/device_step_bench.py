@@ -10,9 +10,9 @@ after one plan (the capacity grid a graphed model step's layers replay,
 "device_planned_decode_graph"); the same with no plan launch (planner "in_decode"), eager and
 replayed; the balanced rule planned on the GPU, eager and replayed; replayed through the routed
 graphs a serving engine would hold (pkv.engines.routed_graphs: the route asked of the policy with
-the host's lengths, then the replay over static buffers the caller writes); FlashInfer's fastest decode path for reference,
-and its CUDA-graph decode on tensor and on CUDA cores (planned on the host, then replayed), the mode
-serving engines run it in.
+the host's lengths, then the replay over static buffers the caller writes); FlashInfer's fastest
+decode path for reference, and its CUDA-graph decode on tensor and on CUDA cores (planned on the
+host, then replayed), the mode serving engines run it in.
 Device time is CUDA events with an L2 flush before each call (median); wall time is a
 synchronized step with the host work it needs (plan and run; for the graph, copying the step's
 inputs and the replay); host time is how long the host takes to return from that work, with the
@@ -192,12 +192,12 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log, *, d
         # the replay alone; wall and host time with the plan and its copy into the graph).
         host = build_engine("persistentkv", shape=shape, device=device,
                             policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, splits)), options={"cuda_graph": True})
-        host.prepare(step, q, k, v)
-        host.run(q, k, v, host.plan(step))
+        host.prepare(step, q, k, v)  # captures the step's graph
+        out = host.run(q, k, v, host.plan(step))  # the graph's static output
         (graph,) = host.captured_graphs()
         rows["host_planned_graph"] = _timed_row(lambda host=host: host.run(q, k, v, host.plan(step)), flusher, reps,
-                                                device_fn=graph.replay, replay=graph.replay,
-                                                out=host.run(q, k, v, host.plan(step)), reference=reference)
+                                                device_fn=graph.replay, replay=graph.replay, out=out,
+                                                reference=reference)
 
     # The step planned on the GPU, by each planner, over the block table and over page lists
     # (FlashInfer's indptr / indices: one more dependent read a CTA), eager and replayed; then the

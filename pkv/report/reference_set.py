@@ -19,13 +19,12 @@ the tables, figures and claims are computed from them, and each job's log is kep
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
 from pathlib import Path
 
-from pkv.atomic_io import JsonFileError, write_text_atomic
+from pkv.atomic_io import read_json, write_text_atomic
 from pkv.config import ConfigError
 from pkv.refusal import exit_on_refusal
 from pkv.report import tables
@@ -90,10 +89,8 @@ def check_provenance(run: Path, files: list[Path], commit: str) -> None:
         if rel.suffix != ".json":
             continue
         path = run / rel
-        try:
-            provenance = json.loads(path.read_text()).get("provenance")
-        except (json.JSONDecodeError, AttributeError) as exc:
-            raise JsonFileError(f"{path}: not a JSON result ({exc})") from exc
+        result = read_json(path)
+        provenance = result.get("provenance") if isinstance(result, dict) else None
         if not isinstance(provenance, dict):
             raise ConfigError(f"{path}: field 'provenance' = {provenance!r}: a result must say where it came from")
         empty = [key for key in PROVENANCE if provenance.get(key) in (None, "")]
@@ -161,7 +158,7 @@ def promote(run: Path, dest: Path, dag_logs: list[Path] = (), notes: str = "") -
     files = kept_files(run)
     check_provenance(run, files, commit)
     # The README quotes one result's provenance: check_provenance held every file's to the same run.
-    provenance = json.loads((run / "kernel_bench" / "decode.json").read_text())["provenance"]
+    provenance = read_json(run / "kernel_bench" / "decode.json")["provenance"]
     for log in dag_logs:
         if not Path(log).is_file():
             raise ConfigError(f"{log}: field 'dag-logs' names a file that does not exist")
