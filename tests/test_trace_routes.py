@@ -1,0 +1,56 @@
+"""`python -m pkv.experiments.routes`: the calibrated policy's route for each step of a trace, on the CPU."""
+
+import json
+
+import pytest
+
+from pkv.experiments import routes
+from pkv.policy.choose import is_skewed
+
+H100_CALIBRATION = "artifacts/reference/h100/calibration/calibration.json"
+
+
+def _replay(tmp_path, *overrides, all_steps=False):
+    out = tmp_path / "routes.json"
+    argv = [*overrides, "--json", str(out)] + (["--all-steps"] if all_steps else [])
+    assert routes.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_skewed_steps_take_the_balanced_rule_and_the_others_do_not(tmp_path, capsys):
+    # The H100 calibration gives B2-7 steps one row dominates the balanced rule (its few_rows
+    # skew budget); bimodal B4 has both kinds of step.
+    replay = _replay(tmp_path, "trace=bimodal", "trace.max_active=4", "gpu=h100", f"calibration={H100_CALIBRATION}")
+    steps = replay["steps"]
+    assert len(steps) == 68  # the evaluate experiment's warm-up and measured steps
+    assert sum(row["steps"] for row in replay["counts"]) == len(steps)
+    skewed = [is_skewed(s["batch"], s["max_len"], s["tokens"]) for s in steps]
+    assert any(skewed) and not all(skewed)
+    for step, is_skew in zip(steps, skewed):
+        assert ("balanced" in step["route"]) == is_skew, step
+        assert step["route"].startswith("workqueue S=") and step["basis"] == "estimate"
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"bimodal_b4, seed 20260623, 68 steps; policy from {H100_CALIBRATION}")
+    assert replay["provenance"]["seed"] == 20260623
+
+
+def test_all_steps_replays_past_the_timed_steps(tmp_path):
+    timed = _replay(tmp_path, "trace=bimodal", "gpu=h100", f"calibration={H100_CALIBRATION}",
+                    "experiment=model_step")
+    whole = _replay(tmp_path, "trace=bimodal", "gpu=h100", f"calibration={H100_CALIBRATION}",
+                    "experiment=model_step", all_steps=True)
+    assert len(timed["steps"]) == 36 < len(whole["steps"])
+    assert whole["steps"][:36] == timed["steps"]
+
+
+def test_a_missing_calibration_is_refused_naming_the_field(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        routes.exit_on_refusal(lambda: routes.main(["trace=bimodal", "gpu=h100",
+                                                    f"calibration={tmp_path / 'none.json'}"]))
+    assert exit_info.value.code == 2
+    assert "field 'calibration'" in capsys.readouterr().err
+
+
+def test_overrides_keep_the_callers_device_and_out():
+    assert routes._overrides(["trace=bimodal"]) == ["trace=bimodal", "device=cpu", "out=unused"]
+    assert routes._overrides(["device=cuda", "out=/tmp/o"]) == ["device=cuda", "out=/tmp/o"]
