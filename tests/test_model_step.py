@@ -176,6 +176,7 @@ def _write_run(root, trace, seed, ratio_adaptive, skipped_reason="not available:
                    "floor_step_ms_per_step": rest_ms + 2.0, "layers_run": 32, "layers_model": 32, "model": model}
         if label == "adaptive_eager" and adaptive_routes:
             metrics["routes"] = adaptive_routes
+            metrics["selected_route"] = max(adaptive_routes, key=adaptive_routes.get)  # as _Record writes it
         if label in wrong:
             metrics.update(steps=64, wrong_steps=3, wrong_warmup_steps=0, wrong_max_rel_err=0.82, first_wrong_step=(
                 "decode step 9 (B=8, seq_lens=[65540]): relative error 8.200e-01 against the float64 reference "
@@ -203,7 +204,7 @@ def test_table9_renders_ratios_ceiling_and_captured_fraction(tmp_path):
     assert rows["flashinfer_eager"]["captured"] is None and adaptive["layers"] == "32/32"
     assert "CUDA graphs need a CUDA device" in rows["adaptive_graph"]["cuda"].reason
     md = tables.render_table(9, root, "md")
-    assert "| Bimodal B8 | Adaptive route | eager | 32/32 | 2 |" in md and "1.060 ± 0.014×" in md
+    assert "| Bimodal B8 | Adaptive route | eager | – | 32/32 | 2 |" in md and "1.060 ± 0.014×" in md
     assert "model_step/bucketed_b1" in md  # Table 2's traces not run are named
     tex = tables.render_table(9, root, "tex")
     assert r"\begin{table}" in tex and r"$1.060{\pm}0.014\times$" in tex
@@ -249,6 +250,11 @@ def test_table9_names_rows_that_ran_flashinfer_and_one_reason_once(tmp_path):
     assert "every step took FlashInfer's route" in dict(ctx["notes"])[mark]
     assert rows[("bimodal_b8", "adaptive_eager")]["captured"] is not None
     assert not rows[("bimodal_b8", "adaptive_eager")]["marks"]
+    # Each row names its route as Table 2 does, and the steps another route took.
+    assert rows[("bimodal_b8", "adaptive_eager")]["route"] == "PersistentKV workqueue; FlashInfer on 2 of 12 steps"
+    assert gated["route"] == "FlashInfer" and rows[("bimodal_b8", "flashinfer_eager")]["route"] == "–"
+    assert "| Bimodal B8 | Adaptive route | eager | PersistentKV workqueue; FlashInfer on 2 of 12 steps |" in (
+        tables.render_table(9, root, "md"))
     # One seed of two on FlashInfer's route: the captured fraction is the other seed's, and said so.
     _write_run(root, "zipf_b8", 20260623, 1.02, adaptive_routes={"flashinfer": 6})
     _write_run(root, "zipf_b8", 20260624, 1.04, adaptive_routes={"persistentkv_workqueue": 6})
@@ -327,18 +333,21 @@ def test_graph_replay_matches_eager_for_other_lengths(role, pinned_merge):
 
 def test_a_model_step_record_counts_workqueue_steps_by_split_rule():
     """Like Table 2's files, Table 9's count the steps each split rule ran (the skew rule's balanced
-    steps beside the fixed ones), per step and per run; steps off the workqueue have none."""
+    steps beside the fixed ones), per step and per run, and name the split count most of them ran;
+    steps off the workqueue have neither."""
     import types
 
     from pkv.measure.model_step_run import _Record
 
     record = _Record()
     us = dict(wall_us=1.0, cuda_us=1.0, plan_us=0.0, issue_us=0.0, rest_us=0.5, floor_us=0.1)
-    for rule, route in (("fixed", "persistentkv_workqueue"), ("balanced (396 CTAs)", "persistentkv_workqueue"),
-                        ("balanced (396 CTAs)", "persistentkv_workqueue"), (None, "flashinfer")):
-        record.add(types.SimpleNamespace(step=1, batch_size=2, seq_lens=[3, 4]), route, 0, rule, **us)
+    for rule, route, splits in (("fixed", "persistentkv_workqueue", 24),
+                                ("balanced (396 CTAs)", "persistentkv_workqueue", 20),
+                                ("balanced (396 CTAs)", "persistentkv_workqueue", 20), (None, "flashinfer", None)):
+        record.add(types.SimpleNamespace(step=1, batch_size=2, seq_lens=[3, 4]), route, 0, rule, splits, **us)
     metrics = record.metrics(2, 2, "graph", "test")
     assert metrics["split_rules"] == {"balanced (396 CTAs)": 2, "fixed": 1}
+    assert metrics["num_splits"] == 20 and metrics["selected_route"] == "persistentkv_workqueue"
     assert [s["split_rule"] for s in metrics["per_step"]] == ["fixed", "balanced (396 CTAs)", "balanced (396 CTAs)",
                                                               None]
 

@@ -51,6 +51,10 @@ class CorruptOutput:
     def split_rule(self):
         return self.inner.split_rule
 
+    @property
+    def num_splits(self):
+        return self.inner.num_splits
+
     def prepare(self, step, x):
         self.inner.prepare(step, x)
 

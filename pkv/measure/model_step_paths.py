@@ -41,7 +41,7 @@ class EagerPath:
         self.label, self.engine, self.model = label, engine, model
         self.implementation = engine.implementation if engine is not None else "no attention"
         self._inputs = None
-        self.route = self.split_rule = None  # of the step last planned
+        self.route = self.split_rule = self.num_splits = None  # of the step last planned
 
     @property
     def under_study(self) -> bool:
@@ -64,6 +64,7 @@ class EagerPath:
         self._inputs = (x, tables["block_table"], tables["seq_lens"], plan)
         self.route = self.route_of(plan)
         self.split_rule = getattr(plan, "split_rule", None)
+        self.num_splits = getattr(plan, "num_splits", None)
 
     def issue(self) -> torch.Tensor:
         x, table, lens, plan = self._inputs
@@ -102,7 +103,8 @@ class GraphPath:
         self.label, self.model, self.max_pages = label, model, int(max_pages)
         self._static: dict = {}
         self._current = None
-        self.route = self.split_rule = None  # of the step last planned (StepRoute.split_rule)
+        # Of the step last planned: StepRoute.name, .split_rule and .num_splits where a route has them.
+        self.route = self.split_rule = self.num_splits = None
 
     @property
     def under_study(self) -> bool:
@@ -281,6 +283,7 @@ class AdaptiveGraphPath(GraphPath):
     def plan(self, step, x) -> None:
         route = self._route(step)
         self.route, self.split_rule = route.name, route.split_rule
+        self.num_splits = None if route.name == ROUTE_FLASHINFER else int(route.num_splits)
         if route.name == ROUTE_FLASHINFER:
             self.flashinfer_path.plan(step, x)
             self._current = None

@@ -33,6 +33,7 @@ import math
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from pkv.engines.base import upload_block_table
@@ -90,8 +91,10 @@ class _Record(Float64Checks):
         self.rel_vs_eager = None
         self.routes: dict = {}
         self.split_rules: dict = {}  # workqueue steps per split rule (StepRoute.split_rule)
+        self.splits: Counter = Counter()  # PersistentKV steps per split count
 
-    def add(self, step, route, position: int, split_rule: str | None = None, **us) -> None:
+    def add(self, step, route, position: int, split_rule: str | None = None, num_splits: int | None = None,
+            **us) -> None:
         self.steps += 1
         self.tokens += step.batch_size
         for key in self.sums:
@@ -99,6 +102,8 @@ class _Record(Float64Checks):
         self.routes[route] = self.routes.get(route, 0) + 1
         if split_rule is not None:
             self.split_rules[split_rule] = self.split_rules.get(split_rule, 0) + 1
+        if num_splits is not None:
+            self.splits[int(num_splits)] += 1
         self.per_step.append({"step": int(step.step), "batch": int(step.batch_size),
                               "max_len": int(max(step.seq_lens)), "route": route, "split_rule": split_rule,
                               "position": position, **{k: float(v) for k, v in us.items()},
@@ -145,6 +150,8 @@ class _Record(Float64Checks):
             "routes": dict(sorted(self.routes.items(), key=lambda kv: str(kv[0]))),
             "split_rules": dict(sorted(self.split_rules.items())),
             "selected_route": max(self.routes, key=self.routes.get) if self.routes else None,
+            # The split count most of its PersistentKV steps ran (the trace harness's field).
+            "num_splits": self.splits.most_common(1)[0][0] if self.splits else None,
             "per_step": self.per_step,
         }
 
@@ -237,8 +244,9 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
             path = paths[label]
             outs[label], plan_us, issue_us, wall_us, cuda_us = _time(path, step, x, flusher, device, measured)
             if measured:
-                records[label].add(step, path.route, position, path.split_rule, plan_us=plan_us, issue_us=issue_us,
-                                   wall_us=wall_us, cuda_us=cuda_us, rest_us=math.nan, floor_us=floor_us)
+                records[label].add(step, path.route, position, path.split_rule, path.num_splits, plan_us=plan_us,
+                                   issue_us=issue_us, wall_us=wall_us, cuda_us=cuda_us, rest_us=math.nan,
+                                   floor_us=floor_us)
                 records[label].kv_bytes += kv_bytes
         spent["paths"] += time.perf_counter() - mark
         mark = time.perf_counter()

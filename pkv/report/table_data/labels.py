@@ -50,6 +50,7 @@ ROUTE_LABELS = {
     "persistentkv_masked": "PersistentKV masked bucket",
     "persistentkv_workqueue": "PersistentKV workqueue",
     "persistentkv_fused": "PersistentKV fused workqueue",
+    "xqa": "TensorRT-LLM XQA",
 }
 ENGINE_LABELS = {
     "flashinfer": "FlashInfer",

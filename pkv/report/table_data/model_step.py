@@ -1,10 +1,12 @@
 """Table 9: the gain inside a model-shaped decode step, eager and replayed from CUDA graphs.
 
-Per trace and (engine, mode): decode-token throughput and step time (device), attention's share of
-the step, host time per step, the ratio to FlashInfer in the same mode (device time and synchronized
-wall time, taken per seed between files of one run), the ceiling of that ratio (FlashInfer's step
-over the step with attention at the read floor: KV bytes over the calibration's bandwidth) and the
-fraction of the ceiling the device ratio captures. Mean and sample std over the held-out seeds.
+Per trace and (engine, mode): the route most of its steps took (as Table 2 names it, with its
+split count, the steps other split rules and routes took), decode-token throughput and step time
+(device), attention's share of the step, host time per step, the ratio to FlashInfer in the same
+mode (device time and synchronized wall time, taken per seed between files of one run), the ceiling
+of that ratio (FlashInfer's step over the step with attention at the read floor: KV bytes over the
+calibration's bandwidth) and the fraction of the ceiling the device ratio captures. Mean and
+sample std over the held-out seeds.
 
 No ratio, ceiling or captured fraction is taken against a baseline whose output the float64
 reference found wrong on measured steps of the run (metrics.wrong_steps,
@@ -21,7 +23,14 @@ from typing import Any
 from pkv.report.table_data.cells import BaselineWrong, Notes, mean_std
 from pkv.report.table_data.comparisons import BASELINE_ROUTE_ONLY, metric, took_baseline_route_only, wrong_baseline
 from pkv.report.table_data.inputs import Inputs
-from pkv.report.table_data.labels import ENGINE_LABELS, paper_then_found, seeds_text, trace_label
+from pkv.report.table_data.labels import (
+    ENGINE_LABELS,
+    other_routes,
+    paper_then_found,
+    seeds_text,
+    selected_route,
+    trace_label,
+)
 from pkv.report.table_data.loading import held_out, load_trace_tree
 
 # The traces of config/config.yaml's model_step_traces (Table 2's, and the Azure traces where configured).
@@ -155,6 +164,18 @@ def _baseline_wrong_cell(key: str, wrong: dict, notes: Notes, problems: list):
     return notes.missing(reason)
 
 
+def route_cell(seeds: dict, label: str) -> str:
+    """The row's route over its held-out seeds: Table 2's "Selected route" text (the route most
+    seeds' steps took, its split count, the steps of other split rules) and the steps of any other
+    route; "–" where its records count no routes (a row that did not run)."""
+    subjects = [rec for recs in seeds.values() for path, rec in recs
+                if path.stem == label and (rec.get("metrics") or {}).get("routes")]
+    if not subjects:
+        return "–"
+    route, text = selected_route(subjects)
+    return text + other_routes(subjects, route)
+
+
 def table9(root: Path) -> dict[str, Any]:
     notes, inputs = Notes(), Inputs()
     tree = load_trace_tree(root / "model_step")
@@ -189,6 +210,7 @@ def table9(root: Path) -> dict[str, Any]:
                                           f"{BASELINE_ROUTE_ONLY} on {sum(gated)} of {len(gated)} seeds, left out of "
                                           "the captured fraction"))
             rows.append({"label": label, "engine": ENGINE_LABELS.get(role, role), "mode": MODE_LABELS.get(mode, mode),
+                         "route": route_cell(seeds, label),
                          "layers": ", ".join(f"{a}/{b}" for a, b in layers) or "–",
                          "seeds": len(values["step_ms"]), **cells, "marks": marks})
             all_seeds.update(s for s in seeds)
