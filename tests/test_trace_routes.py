@@ -28,7 +28,7 @@ def test_skewed_steps_take_the_balanced_rule_and_the_others_do_not(tmp_path, cap
     assert any(skewed) and not all(skewed)
     for step, is_skew in zip(steps, skewed):
         assert ("balanced" in step["route"]) == is_skew, step
-        assert step["route"].startswith("workqueue S=") and step["basis"] == "estimate"
+        assert step["route"].startswith("PersistentKV workqueue, split 32") and step["basis"] == "estimate"
     printed = capsys.readouterr().out
     assert printed.startswith(f"bimodal_b4, seed 20260623, 68 steps; policy from {H100_CALIBRATION}")
     assert replay["provenance"]["seed"] == 20260623
@@ -54,3 +54,10 @@ def test_a_missing_calibration_is_refused_naming_the_field(tmp_path, capsys):
 def test_overrides_keep_the_callers_device_and_out():
     assert routes._overrides(["trace=bimodal"]) == ["trace=bimodal", "device=cpu", "out=unused"]
     assert routes._overrides(["device=cuda", "out=/tmp/o"]) == ["device=cuda", "out=/tmp/o"]
+
+
+def test_the_runs_engine_options_reach_the_policy(tmp_path):
+    # engine.merge is a kernel variant every PersistentKV route of the run carries.
+    replay = _replay(tmp_path, "trace=bucketed", "trace.max_active=1", "gpu=h100", f"calibration={H100_CALIBRATION}",
+                     "engine.merge=fused")
+    assert {s["route"] for s in replay["steps"]} == {"PersistentKV bucket, split 16, fused merge"}

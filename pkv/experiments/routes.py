@@ -24,6 +24,7 @@ from pkv.atomic_io import write_json_atomic
 from pkv.config import compose
 from pkv.engines import role_policy
 from pkv.experiments.common import (
+    engine_role_and_options,
     kv_pool_pages,
     load_requests,
     model_shape,
@@ -34,18 +35,19 @@ from pkv.experiments.common import (
 from pkv.pipeline.serving import ContinuousDecoder, page_layout
 from pkv.policy.route import describe_route
 from pkv.provenance import collect_provenance
+from pkv.report.table_data.labels import route_label
 from pkv.refusal import exit_on_refusal
 
 SCHEMA = "pkv.experiments.routes/1"
 
 
-def route_label(route) -> str:
-    """A route as this replay counts it: its code, split count and split rule where it has them."""
-    label = describe_route(route)
-    if route.num_splits:
-        label += f" S={route.num_splits}"
+def step_route_label(route) -> str:
+    """A route as the tables name it (with its split count), its merge where not a launch, and its
+    split rule where not the fixed one."""
+    label = route_label(route.name, int(route.num_splits))
+    merge = describe_route(route).partition("+")[2]
     rule = route.split_rule
-    return label + (f", {rule}" if rule and rule != "fixed" else "")
+    return label + (f", {merge.replace('_', ' ')}" if merge else "") + (f"; {rule}" if rule and rule != "fixed" else "")
 
 
 def replay_routes(cfg, *, all_steps: bool = False) -> dict:
@@ -55,7 +57,8 @@ def replay_routes(cfg, *, all_steps: bool = False) -> dict:
     settings = resolve_settings(cfg)
     calib = run_calibration(cfg)
     requests = load_requests(cfg.trace, cfg.seed, settings)
-    policy = role_policy("adaptive", {}, model_shape(cfg), calib)
+    role, options = engine_role_and_options("adaptive", cfg.engine)  # the run's variants (a merge, a bucket mode)
+    policy = role_policy(role, options, model_shape(cfg), calib)
     trace = cfg.trace
     max_steps = None if all_steps else settings.warmup_steps + settings.measured_steps
     assignment = page_layout(requests, layout=trace.page_layout, page_size=trace.page_size,
@@ -67,7 +70,7 @@ def replay_routes(cfg, *, all_steps: bool = False) -> dict:
         decision = policy.choose(step)
         lens = [int(n) for n in step.seq_lens]
         steps.append({"step": position, "batch": len(lens), "max_len": max(lens), "tokens": sum(lens),
-                      "route": route_label(decision.route), "basis": decision.basis,
+                      "route": step_route_label(decision.route), "basis": decision.basis,
                       "reason": decision.reason})
     counts = Counter((s["route"], s["basis"]) for s in steps)
     return {"steps": steps,
