@@ -1,13 +1,14 @@
 """`python -m pkv.experiments.routes`: the calibrated policy's route for each step of a trace, on the CPU."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from pkv.experiments import routes
 from pkv.policy.choose import is_skewed
 
-H100_CALIBRATION = "artifacts/reference/h100/calibration/calibration.json"
+H100_CALIBRATION = str(Path(__file__).resolve().parents[1] / "artifacts/reference/h100/calibration/calibration.json")
 
 
 def _replay(tmp_path, *overrides, all_steps=False):
