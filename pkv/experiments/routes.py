@@ -32,8 +32,8 @@ from pkv.experiments.common import (
     run_calibration,
     trace_name,
 )
-from pkv.pipeline.serving import ContinuousDecoder, page_layout
-from pkv.policy.route import describe_route
+from pkv.measure.calibration_probe import trace_steps
+from pkv.policy.route import MERGE_LAUNCH, ROUTE_FLASHINFER
 from pkv.provenance import collect_provenance
 from pkv.report.table_data.labels import route_label
 from pkv.refusal import exit_on_refusal
@@ -42,12 +42,13 @@ SCHEMA = "pkv.experiments.routes/1"
 
 
 def step_route_label(route) -> str:
-    """A route as the tables name it (with its split count), its merge where not a launch, and its
-    split rule where not the fixed one."""
+    """A route as the tables name it (with its split count), its merge where a PersistentKV route
+    does not launch one, and its split rule where not the fixed one."""
     label = route_label(route.name, int(route.num_splits))
-    merge = describe_route(route).partition("+")[2]
+    if route.name != ROUTE_FLASHINFER and route.merge != MERGE_LAUNCH:
+        label += f", {route.merge} merge"
     rule = route.split_rule
-    return label + (f", {merge.replace('_', ' ')}" if merge else "") + (f"; {rule}" if rule and rule != "fixed" else "")
+    return label + (f"; {rule}" if rule and rule != "fixed" else "")
 
 
 def replay_routes(cfg, *, all_steps: bool = False) -> dict:
@@ -60,13 +61,12 @@ def replay_routes(cfg, *, all_steps: bool = False) -> dict:
     role, options = engine_role_and_options("adaptive", cfg.engine)  # the run's variants (a merge, a bucket mode)
     policy = role_policy(role, options, model_shape(cfg), calib)
     trace = cfg.trace
-    max_steps = None if all_steps else settings.warmup_steps + settings.measured_steps
-    assignment = page_layout(requests, layout=trace.page_layout, page_size=trace.page_size,
-                             hole_fraction=trace.hole_fraction, seed=cfg.seed, max_active=trace.max_active,
-                             max_steps=max_steps, pool_pages=kv_pool_pages(trace, settings, requests))
+    _, decoded = trace_steps(
+        requests, page_size=trace.page_size, hole_fraction=trace.hole_fraction, max_active=trace.max_active,
+        num_steps=None if all_steps else settings.warmup_steps + settings.measured_steps, seed=cfg.seed,
+        layout=trace.page_layout, pool_pages=kv_pool_pages(trace, settings, requests))
     steps = []
-    for position, step in enumerate(ContinuousDecoder(requests, assignment, trace.max_active,
-                                                      max_steps=max_steps).steps()):
+    for position, step in enumerate(decoded):
         decision = policy.choose(step)
         lens = [int(n) for n in step.seq_lens]
         steps.append({"step": position, "batch": len(lens), "max_len": max(lens), "tokens": sum(lens),

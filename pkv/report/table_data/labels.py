@@ -127,6 +127,12 @@ def other_routes(subjects: list[dict], selected: str | None) -> str:
                    for route, n in sorted(routes.items()) if route != selected and n)
 
 
+def routes_taken(subjects: list[dict]) -> str:
+    """A row's route cell (Tables 2 and 9): selected_route's text, then other_routes'."""
+    selected, text = selected_route(subjects)
+    return text + other_routes(subjects, selected)
+
+
 def seeds_phrase(text: str) -> str:
     """seeds_text with its noun: "seed 20260623", "seeds 20260623–20260627", "no seeds"."""
     if text == "none":

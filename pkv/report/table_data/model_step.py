@@ -25,10 +25,9 @@ from pkv.report.table_data.comparisons import BASELINE_ROUTE_ONLY, metric, took_
 from pkv.report.table_data.inputs import Inputs
 from pkv.report.table_data.labels import (
     ENGINE_LABELS,
-    other_routes,
     paper_then_found,
+    routes_taken,
     seeds_text,
-    selected_route,
     trace_label,
 )
 from pkv.report.table_data.loading import held_out, load_trace_tree
@@ -172,8 +171,7 @@ def route_cell(seeds: dict, label: str) -> str:
                 if path.stem == label and (rec.get("metrics") or {}).get("routes")]
     if not subjects:
         return "–"
-    route, text = selected_route(subjects)
-    return text + other_routes(subjects, route)
+    return routes_taken(subjects)
 
 
 def table9(root: Path) -> dict[str, Any]:

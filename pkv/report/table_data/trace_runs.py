@@ -26,10 +26,9 @@ from pkv.report.table_data.labels import (
     PAPER_MLP_TRACES,
     PAPER_SERVING_TRACES,
     ordered,
-    other_routes,
     paper_then_found,
+    routes_taken,
     seeds_text,
-    selected_route,
     trace_label,
 )
 from pkv.report.table_data.loading import Loaded, held_out, load_ablation, load_trace_tree
@@ -87,8 +86,7 @@ def table2(root: Path) -> dict[str, Any]:
         if agg.ok:
             # The route the run took: the most common over its steps and seeds, then any other
             # route its steps took (bimodal B4's route is the calibration's B2-7 decision).
-            selected, text = selected_route(agg.subjects)
-            route: Cell = Text(text + other_routes(agg.subjects, selected))
+            route: Cell = Text(routes_taken(agg.subjects))
             errs = {}
             for key in ("max_abs_err", "mean_abs_err", "ref_max_rel_err"):
                 vals = [metric(s, key) for s in agg.subjects]
