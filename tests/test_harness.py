@@ -1,5 +1,7 @@
 """The trace-run harness on a tiny CPU trace: contract keys, checks, routes and counters."""
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -236,11 +238,12 @@ def test_step_report_groups_the_per_step_records(tmp_path):
             pytest.approx(metrics["wall_ms_per_step"] * 1e3)
     text = report(tmp_path)
     assert "persistentkv_workqueue" in text and "persistentkv_bucket" in text
-    routes_part, places_part = text.split("\n\n")
+    routes_part, places_part, after_part = text.split("\n\n")
     # The CPU profile's line, the header (its device column the host clock), one route group per engine.
     assert routes_part.startswith("CPU profile: not a performance result") and "cpu-clock us" in routes_part
     assert "cuda us" not in text and len(routes_part.splitlines()) == 2 + len(results)
     assert "ran first" in places_part and "ran second" in places_part
+    assert "ran right after" in after_part and "(ran first)" in after_part and "sdpa" in after_part
     with pytest.raises(FileNotFoundError, match="no result files"):
         report(tmp_path / "missing")
 
@@ -293,3 +296,32 @@ def test_run_trace_counts_merge_launches_by_the_route_merge():
     assert results["launch"]["counters"]["merge_launches"] == 1.0
     assert results["fused"]["counters"]["merge_launches"] == 0.0
     assert results["fused"]["implementation"] == "reference:workqueue+fused_merge"
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
+def test_engine_order_puts_every_engine_after_every_other_equally_often(count):
+    """Rotation alone keeps one cyclic order, so an engine always follows the same one; the
+    Williams design balances places and predecessors over its rows, each row holding every engine."""
+    from pkv.measure.harness import engine_order
+
+    names = [f"e{i}" for i in range(count)]
+    rows = count if count % 2 == 0 else 2 * count
+    places, after = Counter(), Counter()
+    for index in range(3 * rows):  # three passes over the design
+        order = engine_order(names, index)
+        assert sorted(order) == names
+        assert order == engine_order(names, index + rows)  # the design repeats
+        places.update((name, place) for place, name in enumerate(order))
+        after.update(zip(order, order[1:]))
+    assert set(places.values()) == {3 * rows // count}
+    assert len(after) == count * (count - 1)
+    assert len(set(after.values())) <= 1
+
+
+def test_step_records_name_the_engine_that_ran_right_before():
+    spec = tiny_spec()
+    results = run_trace(spec, SHAPE, engines(), "sdpa", progress=False)
+    for metrics in results.values():
+        for record in metrics["per_step"]:
+            assert (record["after"] is None) == (record["position"] == 0)
+            assert record["after"] in (None, *results)

@@ -1,8 +1,9 @@
 """The serving-trace harness (paper 3.6, 3.9): every engine, every decode step, one pass.
 
 All engines of a run see the same page assignment, the same K,V tensors (allocated once, sized
-by the assignment) and the same queries. Per step and engine: the L2 flush (untimed), then
-synchronized wall time of plan + run (+ the MLP tail); then, after another flush, the device time
+by the assignment) and the same queries. Per step and engine, in an order that puts every engine
+in every place and right after every other equally often over steps (``engine_order``): the L2
+flush (untimed), then synchronized wall time of plan + run (+ the MLP tail); then, after another flush, the device time
 of a second run of the same plan, queued behind a GPU-side hold (pkv.measure.timing.hold_device) so the
 events time device work and not the host's launch latency.
 Each engine's output is checked against the baseline engine's before the step counts (fp32
@@ -98,6 +99,32 @@ def query_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([int(seed), int(step)]).generate_state(1)[0])
 
 
+def engine_order(names: list[str], index: int) -> list[str]:
+    """The order the engines of step ``index`` run in, from a Williams design over ``names``.
+
+    Rotating one order puts every engine in every place equally often but keeps the cyclic
+    order, so each engine runs right after the same one on most steps; an engine that plans
+    right after another engine's plan through the same library (the adaptive route's FlashInfer
+    fallback, then FlashInfer itself) finds that code and its data warm on the host, which was
+    worth about 70 us of a 480 us FlashInfer plan on an H100's host. The design's rows (n of
+    them for an even count n, those and their reverses for an odd one) put every engine in
+    every place, and right after every other engine, equally often; step ``index`` takes row
+    ``index`` modulo their count."""
+    count = len(names)
+    first = [0]  # 0, 1, n-1, 2, n-2, ...: the first row of the design
+    low, high = 1, count - 1
+    while len(first) < count:
+        first.append(low)
+        low += 1
+        if len(first) < count:
+            first.append(high)
+            high -= 1
+    rows = [[(slot + shift) % count for slot in first] for shift in range(count)]
+    if count % 2:
+        rows += [row[::-1] for row in rows]
+    return [names[slot] for slot in rows[index % len(rows)]]
+
+
 def default_num_sms(device) -> int:
     """SMs for the structural counters; on the CPU profile one core plays the role of an SM."""
     device = torch.device(device)
@@ -190,9 +217,10 @@ class _EngineRecord(Float64Checks):
         self.counters: list = []
 
     def add_step(self, step, plan, plan_us: float, issue_us: float, wall_us: float, cuda_us: float,
-                 position: int = 0) -> None:
+                 position: int = 0, after: str | None = None) -> None:
         """One measured step: the totals, the route and split counts, and the step's own record.
-        ``position`` is the engine's place in the step's rotated order (0: it ran first)."""
+        ``position`` is the engine's place in the step's order (0: it ran first), ``after`` the
+        engine that ran right before it in that step (None where it ran first)."""
         route = getattr(plan, "route", None)
         splits = getattr(plan, "num_splits", None)
         split_rule = getattr(plan, "split_rule", None)
@@ -212,7 +240,7 @@ class _EngineRecord(Float64Checks):
             "step": int(step.step), "batch": int(step.batch_size), "max_len": int(max(step.seq_lens)),
             "route": route, "split_rule": split_rule, "variant": getattr(plan, "kernel_variant", None),
             "plan_us": plan_us, "issue_us": issue_us, "wall_us": wall_us, "cuda_us": cuda_us,
-            "position": int(position), "ref_rel_err": None, "wrong": False})
+            "position": int(position), "after": after, "ref_rel_err": None, "wrong": False})
 
     def metrics(self, implementation: str) -> dict:
         selected = self.routes.most_common(1)[0][0] if self.routes else None
@@ -338,9 +366,7 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
         measured = measured_index >= 0
         q = make_queries(step.batch_size, shape, dtype, device, query_seed(spec.seed, step.step))
         outputs = {}
-        # Rotate who goes first each step so no engine always runs right after the flush of
-        # another's cache state or at a fixed point of the clock ramp.
-        order = names[index % len(names):] + names[:index % len(names)]
+        order = engine_order(names, index)
         for position, name in enumerate(order):
             engine = engines[name]
             engine.prepare(step, q, k_pages, v_pages)
@@ -372,7 +398,8 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
                 record = records[name]
                 record.add_step(step, plan, plan_us=(planned - wall.started) * 1e6,
                                 issue_us=(issued - planned) * 1e6, wall_us=wall.elapsed_us,
-                                cuda_us=device_timer.elapsed_us, position=position)
+                                cuda_us=device_timer.elapsed_us, position=position,
+                                after=order[position - 1] if position else None)
                 record.counters.append(step_counters(plan, step, shape, sms, kv_dtype_bytes))
 
         agreement = {name: _agreement(engines[name], outputs[name], outputs[baseline], ref_limit)

@@ -3,8 +3,9 @@
 A result file of the harness (``evaluate``, ``mlp`` and ``ablate`` outputs) keeps one record per
 measured step. This groups them by route and kernel family and prints, for each engine of a run
 directory, the steps of each group and their mean plan, issue, wall and device time, so a ratio
-in a table can be traced to the steps behind it; then each engine's mean wall time by its place in
-the step's order, which the harness rotates:
+in a table can be traced to the steps behind it; then each engine's mean plan and wall time by its
+place in the step's order and by the engine that ran right before it in the step, both of which the
+harness balances (``pkv.measure.harness.engine_order``):
 
     python -m pkv.report.step_report artifacts/h200/evaluate/bucketed_b1/seed20260623
 """
@@ -43,9 +44,20 @@ def group_steps(per_step: list[dict]) -> dict[tuple[str, str], dict]:
 
 def wall_by_position(per_step: list[dict]) -> dict[int, dict]:
     """{position: {"steps": n, "<time>": mean}} for the records that carry the engine's place in
-    the step's order (0: it ran first). The harness rotates the order step by step; a wide gap
+    the step's order (0: it ran first). The harness balances the order over steps; a wide gap
     between positions means single-step wall ratios are mostly order noise."""
     means = _means_by(per_step, lambda r: int(r["position"]) if "position" in r else None)
+    return dict(sorted(means.items()))
+
+
+FIRST = "(ran first)"
+
+
+def wall_by_predecessor(per_step: list[dict]) -> dict[str, dict]:
+    """{engine that ran right before in the step, or FIRST: {"steps": n, "<time>": mean}} for the
+    records that carry it. A gap here that the places do not show is one engine warming the host
+    for another (two engines planning through the same library)."""
+    means = _means_by(per_step, lambda r: (r["after"] or FIRST) if "after" in r else None)
     return dict(sorted(means.items()))
 
 
@@ -61,6 +73,7 @@ def report(run_dir: Path) -> str:
         else []
     lines.append(f"{'engine':<28}{'route':<24}{'kernels':<9}{'steps':>6}" + "".join(f"{labels[t]:>13}" for t in TIMES))
     positions: dict[str, dict[int, dict]] = {}
+    predecessors: dict[str, dict[str, dict]] = {}
     for path, record in records.items():
         metrics = record.get("metrics")
         if metrics is None:
@@ -74,11 +87,15 @@ def report(run_dir: Path) -> str:
             lines.append(f"{path.stem:<28}{route:<24}{variant:<9}{g['steps']:>6}"
                          + "".join(f"{g[t]:>13.1f}" for t in TIMES))
         positions[path.stem] = wall_by_position(per_step)
-    if any(positions.values()):
-        lines += ["", f"{'engine':<28}{'place in step':<16}{'steps':>6}{'plan us':>11}{'wall us':>11}"]
-        for engine, by_position in positions.items():
-            for place, g in by_position.items():
-                lines.append(f"{engine:<28}{ordinal(place):<16}{g['steps']:>6}{g['plan_us']:>11.1f}{g['wall_us']:>11.1f}")
+        predecessors[path.stem] = wall_by_predecessor(per_step)
+    for title, groups, name in (("place in step", positions, ordinal),
+                                ("ran right after", predecessors, str)):
+        if any(groups.values()):
+            lines += ["", f"{'engine':<28}{title:<28}{'steps':>6}{'plan us':>11}{'wall us':>11}"]
+            for engine, by_key in groups.items():
+                for key, g in by_key.items():
+                    lines.append(f"{engine:<28}{name(key):<28}{g['steps']:>6}{g['plan_us']:>11.1f}"
+                                 f"{g['wall_us']:>11.1f}")
     return "\n".join(lines)
 
 
