@@ -2,9 +2,10 @@
 
 Every path (engine x mode) of a run sees the same steps, page tables, pools and inputs, as in
 pkv.measure.harness. Per step: the step without attention is timed per mode (the rest of the step,
-for attention's share; below); then each path, in a rotated order, gets the L2 flush (untimed), the
-synchronized wall time of its host plan plus the whole step, and, after another flush, the device
-time of the same planned step queued behind a GPU-side hold (pkv.measure.timing.hold_device).
+for attention's share; below); then each path, in an order balanced over steps
+(pkv.measure.harness.engine_order), gets the L2 flush (untimed), the synchronized wall time of
+its host plan plus the whole step, and, after another flush, the device time of the same planned
+step queued behind a GPU-side hold (pkv.measure.timing.hold_device).
 
 The step without attention depends on the batch size alone (its append writes one token per row
 wherever the lengths put it), so each mode's rest is timed on the first ``REST_SAMPLES`` measured
@@ -43,6 +44,7 @@ from pkv.measure.harness import (
     REF_REL_LIMIT,
     CorrectnessError,
     Float64Checks,
+    engine_order,
     float64_errors,
     is_studied,
     judge_against_float64,
@@ -239,7 +241,7 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
         kv_bytes = model.kv_bytes_read(step.seq_lens)
         floor_us = kv_bytes / (spec.beta_gbps * 1e3)
         outs = {}
-        order = labels[index % len(labels):] + labels[:index % len(labels)]
+        order = engine_order(labels, index)
         for position, label in enumerate(order):
             path = paths[label]
             outs[label], plan_us, issue_us, wall_us, cuda_us = _time(path, step, x, flusher, device, measured)
