@@ -62,6 +62,16 @@ def test_a_run_becomes_the_set_and_the_set_it_replaces_moves_to_history(tmp_path
     assert not list(tmp_path.glob("reference/.*"))  # no staging left behind
 
 
+def test_a_dag_log_in_json_is_refused_before_anything_changes(tmp_path):
+    """A set's JSON files are results that name their run; the DAG's timing JSON names none."""
+    dest = tmp_path / "reference" / "h100"
+    timing = tmp_path / "part1_dag_timing.json"
+    timing.write_text("{}")
+    with pytest.raises(ConfigError, match="part1_dag_timing.json: field 'dag-logs'"):
+        rs.promote(_run(tmp_path / "a", "1" * 40), dest, [timing])
+    assert not dest.exists()
+
+
 @pytest.mark.parametrize("spoil", ["two_commits", "dirty", "other_commit", "no_repeat"])
 def test_a_run_that_is_not_one_clean_commit_is_refused_and_nothing_changes(tmp_path, spoil):
     dest = tmp_path / "reference" / "h100"

@@ -162,6 +162,11 @@ def promote(run: Path, dest: Path, dag_logs: list[Path] = (), notes: str = "") -
     for log in dag_logs:
         if not Path(log).is_file():
             raise ConfigError(f"{log}: field 'dag-logs' names a file that does not exist")
+        if Path(log).suffix == ".json":
+            # Every JSON file of a set is a result that names its run; the DAG's timing JSON
+            # names none, and its .md twin carries the same table.
+            raise ConfigError(f"{log}: field 'dag-logs' names a JSON file: a set's JSON files are results "
+                              f"with provenance; keep the DAG's .log and .md files")
     replaced = None
     if (dest / "tables").is_dir():
         old = tables_commit(dest)
