@@ -8,7 +8,11 @@ import pytest
 from pkv.experiments import routes
 from pkv.policy.choose import is_skewed
 
-H100_CALIBRATION = str(Path(__file__).resolve().parents[1] / "artifacts/reference/h100/calibration/calibration.json")
+H100_REFERENCE = Path(__file__).resolve().parents[1] / "artifacts/reference/h100"
+# A calibration that routes batches of 2-7 rows to the workqueue (the set of 487846a, kept in
+# history), and the reference set's own, whichever way it routes them.
+H100_CALIBRATION = str(H100_REFERENCE / "history/487846a/calibration/calibration.json")
+REFERENCE_CALIBRATION = H100_REFERENCE / "calibration/calibration.json"
 
 
 def _replay(tmp_path, *overrides, all_steps=False):
@@ -33,6 +37,16 @@ def test_skewed_steps_take_the_balanced_rule_and_the_others_do_not(tmp_path, cap
     printed = capsys.readouterr().out
     assert printed.startswith(f"bimodal_b4, seed 20260623, 68 steps; policy from {H100_CALIBRATION}")
     assert replay["provenance"]["seed"] == 20260623
+
+
+def test_a_regime_calibrated_to_flashinfer_sends_every_step_there(tmp_path):
+    calibration = json.loads(REFERENCE_CALIBRATION.read_text())["calibration"]
+    if calibration["regimes"]["few_rows"]["route"] != "flashinfer":
+        pytest.skip("the reference calibration routes batches of 2-7 rows to PersistentKV")
+    replay = _replay(tmp_path, "trace=bimodal", "trace.max_active=4", "gpu=h100",
+                     f"calibration={REFERENCE_CALIBRATION}")
+    multi_row = [s for s in replay["steps"] if 2 <= s["batch"] <= 7]
+    assert multi_row and all(s["route"] == "FlashInfer" and s["basis"] == "gate: regime" for s in multi_row)
 
 
 def test_all_steps_replays_past_the_timed_steps(tmp_path):
