@@ -406,7 +406,14 @@ def test_gate_and_group_size_decisions_record_the_margin_at_their_boundary():
     assert gate["noise_band"] == 0.02 and gate["required_margin"] == pytest.approx(1 / 1.02)
     groups = decisions["supported_group_sizes"]
     assert groups["value"] == [4, 8] and groups["by_group"] == {"8": {"measured_margin": pytest.approx(60 / 61),
+                                                                     "interval_half_width": None,
                                                                      "opened": True}}
+    # The same margin with its interval straddling 1 / 1.02: a tie, kept on FlashInfer.
+    probes.group_totals[8][0]["interval_half_width"] = 0.01
+    decisions = probes.decisions(gates, probes.fit_group_sizes(START))
+    assert decisions["supported_group_sizes"]["value"] == [4]
+    assert decisions["supported_group_sizes"]["by_group"]["8"] == {
+        "measured_margin": pytest.approx(60 / 61), "interval_half_width": 0.01, "opened": False}
 
 
 # --------------------------------------------------------------------------------------

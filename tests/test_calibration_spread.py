@@ -120,6 +120,18 @@ def test_a_flipped_split_count_shows_each_runs_tied_candidates(tmp_path):
             "28: fastest 28; within 1.0% of it: 28 |") in text
 
 
+def test_a_flipped_group_size_shows_each_probes_margin_and_interval(tmp_path):
+    paths = []
+    for name, groups, margin, half in (("a.json", (4,), 0.977, 0.004), ("b.json", (1, 4), 0.982, None)):
+        decision = {"value": list(groups), "noise_band": 0.02, "required_margin": 1 / 1.02,
+                    "by_group": {"1": {"measured_margin": margin, "interval_half_width": half, "opened": 1 in groups}}}
+        paths.append(tmp_path / name)
+        calib = dataclasses.replace(load_calibration(REFERENCE), supported_group_sizes=groups)
+        save_calibration(paths[-1], calib, {"measurements": {"decisions": {"supported_group_sizes": decision}}})
+    text = render_markdown(spread(paths))
+    assert "| supported_group_sizes | 4: G=1 0.977x ± 0.4% (closed); band 2.0% | 1, 4: G=1 0.982x; band 2.0% |" in text
+
+
 def test_a_file_from_before_the_decisions_were_recorded_still_compares(tmp_path):
     """A pkv.calibration/3 file without measurements.decisions: the B2-7 route's margin from its split
     sweep, its band not recorded; any other decision not recorded."""

@@ -188,6 +188,18 @@ def test_group_size_holds_on_every_probe_within_the_tolerance():
     assert group_size_holds(records, 0.02) and not group_size_holds(records, 0.0)
 
 
+def test_a_group_probe_whose_interval_straddles_the_margin_is_a_tie_and_stays_closed():
+    # 0.977x and 0.982x of FlashInfer against a 2% tolerance (0.980x): the two calibrations of one
+    # H100 that opened and closed G = 1 on them. With their intervals (0.5%) both straddle the margin.
+    margin_of = lambda gain, half: [{"persistentkv_device_us_total": 100.0, "flashinfer_device_us_total": 100.0 * gain,
+                                     "interval_half_width": half}]
+    assert not group_size_holds(margin_of(0.977, 0.005), 0.02)
+    assert not group_size_holds(margin_of(0.982, 0.005), 0.02)
+    assert group_size_holds(margin_of(0.982, 0.0), 0.02)  # a record without noise: the plain rule
+    assert group_size_holds(margin_of(1.10, 0.02), 0.02)  # clears the margin by more than its interval
+    assert not group_size_holds(margin_of(1.10, None), 0.02)  # one step: no interval, no evidence
+
+
 def test_context_gate_opens_where_persistentkv_wins_every_longer_class():
     assert [context_class(n) for n in (1, 8191, 8192, 8200, 16383)] == [1, 4096, 8192, 8192, 8192]
     # wins at 8K and 16K (class totals, not single steps: one 8K step loses, the class wins)

@@ -517,6 +517,10 @@ class _GateProbes:
             self.gate_steps.setdefault(regime, []).append({"source": f"probe {name}", **_gate_rows(timed, timed_fi)})
         else:
             record["fits"] = "supported_group_sizes"
+            # The gain's interval over the probe's steps: group_size_holds keeps a probe whose
+            # interval straddles the required margin on FlashInfer.
+            gain = measured_gain([s.measured_us for s in timed.samples], [s.measured_us for s in timed_fi.samples])
+            record["interval_half_width"] = gain.record()["interval_half_width"]
             self.group_totals.setdefault(group, []).append(record)
 
     def fit_context_gates(self, start: Calibration) -> dict:
@@ -540,7 +544,9 @@ class _GateProbes:
         its device time is at most FlashInfer's x (1 + tolerance), so the band is the tolerance and
         a tie inside it goes to PersistentKV (the cheaper host path); the margin of a gate is its
         boundary class's (the shortest that held, else the longest measured), with the next shorter
-        class's beside it, and a group size's is its worst probe's."""
+        class's beside it, and a group size's is its worst probe's, with that probe's interval
+        half-width (a group size opens only where every probe's interval clears the required
+        margin: pkv.policy.fits.group_size_holds)."""
         required = 1.0 / (1.0 + self.tolerance)
         band = {"noise_band": self.tolerance, "required_margin": required}
         out = {}
@@ -554,8 +560,10 @@ class _GateProbes:
                           "basis": fit["reason"], "applied": fit["applied"]}
         by_group = {}
         for group, records in sorted(self.group_totals.items()):
-            worst = min(r["flashinfer_device_us_total"] / r["persistentkv_device_us_total"] for r in records)
-            by_group[str(group)] = {"measured_margin": worst, "opened": group in group_fit["opened"]}
+            worst = min(records, key=lambda r: r["flashinfer_device_us_total"] / r["persistentkv_device_us_total"])
+            by_group[str(group)] = {
+                "measured_margin": worst["flashinfer_device_us_total"] / worst["persistentkv_device_us_total"],
+                "interval_half_width": worst.get("interval_half_width"), "opened": group in group_fit["opened"]}
         if by_group:
             out["supported_group_sizes"] = {"value": group_fit["fitted"], "by_group": by_group, **band,
                                             "applied": group_fit["applied"]}

@@ -321,6 +321,20 @@ def fit_regime_route(persistentkv_us: Sequence[float], flashinfer_us: Sequence[f
 
 def group_size_holds(records: Iterable[Mapping], tolerance: float) -> bool:
     """A probed group size is routed when PersistentKV's device time held (beat FlashInfer's, or
-    came within the tolerance) on every probe of it."""
-    return all(r["persistentkv_device_us_total"] <= r["flashinfer_device_us_total"] * (1.0 + tolerance)
-               for r in records)
+    came within the tolerance) on every probe of it, by more than the probe's own noise.
+
+    A probe's gain (FlashInfer's summed time over PersistentKV's) must reach 1 / (1 + tolerance)
+    with the lower end of its interval, ``interval_half_width`` (relative, from measured_gain over
+    the probe's steps): a probe whose interval straddles that margin is a tie, and a tie keeps the
+    group on FlashInfer every time, so two calibrations of one machine do not open and close it on
+    noise. A probe whose half-width could not be measured (None: fewer than 2 steps) holds nothing;
+    a record without the field (written before it was kept) is read with a half-width of 0."""
+    required = 1.0 / (1.0 + tolerance)
+    for r in records:
+        half = r.get("interval_half_width", 0.0)
+        if half is None:
+            return False
+        gain = r["flashinfer_device_us_total"] / r["persistentkv_device_us_total"]
+        if gain * (1.0 - half) < required:
+            return False
+    return True

@@ -88,6 +88,12 @@ def decision_evidence(record: dict, name: str) -> dict | None:
     return None
 
 
+def _interval_text(entry: dict) -> str:
+    """" ± h" of a group probe's relative interval half-width, where the calibration kept one."""
+    half = entry.get("interval_half_width")
+    return f" ± {half:.1%}" if isinstance(half, (int, float)) else ""
+
+
 def evidence_text(entry: dict | None) -> str:
     """One decision's margin and band as spread.md prints them."""
     if not entry:
@@ -95,7 +101,8 @@ def evidence_text(entry: dict | None) -> str:
     band = entry.get("noise_band")
     band_text = f"band {band:.1%}" if isinstance(band, (int, float)) else "band not recorded"
     if "by_group" in entry:  # the group sizes: each probed G's worst probe
-        groups = ", ".join(f"G={g} {e['measured_margin']:.3f}x{'' if e.get('opened') else ' (closed)'}"
+        groups = ", ".join(f"G={g} {e['measured_margin']:.3f}x{_interval_text(e)}"
+                           f"{'' if e.get('opened') else ' (closed)'}"
                            for g, e in sorted(entry["by_group"].items(), key=lambda item: int(item[0])))
         return f"{groups}; {band_text}"
     margin = entry.get("measured_margin")
