@@ -3,9 +3,9 @@
 All engines of a run see the same page assignment, the same K,V tensors (allocated once, sized
 by the assignment) and the same queries. Per step and engine, in an order that puts every engine
 in every place and right after every other equally often over steps (``engine_order``): the L2
-flush (untimed), then synchronized wall time of plan + run (+ the MLP tail); then, after another flush, the device time
-of a second run of the same plan, queued behind a GPU-side hold (pkv.measure.timing.hold_device) so the
-events time device work and not the host's launch latency.
+flush (untimed), then synchronized wall time of plan + run (+ the MLP tail); then, after another
+flush, the device time of a second run of the same plan, queued behind a GPU-side hold
+(pkv.measure.timing.hold_device) so the events time device work and not the host's launch latency.
 Each engine's output is checked against the baseline engine's before the step counts (fp32
 compare, the paper's bounds); every ``check_every`` measured steps all engines are also
 compared with the float64 dense reference.
