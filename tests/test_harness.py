@@ -318,6 +318,12 @@ def test_engine_order_puts_every_engine_after_every_other_equally_often(count):
     assert len(set(after.values())) <= 1
 
 
+def test_engine_order_of_no_engines_is_empty():
+    from pkv.measure.harness import engine_order
+
+    assert engine_order([], 3) == []
+
+
 def test_step_records_name_the_engine_that_ran_right_before():
     spec = tiny_spec()
     results = run_trace(spec, SHAPE, engines(), "sdpa", progress=False)

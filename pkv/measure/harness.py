@@ -111,6 +111,8 @@ def engine_order(names: list[str], index: int) -> list[str]:
     every place, and right after every other engine, equally often; step ``index`` takes row
     ``index`` modulo their count."""
     count = len(names)
+    if count == 0:
+        return []
     first = [0]  # 0, 1, n-1, 2, n-2, ...: the first row of the design
     low, high = 1, count - 1
     while len(first) < count:
