@@ -1,0 +1,133 @@
+"""What Table 2's attention lead predicts for Table 9's graph-replayed step, per trace.
+
+Table 2 times one attention call per step of a trace (device time, L2 flushed); Table 9 times a
+whole model step of the same trace and seeds, replayed from CUDA graphs. If each graphed layer's
+attention kept Table 2's lead r (adaptive over FlashInfer, decode-token throughput), and the rest
+of the step were the same for both engines, FlashInfer's step of attention share a would shrink to
+1 - a (1 - 1/r) of itself: the predicted step ratio is 1 / (1 - a (1 - 1/r)). Set beside the
+ratio Table 9 measured, and its ceiling (attention at the read floor), per held-out seed within
+one run, then mean and sample std:
+
+    python -m pkv.report.graph_gain artifacts/h100 [--json out.json]
+
+A measured ratio near the prediction says the graph keeps the lead the trace's steps have; one
+well below it says the lead is lost inside the step (launch gaps FlashInfer's graph removes, the
+kernels' order beside the model's). A seed is left out where either run's output was found wrong
+on measured steps, or where the step does not split into attention and the rest
+(pkv.report.table_data.model_step.separable: a host-bound step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from pkv.atomic_io import write_text_atomic
+from pkv.config import ConfigError
+from pkv.refusal import exit_on_refusal
+from pkv.report.table_data.comparisons import metric
+from pkv.report.table_data.labels import trace_label
+from pkv.report.table_data.loading import held_out, load_trace_tree
+from pkv.report.table_data.model_step import separable
+
+COLUMNS = ("table2_ratio", "attention_share", "predicted", "measured", "ceiling")
+
+
+def predicted_ratio(table2_ratio: float, attention_share: float) -> float:
+    """The step ratio if attention alone changed by Table 2's throughput ratio: FlashInfer's step
+    is 1, its attention ``attention_share`` of it, the adaptive step 1 - share (1 - 1 / ratio)."""
+    return 1.0 / (1.0 - attention_share * (1.0 - 1.0 / table2_ratio))
+
+
+def _by_engine(records) -> dict:
+    return {record.get("engine"): record for _, record in records}
+
+
+def _wrong(*records) -> bool:
+    return any((metric(r, "wrong_steps") or 0) > 0 for r in records)
+
+
+def seed_row(evaluate: dict, model_step: dict) -> dict | str:
+    """One seed's figures, or why the seed is left out."""
+    adaptive, flashinfer = evaluate.get("adaptive"), evaluate.get("flashinfer")
+    graph, fi_graph = model_step.get("adaptive_graph"), model_step.get("flashinfer_graph")
+    if None in (adaptive, flashinfer, graph, fi_graph):
+        return "a result file is missing"
+    if _wrong(adaptive, flashinfer, graph, fi_graph):
+        return "an output was wrong on measured steps"
+    if not separable(fi_graph):
+        return "FlashInfer's graphed step is bound by its host"
+    values = [metric(adaptive, "cuda_tok_s"), metric(flashinfer, "cuda_tok_s"), metric(graph, "cuda_tok_s"),
+              metric(fi_graph, "cuda_tok_s"), metric(fi_graph, "attention_share"),
+              metric(fi_graph, "cuda_ms_per_step"), metric(fi_graph, "floor_step_ms_per_step")]
+    if any(v is None or v <= 0 for v in values):
+        return "a metric is missing"
+    pkv_tok_s, fi_tok_s, graph_tok_s, fi_graph_tok_s, share, fi_step_ms, floor_step_ms = values
+    table2 = pkv_tok_s / fi_tok_s
+    return {"table2_ratio": table2, "attention_share": share, "predicted": predicted_ratio(table2, share),
+            "measured": graph_tok_s / fi_graph_tok_s, "ceiling": fi_step_ms / floor_step_ms}
+
+
+def graph_gain(run: Path) -> dict:
+    """{trace: {"seeds": {seed: row or reason}, "mean": {column: mean}, "std": {column: std}}} for
+    the model-step traces of ``run`` (artifacts/<gpu>) that Table 2 also ran."""
+    evaluate = load_trace_tree(run / "evaluate")
+    model_step = load_trace_tree(run / "model_step")
+    if not model_step:
+        raise ConfigError(f"{run / 'model_step'}: no model-step results (Table 9's) under this folder")
+    out = {}
+    for trace, seeds in model_step.items():
+        if trace not in evaluate:
+            continue
+        rows = {seed: seed_row(_by_engine(evaluate[trace].get(seed, [])), _by_engine(seeds[seed]))
+                for seed in held_out(seeds)}
+        kept = [row for row in rows.values() if isinstance(row, dict)]
+        summary = {"seeds": rows, "mean": {}, "std": {}}
+        for column in COLUMNS if kept else ():
+            values = [row[column] for row in kept]
+            summary["mean"][column] = statistics.fmean(values)
+            summary["std"][column] = statistics.stdev(values) if len(values) > 1 else None
+        out[trace] = summary
+    return out
+
+
+def _cell(summary: dict, column: str) -> str:
+    mean, std = summary["mean"].get(column), summary["std"].get(column)
+    if mean is None:
+        return "–"
+    return f"{mean:.3f}" + (f" ± {std:.3f}" if std is not None else "")
+
+
+def render_markdown(report: dict) -> str:
+    lines = ["| Trace | Seeds | Table 2 device ratio | Attention share | Predicted step ratio | Table 9 graph ratio "
+             "| Ceiling |", "|---|---:|---:|---:|---:|---:|---:|"]
+    notes = []
+    for trace, summary in report.items():
+        kept = sum(isinstance(row, dict) for row in summary["seeds"].values())
+        lines.append(f"| {trace_label(trace)} | {kept} | " + " | ".join(_cell(summary, c) for c in COLUMNS) + " |")
+        notes += [f"- {trace_label(trace)}, seed {seed}: left out, {row}"
+                  for seed, row in summary["seeds"].items() if isinstance(row, str)]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path, help="a run's artifacts folder, artifacts/<gpu>")
+    parser.add_argument("--json", type=Path, help="also write the figures per seed here")
+
+    def run() -> int:
+        report = graph_gain(args.run)
+        print(render_markdown(report), end="")
+        if args.json is not None:
+            write_text_atomic(args.json, json.dumps({"run": str(args.run), "traces": report}, indent=1) + "\n")
+        return 0
+
+    args = parser.parse_args(argv)
+    return exit_on_refusal(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""pkv.report.graph_gain: Table 2's attention lead carried into Table 9's graphed step, per seed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pkv.config import ConfigError
+from pkv.report import graph_gain as gg
+
+
+def _write(path, engine, **metrics):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"schema": "pkv.result/1", "experiment": "x", "engine": engine, "run_id": "r",
+                                "trace": {"name": path.parent.parent.name}, "performance_result": True,
+                                "metrics": metrics, "provenance": {}}))
+
+
+def _run(root, seed=20260623, pkv_tok_s=110.0, fi_tok_s=100.0, graph_tok_s=102.0, share=0.5, wrong=0,
+         host_ms=0.1):
+    ev = root / "evaluate" / "bimodal_b8" / f"seed{seed}"
+    _write(ev / "adaptive.json", "adaptive", cuda_tok_s=pkv_tok_s, wrong_steps=0)
+    # A baseline found wrong on measured steps (an engine under study that is wrong stops its run).
+    _write(ev / "flashinfer.json", "flashinfer", cuda_tok_s=fi_tok_s, wrong_steps=wrong,
+           **({"first_wrong_step": "step 3"} if wrong else {}))
+    ms = root / "model_step" / "bimodal_b8" / f"seed{seed}"
+    _write(ms / "adaptive_graph.json", "adaptive_graph", cuda_tok_s=graph_tok_s, wrong_steps=0)
+    _write(ms / "flashinfer_graph.json", "flashinfer_graph", cuda_tok_s=100.0, wrong_steps=0, attention_share=share,
+           cuda_ms_per_step=10.0, floor_step_ms_per_step=8.0, host_ms_per_step=host_ms,
+           attention_cuda_ms_per_step=5.0, floor_attention_ms_per_step=3.0)
+
+
+def test_the_prediction_is_the_step_with_only_attention_faster():
+    # Attention half the step and 10% faster in throughput: the step is 1 - 0.5 (1 - 1/1.1) of itself.
+    assert gg.predicted_ratio(1.1, 0.5) == pytest.approx(1 / (1 - 0.5 / 11))
+    assert gg.predicted_ratio(1.0, 0.7) == 1.0
+
+
+def test_a_run_gives_each_seed_its_prediction_beside_the_measured_ratio(tmp_path):
+    _run(tmp_path, 20260623)
+    _run(tmp_path, 20260624, graph_tok_s=103.0)
+    _run(tmp_path, 20260622)  # the calibration seed is not evidence
+    _run(tmp_path, 20260625, wrong=2)
+    report = gg.graph_gain(tmp_path)
+    seeds = report["bimodal_b8"]["seeds"]
+    assert sorted(seeds) == [20260623, 20260624, 20260625]
+    assert seeds[20260625] == "an output was wrong on measured steps"
+    row = seeds[20260623]
+    assert row["table2_ratio"] == pytest.approx(1.1) and row["measured"] == pytest.approx(1.02)
+    assert row["predicted"] == pytest.approx(gg.predicted_ratio(1.1, 0.5)) and row["ceiling"] == pytest.approx(1.25)
+    assert report["bimodal_b8"]["mean"]["measured"] == pytest.approx(1.025)
+    text = gg.render_markdown(report)
+    assert "| Bimodal B8 | 2 | 1.100 ± 0.000 | 0.500 ± 0.000 | 1.048 ± 0.000 | 1.025 ± 0.007 | 1.250 ± 0.000 |" in text
+    assert "- Bimodal B8, seed 20260625: left out, an output was wrong on measured steps" in text
+
+
+def test_a_host_bound_step_has_no_share_to_carry_the_lead(tmp_path):
+    _run(tmp_path, host_ms=20.0)  # the host takes longer than the device's 10 ms step
+    row = gg.graph_gain(tmp_path)["bimodal_b8"]["seeds"][20260623]
+    assert row == "FlashInfer's graphed step is bound by its host"
+
+
+def test_a_folder_without_model_steps_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="model_step"):
+        gg.graph_gain(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        gg.main([str(tmp_path)])
+    assert exit_.value.code == 2 and "model_step" in capsys.readouterr().err
+
+
+def test_the_json_holds_every_seed(tmp_path):
+    _run(tmp_path)
+    out = tmp_path / "gain.json"
+    assert gg.main([str(tmp_path), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["traces"]["bimodal_b8"]["seeds"]["20260623"]["measured"] == pytest.approx(1.02)
