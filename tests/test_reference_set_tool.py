@@ -62,6 +62,19 @@ def test_a_run_becomes_the_set_and_the_set_it_replaces_moves_to_history(tmp_path
     assert not list(tmp_path.glob("reference/.*"))  # no staging left behind
 
 
+def test_a_run_with_model_steps_keeps_what_the_graph_kept_of_table_2s_lead(tmp_path):
+    """graph_gain needs the per-seed files a set leaves behind: the promotion writes it first."""
+    from test_graph_gain import _run as model_step_run
+
+    run = _run(tmp_path / "a", "1" * 40)
+    model_step_run(run)
+    dest = tmp_path / "reference" / "h100"
+    rs.promote(run, dest)
+    text = (dest / rs.GRAPH_GAIN).read_text()
+    assert f"Device: {GPU}. Commit: 111111111111." in text and "| Bimodal B8 | 1 | 1.100 |" in text
+    assert f"`{rs.GRAPH_GAIN}`" in (dest / "README.md").read_text()
+
+
 def test_a_dag_log_in_json_is_refused_before_anything_changes(tmp_path):
     """A set's JSON files are results that name their run; the DAG's timing JSON names none."""
     dest = tmp_path / "reference" / "h100"

@@ -6,7 +6,8 @@ calibration with its repeats and spread, the kernel and host benchmarks, the Nsi
 isolated calls and every job's log. This command checks that the run is that (every table and the
 claims name one commit; every JSON result records that commit, a clean tree and where it ran),
 moves the set it replaces, whole, under ``history/<commit>/`` and lists it in ``history/README.md``,
-and writes the new set with a README of the run's provenance. Nothing is changed where a check
+and writes the new set with a README of the run's provenance and, for a run with model steps,
+``graph_gain.md`` (pkv.report.graph_gain, which reads per-seed files the set does not keep). Nothing is changed where a check
 fails: the refusal names the file, the field and the value.
 
     python -m pkv.report.reference_set artifacts/h100 artifacts/reference/h100 \\
@@ -27,7 +28,7 @@ from pathlib import Path
 from pkv.atomic_io import read_json, write_text_atomic
 from pkv.config import ConfigError
 from pkv.refusal import exit_on_refusal
-from pkv.report import tables
+from pkv.report import graph_gain, tables
 from pkv.report.figure_data import FIGURE_DATA
 
 # The tables and figures a set holds are the ones the tables and figure rules render.
@@ -50,6 +51,7 @@ PROVENANCE = ("git_commit", "git_dirty", "source_digest", "gpu_name", "driver_ve
               "flashinfer", "python", "timestamp_utc")
 COMMIT_LINE = re.compile(r"Commit: `*([0-9a-f]{7,40})")
 HISTORY_INDEX = "README.md"
+GRAPH_GAIN = "graph_gain.md"
 
 
 def tables_commit(run: Path) -> str:
@@ -104,6 +106,18 @@ def check_provenance(run: Path, files: list[Path], commit: str) -> None:
                               "a reference set runs a committed tree")
 
 
+def _graph_gain_text(run: Path, commit: str, provenance: dict, gpu: str) -> str | None:
+    """pkv.report.graph_gain of the run, which needs the per-seed files a set does not keep: made
+    here, before they are left behind. None for a run without model steps."""
+    if not (run / "model_step").is_dir():
+        return None
+    return (f"# Table 2's attention lead inside Table 9's graphed step\n\n"
+            f"Device: {provenance['gpu_name']}. Commit: {commit[:12]}. "
+            f"`python -m pkv.report.graph_gain artifacts/{gpu}` on the run, before promotion "
+            f"(its docstring says what each column is).\n\n"
+            + graph_gain.render_markdown(graph_gain.graph_gain(run)))
+
+
 def _readme(commit: str, provenance: dict, gpu: str, notes: str) -> str:
     versions = (f"torch {provenance['torch']}, FlashInfer {provenance['flashinfer']}, "
                 f"Python {provenance['python']}")
@@ -129,6 +143,8 @@ def _readme(commit: str, provenance: dict, gpu: str, notes: str) -> str:
         "| `host_bench/host.json` | host time of one step per engine | `host_bench` |\n"
         "| `profile/` | Table 5's Nsight Compute counters and the profiler's log | `profile` |\n"
         "| `isolated/` | Table 1's isolated B1 calls | `isolated` |\n"
+        f"| `{GRAPH_GAIN}` | Table 2's attention lead carried into Table 9's graphed step, per trace "
+        "(`python -m pkv.report.graph_gain`, made at promotion) | – |\n"
         "| `logs/` | every job's log (`logs/dag/`: the DAG's own logs and per-rule times) | every rule |\n\n"
         "The per-seed result files of Tables 2-4 and 6-9 (`evaluate/`, `ablate/`, `mlp/`, `model_step/`) "
         "are not kept here; the tables, figures and claims are computed from them, and each job's log "
@@ -159,6 +175,7 @@ def promote(run: Path, dest: Path, dag_logs: list[Path] = (), notes: str = "") -
     check_provenance(run, files, commit)
     # The README quotes one result's provenance: check_provenance held every file's to the same run.
     provenance = read_json(run / "kernel_bench" / "decode.json")["provenance"]
+    gain = _graph_gain_text(run, commit, provenance, dest.name)
     for log in dag_logs:
         if not Path(log).is_file():
             raise ConfigError(f"{log}: field 'dag-logs' names a file that does not exist")
@@ -197,6 +214,8 @@ def promote(run: Path, dest: Path, dag_logs: list[Path] = (), notes: str = "") -
                     "its README says how it ran.")
             write_text_atomic(index_path, _index_with(index, replaced.name, count, note, dest.name.upper()))
         write_text_atomic(staging / "README.md", _readme(commit, provenance, dest.name, notes))
+        if gain is not None:
+            write_text_atomic(staging / GRAPH_GAIN, gain)
         for path in staging.rglob("*"):
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         # The swap: the old folder aside, the staged one in its place, then the old one removed; a
