@@ -120,3 +120,6 @@ for log in $(grep -A12 "^Error in rule" "$OUT/dag.log" | grep -o "log: [^ ,]*" |
   echo "== $log"; tail -5 "$log" 2>/dev/null | cut -c1-300
 done
 for t in 2 4 5; do head -30 "artifacts/$GPU_NAME/tables/table$t.md" 2>/dev/null; done
+# What Table 9's graph kept of Table 2's attention lead (pkv.report.graph_gain), once both have run;
+# written to $OUT too, since a reference set is promoted from this run's per-seed files.
+python3 -m pkv.report.graph_gain "artifacts/$GPU_NAME" > "$OUT/graph_gain.md" 2>/dev/null && cat "$OUT/graph_gain.md"
