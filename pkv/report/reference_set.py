@@ -7,8 +7,8 @@ isolated calls and every job's log. This command checks that the run is that (ev
 claims name one commit; every JSON result records that commit, a clean tree and where it ran),
 moves the set it replaces, whole, under ``history/<commit>/`` and lists it in ``history/README.md``,
 and writes the new set with a README of the run's provenance and, for a run with model steps,
-``graph_gain.md`` (pkv.report.graph_gain, which reads per-seed files the set does not keep). Nothing is changed where a check
-fails: the refusal names the file, the field and the value.
+``graph_gain.md`` (pkv.report.graph_gain, which reads per-seed files the set does not keep).
+Nothing is changed where a check fails: the refusal names the file, the field and the value.
 
     python -m pkv.report.reference_set artifacts/h100 artifacts/reference/h100 \\
         [--dag-logs part1_dag.log part1_timing.md ...] [--notes how_it_ran.md]
