@@ -43,6 +43,20 @@ def total_tokens(lens) -> int:
     return int(lens.sum(dtype=np.int64)) if isinstance(lens, np.ndarray) else sum(lens)
 
 
+def _long_row_splits(long_tiles: list[int], tiles_per_task: int, max_splits: int) -> tuple[int, int]:
+    """The balanced rule (pkv.pipeline.schedule.row_splits) on the rows it splits: (splits beyond
+    the one every live row has, slots of the rows that merge) for rows of ``long_tiles`` tiles,
+    each longer than ``tiles_per_task`` (a shorter row is one split). A row asks ceil(n / per_task)
+    splits, at most max_splits, of which ceil(n / ceil(n / s)) own tiles (schedule.nonempty_splits)."""
+    extra = merged = 0
+    for n in long_tiles:
+        k = -(-n // -(-n // min(-(-n // tiles_per_task), max_splits)))
+        extra += k - 1
+        if k > 1:
+            merged += k
+    return extra, merged
+
+
 @dataclass(frozen=True)
 class RouteEstimate:
     """T_r and the terms it is made of, all times in microseconds."""
@@ -102,8 +116,8 @@ class Estimator:
         if route.name == ROUTE_WORKQUEUE:
             policy = route.split_policy
             if policy.kind == "fixed":
-                # The fixed rule in one pass over the rows (_workqueue_splits' lists cost twice as
-                # much at B8, on every decode step): ceil(n / ceil(n / S)) splits of a row of n > S tiles.
+                # The fixed rule in one pass over the rows (lists of tiles and splits cost twice as much
+                # at B8, on every decode step): ceil(n / ceil(n / S)) splits of a row of n > S tiles.
                 cap = policy.num_splits
                 total = merged_rows = 0
                 for length in lens:
@@ -113,9 +127,11 @@ class Estimator:
                     if k > 1:
                         merged_rows += k
                 return hkv * total, 2 if merged_rows else 1, hkv * merged_rows
-            splits = self._workqueue_splits(lens, route)
-            merged_rows = sum(k for k in splits if k > 1)
-            return hkv * sum(splits), 2 if merged_rows else 1, hkv * merged_rows
+            tiles = [-(-length // TILE_TOKENS) for length in lens]
+            live = sum(1 for n in tiles if n)
+            per_task = balanced_tiles_per_task(sum(tiles), live, hkv, policy)
+            extra, merged_rows = _long_row_splits([n for n in tiles if n > per_task], per_task, policy.max_splits)
+            return hkv * (live + extra), 2 if merged_rows else 1, hkv * merged_rows
         raise ValueError(f"Estimator: unknown route {route.name!r}")
 
     def _counts_vector(self, lens: np.ndarray, route: StepRoute) -> tuple[int, int, int]:
@@ -138,20 +154,14 @@ class Estimator:
                 splits = row_splits(lens, hkv, policy).astype(np.int64)
                 merged_rows = int(splits[splits > 1].sum())
                 return hkv * int(splits.sum()), 2 if merged_rows else 1, hkv * merged_rows
-            # The balanced rule of pkv.pipeline.schedule.row_splits: a row of at most tiles_per_task
-            # tiles is one split, so only the longer rows are split, one by one, as ints. Array
-            # operations cost about a microsecond each here whatever their length, and this runs
-            # on every skewed decode step (a skewed B64 step has one such row: 4.6 us, not 10.4).
+            # The balanced rule: only the rows longer than a task's tiles are split (_long_row_splits),
+            # found with three array operations. Each costs about a microsecond whatever its length,
+            # and this runs on every skewed decode step (a skewed B64 step: 4.6 us, not 10.4).
             tiles = (lens + (TILE_TOKENS - 1)) // TILE_TOKENS
             live = int(np.count_nonzero(tiles))
             per_task = balanced_tiles_per_task(int(tiles.sum()), live, hkv, policy)
-            total, merged_rows = live, 0  # every live row counted once as one split
-            for n in tiles[tiles > per_task].tolist():
-                k = -(-n // -(-n // min(-(-n // per_task), policy.max_splits)))  # its non-empty splits
-                total += k - 1
-                if k > 1:
-                    merged_rows += k
-            return hkv * total, 2 if merged_rows else 1, hkv * merged_rows
+            extra, merged_rows = _long_row_splits(tiles[tiles > per_task].tolist(), per_task, policy.max_splits)
+            return hkv * (live + extra), 2 if merged_rows else 1, hkv * merged_rows
         raise ValueError(f"Estimator: unknown route {route.name!r}")
 
     def _fixed_rule_counts(self, lens: np.ndarray, num_splits: int) -> int | None:
@@ -179,19 +189,6 @@ class Estimator:
             table = splits.astype(np.int64) + ((splits == 1).astype(np.int64) << 32)
             self._fixed_tables[num_splits] = table
         return table
-
-    def _workqueue_splits(self, lens: list[int], route: StepRoute) -> list[int]:
-        """Non-empty splits per row (pkv.pipeline.schedule.row_splits, from ints)."""
-        tiles = [-(-length // TILE_TOKENS) for length in lens]
-        policy = route.split_policy
-        if policy.kind == "fixed":
-            cap = policy.num_splits
-            requested = [cap if cap < n else n for n in tiles]
-        else:
-            per_task = balanced_tiles_per_task(sum(tiles), sum(1 for n in tiles if n), self.hkv, policy)
-            requested = [min(max(-(-n // per_task), 1), policy.max_splits) for n in tiles]
-        # Splits past ceil(n / ceil(n / s)) would own no tiles (schedule.nonempty_splits).
-        return [-(-n // -(-n // s)) for n, s in zip(tiles, requested)]
 
     def plan_us(self, route: StepRoute) -> float:
         """The measured host planning per step charged to a route."""

@@ -31,7 +31,7 @@ from pkv.refusal import exit_on_refusal
 from pkv.report.table_data.comparisons import metric
 from pkv.report.table_data.labels import trace_label
 from pkv.report.table_data.loading import held_out, load_trace_tree
-from pkv.report.table_data.model_step import separable
+from pkv.report.table_data.model_step import separable, step_ceiling
 
 COLUMNS = ("table2_ratio", "attention_share", "predicted", "measured", "ceiling")
 
@@ -61,14 +61,13 @@ def seed_row(evaluate: dict, model_step: dict) -> dict | str:
     if not separable(fi_graph):
         return "FlashInfer's graphed step is bound by its host"
     values = [metric(adaptive, "cuda_tok_s"), metric(flashinfer, "cuda_tok_s"), metric(graph, "cuda_tok_s"),
-              metric(fi_graph, "cuda_tok_s"), metric(fi_graph, "attention_share"),
-              metric(fi_graph, "cuda_ms_per_step"), metric(fi_graph, "floor_step_ms_per_step")]
+              metric(fi_graph, "cuda_tok_s"), metric(fi_graph, "attention_share"), step_ceiling(fi_graph)]
     if any(v is None or v <= 0 for v in values):
         return "a metric is missing"
-    pkv_tok_s, fi_tok_s, graph_tok_s, fi_graph_tok_s, share, fi_step_ms, floor_step_ms = values
+    pkv_tok_s, fi_tok_s, graph_tok_s, fi_graph_tok_s, share, ceiling = values
     table2 = pkv_tok_s / fi_tok_s
     return {"table2_ratio": table2, "attention_share": share, "predicted": predicted_ratio(table2, share),
-            "measured": graph_tok_s / fi_graph_tok_s, "ceiling": fi_step_ms / floor_step_ms}
+            "measured": graph_tok_s / fi_graph_tok_s, "ceiling": ceiling}
 
 
 def graph_gain(run: Path) -> dict:

@@ -61,6 +61,13 @@ def separable(rec: dict) -> bool:
     return host < device and attention >= floor
 
 
+def step_ceiling(base: dict) -> float | None:
+    """The ceiling of a row's ratio: the baseline's step over the same step with attention at the
+    read floor (None where either time is missing)."""
+    step, floor = metric(base, "cuda_ms_per_step"), metric(base, "floor_step_ms_per_step")
+    return step / floor if step and floor and step > 0 and floor > 0 else None
+
+
 def _label_parts(label: str) -> tuple[str, str]:
     role, _, mode = label.rpartition("_")
     return (role, mode) if mode in MODE_ORDER else (label, "")
@@ -124,7 +131,7 @@ def row_values(seeds: dict, label: str, where: str, problems: list) -> dict[str,
         if not separable(base):
             values["undefined"]["ceiling"] = values["undefined"]["captured"] = HOST_BOUND
             continue
-        ceiling = cuda / floor
+        ceiling = step_ceiling(base)
         values["ceiling"].append(ceiling)
         if label != rec.get("baseline_engine") and ceiling > 1 and not baseline_route_only:
             values["captured"].append((ratio - 1) / (ceiling - 1))
