@@ -51,8 +51,26 @@ def test_a_run_gives_each_seed_its_prediction_beside_the_measured_ratio(tmp_path
     assert row["predicted"] == pytest.approx(gg.predicted_ratio(1.1, 0.5)) and row["ceiling"] == pytest.approx(1.25)
     assert report["bimodal_b8"]["mean"]["measured"] == pytest.approx(1.025)
     text = gg.render_markdown(report)
-    assert "| Bimodal B8 | 2 | 1.100 ± 0.000 | 0.500 ± 0.000 | 1.048 ± 0.000 | 1.025 ± 0.007 | 1.250 ± 0.000 |" in text
+    # Records without per-step times or the adaptive graph's attention time leave those columns empty.
+    assert ("| Bimodal B8 | 2 | 1.100 ± 0.000 | – | 0.500 ± 0.000 | 1.048 ± 0.000 | – | 1.025 ± 0.007 "
+            "| 1.250 ± 0.000 |") in text
     assert "- Bimodal B8, seed 20260625: left out, an output was wrong on measured steps" in text
+
+
+def test_the_same_steps_and_attention_inside_the_graph_say_where_the_lead_went(tmp_path):
+    _run(tmp_path)
+    ev = tmp_path / "evaluate" / "bimodal_b8" / "seed20260623"
+    ms = tmp_path / "model_step" / "bimodal_b8" / "seed20260623"
+    # Table 2 measured steps 1-3; the model step measured steps 2, 3 and 9 (no eager record of 9).
+    _write(ev / "adaptive.json", "adaptive", cuda_tok_s=110.0, wrong_steps=0,
+           per_step=[{"step": 1, "cuda_us": 50.0}, {"step": 2, "cuda_us": 90.0}, {"step": 3, "cuda_us": 100.0}])
+    _write(ev / "flashinfer.json", "flashinfer", cuda_tok_s=100.0, wrong_steps=0,
+           per_step=[{"step": 1, "cuda_us": 80.0}, {"step": 2, "cuda_us": 100.0}, {"step": 3, "cuda_us": 110.0}])
+    _write(ms / "adaptive_graph.json", "adaptive_graph", cuda_tok_s=102.0, wrong_steps=0,
+           attention_cuda_ms_per_step=5.2, per_step=[{"step": s, "cuda_us": 1.0} for s in (2, 3, 9)])
+    row = gg.graph_gain(tmp_path)["bimodal_b8"]["seeds"][20260623]
+    assert row["table2_same_steps"] == pytest.approx(210 / 190)  # steps 2 and 3 only
+    assert row["graph_attention_ratio"] == pytest.approx(5.0 / 5.2)  # FlashInfer's 5.0 ms over 5.2
 
 
 def test_a_host_bound_step_has_no_share_to_carry_the_lead(tmp_path):
