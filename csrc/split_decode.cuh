@@ -7,6 +7,7 @@
 // by ldmatrix exactly once and the CUDA cores only do the online softmax. The warps' states are
 // combined once at the end.
 #pragma once
+#include <climits>
 #include <cstdint>
 #include <math_constants.h>
 
@@ -482,21 +483,23 @@ template <typename T, int G, int Stages>
 __global__ void __launch_bounds__(kThreads, decode_ctas_per_sm<Stages>())
     workqueue_decode_kernel(DecodeArgs a, const int32_t* tasks, const int32_t* split_offsets,
                             int32_t* pair_counters, const int32_t* live_tasks) {
+  const int32_t* task = tasks + blockIdx.x * 5;
   // A plan made on the device launches a grid of its capacity; CTAs past its task count leave at
   // once. That grid starts while the planner runs (programmatic dependent launch) and waits here
-  // for the plan to be complete and visible.
+  // for the plan to be complete and visible. The count and the CTA's task are then loaded together
+  // rather than one after the other: a grid of the capacity has a task slot for every CTA (a CTA
+  // past the count reads a slot it does not use), so every CTA starts one load latency sooner.
+  int live = INT_MAX;
   if (live_tasks != nullptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
-    if (static_cast<int>(blockIdx.x) >= *live_tasks) return;
+    live = *live_tasks;
   }
+  const int task_row = task[0], task_kvh = task[1], task_begin = task[3], task_end = task[4];
+  if (static_cast<int>(blockIdx.x) >= live) return;
   extern __shared__ __align__(128) char smem[];
-  const int32_t* task = tasks + blockIdx.x * 5;
-  {
-    const int row = task[0];
-    CtaDecoder<T, G, Stages>(a, row, task[1], row_length(a, row), task[3], task[4], smem).run(smem);
-  }
+  CtaDecoder<T, G, Stages>(a, task_row, task_kvh, row_length(a, task_row), task_begin, task_end, smem).run(smem);
   // The task is read again (cached) after the decode instead of being held through its loop,
   // where at stages = 2 the kernel is at its register cap and held values spill.
   const int row = task[0], kvh = task[1], split = task[2];

@@ -12,14 +12,14 @@ The split rule is the workqueue route's (pkv.pipeline.schedule.SplitPolicy): the
 the balanced rule (about the same tiles a task, over the batch's total), with the split count and
 task budget of the caller's route (pkv.policy), one per captured graph. Two planners give those
 splits (``PLANNERS``): "plan_kernel" launches a planner (one CTA) that writes the compact
-workqueue, longest rows first, before the decode, under either rule; "in_decode" (fixed rule
-only: its grid has the same split count in every row) launches no
-planner: the decode grid is (B, Hkv, S) and each CTA derives its split's tiles from its row's
-length (the bucket kernel over every row with the fused merge of a row's live splits only, so
-splits past a short row's tiles exit without writing). The tile ranges are the same; what differs
-is one launch on the critical path against no longest-first order. Either planner merges a row's splits by a merge
-launch after the decode (``merge="launch"``) or in the decode itself, the last split of a pair
-merging it (``merge="fused"``, completion counters that are zero again after every launch).
+workqueue before the decode, under either rule: the host plan's tasks in its order, longest first;
+"in_decode" (fixed rule only: its grid has the same split count in every row) launches no planner:
+the decode grid is (B, Hkv, S) and each CTA derives its split's tiles from its row's length (the
+bucket kernel over every row with the fused merge of a row's live splits only, so splits past a
+short row's tiles exit without writing). The tile ranges are the same; what differs is one launch
+on the critical path against no longest-first order. Either planner merges a row's splits by a
+merge launch after the decode (``merge="launch"``) or in the decode itself, the last split of a
+pair merging it (``merge="fused"``, completion counters that are zero again after every launch).
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ class DeviceDecodeStep:
         capacity = self._capacity(self.max_batch)
         g, d = shape.group_size, shape.head_dim
         int32 = dict(dtype=torch.int32, device=self.device)
-        self.tasks = torch.empty(capacity, 5, **int32)
+        # Zeroed: the decode grid of the capacity loads every slot's task, used or not.
+        self.tasks = torch.zeros(capacity, 5, **int32)
         self.split_offsets = torch.empty(self.max_batch * shape.num_kv_heads + 1, **int32)
         self.counts = torch.zeros(2, **int32)  # (live tasks, most splits of a row) of the last plan
         # One slot per possible task: a plan never has more slots than tasks.
