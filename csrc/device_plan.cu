@@ -49,10 +49,15 @@ __global__ void __launch_bounds__(kPlanThreads)
     plan_workqueue_kernel(const int32_t* seq_lens, const int32_t* page_indptr, int batch, int hkv,
                           SplitPolicyArgs policy, int max_tokens, int page_size, int32_t* tasks,
                           int32_t* split_offsets, int32_t* counts) {
+  // A row's tasks form at most two groups: its full-length splits, and its last split (the tail)
+  // where that is shorter. Group g = tid holds row tid's full-length splits, g = kPlanThreads + tid
+  // its tail; both indexed by row, so a group's row is g % kPlanThreads.
   __shared__ int tiles_of[kPlanThreads];
   __shared__ int splits_of[kPlanThreads];
-  __shared__ int row_at[kPlanThreads];      // sorted position -> row, longest first
-  __shared__ int task_begin[kPlanThreads];  // sorted position -> its first task
+  __shared__ int group_len[2 * kPlanThreads];    // tiles of each of the group's tasks
+  __shared__ int group_splits[2 * kPlanThreads];  // splits of the group per KV head (0: no group)
+  __shared__ int group_at[2 * kPlanThreads];      // sorted position -> group, longest first; -1 past the last
+  __shared__ int task_begin[2 * kPlanThreads];    // sorted position -> its first task
   __shared__ int warp_totals[32];
   __shared__ int64_t warp_sums[32];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -80,18 +85,35 @@ __global__ void __launch_bounds__(kPlanThreads)
     tiles_per_task = balanced_tiles_per_task(policy, total_tiles, sums >> kRowsShift, hkv);
   }
   if (tid < batch) splits = static_cast<int>(row_split_count(policy, tiles, tiles_per_task));
+  const int per_split = splits > 0 ? (tiles + splits - 1) / splits : 0;
+  const int tail = tiles - (splits - 1) * per_split;  // 1..per_split; 0 for a row without tiles
+  const int tail_differs = tail != per_split;
   tiles_of[tid] = tiles;
   splits_of[tid] = splits;
+  group_len[tid] = per_split;
+  group_splits[tid] = splits - tail_differs;
+  group_len[kPlanThreads + tid] = tail;
+  group_splits[kPlanThreads + tid] = tail_differs;
+  group_at[2 * tid] = group_at[2 * tid + 1] = -1;
   __syncthreads();
 
-  // Rank by length, longest first (ties by row), so the block scheduler starts the long tasks first.
-  if (tid < batch) {
+  // The host plan's order (pkv.pipeline.schedule.plan_workqueue, csrc/step_plan.cpp): groups by
+  // tiles a task, longest first, ties by row (a row's two groups never tie), so the block scheduler
+  // starts the long tasks first and the shorter tails of long rows after their full-length splits.
+  for (int which = 0; which < 2; ++which) {
+    const int g = which * kPlanThreads + tid;
+    if (tid >= batch || group_splits[g] == 0) continue;
+    const int length = group_len[g];
     int rank = 0;
     for (int j = 0; j < batch; ++j) {
-      const int other = tiles_of[j];
-      rank += other > tiles || (other == tiles && j < tid);
+#pragma unroll
+      for (int other = 0; other < 2; ++other) {
+        const int h = other * kPlanThreads + j;
+        const int other_length = group_len[h];
+        rank += group_splits[h] > 0 && (other_length > length || (other_length == length && j < tid));
+      }
     }
-    row_at[rank] = tid;
+    group_at[rank] = g;
   }
   int slots_total;
   const int slot_begin = block_exclusive_scan(splits, warp_totals, &slots_total);
@@ -100,10 +122,15 @@ __global__ void __launch_bounds__(kPlanThreads)
   }
   if (tid == 0) split_offsets[batch * hkv] = slots_total * hkv;
 
-  // row_at is complete after the scan's barriers.
-  const int my_tasks = tid < batch ? hkv * splits_of[row_at[tid]] : 0;
+  // group_at is complete after the scan's barriers. Each thread holds sorted positions 2 tid and
+  // 2 tid + 1; positions past the last group hold no tasks, so their first task is the count.
+  const int first = group_at[2 * tid], second = group_at[2 * tid + 1];
+  const int first_tasks = first < 0 ? 0 : hkv * group_splits[first];
+  const int second_tasks = second < 0 ? 0 : hkv * group_splits[second];
   int live;
-  task_begin[tid] = block_exclusive_scan(my_tasks, warp_totals, &live);
+  const int begin_of_pair = block_exclusive_scan(first_tasks + second_tasks, warp_totals, &live);
+  task_begin[2 * tid] = begin_of_pair;
+  task_begin[2 * tid + 1] = begin_of_pair + first_tasks;
   int widest = splits;
   for (int offset = 16; offset > 0; offset >>= 1) widest = max(widest, __shfl_xor_sync(0xffffffffu, widest, offset));
   if ((tid & 31) == 0) warp_totals[tid >> 5] = widest;
@@ -115,24 +142,24 @@ __global__ void __launch_bounds__(kPlanThreads)
     counts[1] = most;
   }
 
-  // Every thread writes tasks; task t belongs to the last sorted position whose first task is <= t.
+  // Every thread writes tasks; task t belongs to the last sorted position whose first task is <= t
+  // (positions past the last group start at the count, after every task).
   for (int t = tid; t < live; t += kPlanThreads) {
-    int lo = 0, hi = batch - 1;
+    int lo = 0, hi = 2 * batch - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
       if (task_begin[mid] <= t) lo = mid; else hi = mid - 1;
     }
-    const int row = row_at[lo], local = t - task_begin[lo];
-    const int row_splits = splits_of[row], row_tiles = tiles_of[row];
-    const int kvh = local / row_splits, split = local % row_splits;
-    const int per_split = (row_tiles + row_splits - 1) / row_splits;
-    const int begin = split * per_split;
+    const int g = group_at[lo], row = g % kPlanThreads, local = t - task_begin[lo];
+    const int in_group = group_splits[g], row_splits = splits_of[row];
+    const int split = (g < kPlanThreads ? 0 : row_splits - 1) + local % in_group;
+    const int begin = split * ((tiles_of[row] + row_splits - 1) / row_splits);
     int32_t* task = tasks + static_cast<int64_t>(t) * 5;
     task[0] = row;
-    task[1] = kvh;
+    task[1] = local / in_group;
     task[2] = split;
     task[3] = begin;
-    task[4] = min(begin + per_split, row_tiles);
+    task[4] = begin + group_len[g];
   }
 }
 

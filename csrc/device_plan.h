@@ -17,7 +17,8 @@ constexpr int kMaxDevicePlanRows = 1024;
 // number of tiles a task over the batch's total; fewer where the last ones would own no tile, so
 // every task is non-empty; split ranges are those of docs/architecture.md. Writes
 //   split_offsets[batch * Hkv + 1]  pair p = row * Hkv + kvh owns slots [split_offsets[p], split_offsets[p+1])
-//   tasks[live, 5]                  (row, kvh, split, tile_begin, tile_end), rows longest first
+//   tasks[live, 5]                  (row, kvh, split, tile_begin, tile_end), the host plan's order:
+//                                   longest tasks first (csrc/step_plan.cpp, fill_workqueue)
 //   counts[2]                       (live task count, most splits of a row)
 // `tasks` must hold max_workqueue_tasks(policy, batch, Hkv) rows (the capacity the decode grid is
 // launched with).

@@ -310,10 +310,17 @@ def plan_workqueue(step, num_kv_heads: int, group_size: int, policy: SplitPolicy
     _check_heads(num_kv_heads, group_size)
     hkv = int(num_kv_heads)
     n = row_tiles(_step_seq_lens(step)).astype(np.int64)
-    batch = n.size
     k = _row_splits_from_tiles(n, hkv, policy)
-    tps = _ceil_div(n, k)
-    tail = n - (k - 1) * tps  # in 1..tps
+    tasks, split_offsets = _workqueue_tasks(n, k, hkv)
+    return WorkqueuePlan(tasks, split_offsets, hkv, int(group_size), int(k.max()))
+
+
+def _workqueue_tasks(n: np.ndarray, k: np.ndarray, hkv: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tasks and split offsets of rows of ``n`` tiles and ``k`` splits (0 for a row without
+    tiles, which gets no task), longest first, ties by slot (plan_workqueue's docstring)."""
+    batch = n.size
+    tps = _ceil_div(n, np.maximum(k, 1))
+    tail = n - (k - 1) * tps  # in 1..tps (0 for a row without tiles)
     tail_differs = tail != tps
 
     # Group g < B: splits [0, count) of row g, length tps. Group B + i: the tail split of
@@ -341,19 +348,19 @@ def plan_workqueue(step, num_kv_heads: int, group_size: int, policy: SplitPolicy
 
     split_offsets = np.zeros(batch * hkv + 1, dtype=np.int32)
     np.cumsum(np.repeat(k.astype(np.int32), hkv), dtype=np.int32, out=split_offsets[1:])
-    return WorkqueuePlan(tasks, split_offsets, hkv, int(group_size), int(k.max()))
+    return tasks, split_offsets
 
 
 def plan_workqueue_device_order(seq_lens, num_kv_heads: int, group_size: int, policy: SplitPolicy | int,
                                 max_tokens: int = 2**31 - 1, row_tokens=None) -> WorkqueuePlan:
     """The plan csrc/device_plan.cu writes on the GPU, as data: ``plan_workqueue``'s split rule
-    (``policy``, or a fixed split count; the same split_offsets and the same task set), lengths
-    clamped to ``max_tokens`` (a block table's reach) and to ``row_tokens`` where given (each row's
-    page list times the page size), the balanced rule's total over the clamped lengths, rows of
-    length 0 without tasks, and the tasks in the kernel's order: rows ranked by tiles, longest
-    first (ties by row), each row's tasks KV head by KV head, split by split. The reference engine
-    runs it (``ReferenceEngine(planner="device")``), so the CPU checks the device plan's logic
-    against float64, and the GPU tests hold the kernel to it exactly."""
+    (``policy``, or a fixed split count) and its tasks in its order (longest first by task length,
+    a row's full-length splits and its shorter tail apart, ties by slot), over lengths clamped to
+    ``max_tokens`` (a block table's reach) and to ``row_tokens`` where given (each row's page list
+    times the page size), the balanced rule's total over the clamped lengths, and rows of length
+    0 without tasks. On lengths within the table it is ``plan_workqueue``'s plan exactly. The
+    reference engine runs it (``ReferenceEngine(planner="device")``), so the CPU checks the device
+    plan's logic against float64, and the GPU tests hold the kernel to it exactly."""
     _check_heads(num_kv_heads, group_size)
     if not isinstance(policy, SplitPolicy):
         policy = SplitPolicy(kind="fixed", num_splits=int(policy))
@@ -364,19 +371,5 @@ def plan_workqueue_device_order(seq_lens, num_kv_heads: int, group_size: int, po
     n = _ceil_div(lens, TILE_TOKENS)
     requested = np.maximum(_requested_splits(n, hkv, policy), 1)
     k = np.where(n > 0, _ceil_div(n, np.maximum(_ceil_div(n, requested), 1)), 0)
-    per_split = np.where(k > 0, _ceil_div(n, np.maximum(k, 1)), 0)
-    order = np.lexsort((np.arange(n.size), -n))  # tiles descending, then row
-    order = order[k[order] > 0]
-    counts = hkv * k[order]
-    rows = np.repeat(order, counts)
-    local = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    splits_of_row = k[rows]
-    tasks = np.empty((rows.size, 5), dtype=np.int32)
-    tasks[:, 0] = rows
-    tasks[:, 1] = local // splits_of_row
-    tasks[:, 2] = local % splits_of_row
-    tasks[:, 3] = tasks[:, 2] * per_split[rows]
-    tasks[:, 4] = np.minimum(tasks[:, 3] + per_split[rows], n[rows])
-    split_offsets = np.zeros(n.size * hkv + 1, dtype=np.int32)
-    np.cumsum(np.repeat(k.astype(np.int32), hkv), dtype=np.int32, out=split_offsets[1:])
+    tasks, split_offsets = _workqueue_tasks(n, k, hkv)
     return WorkqueuePlan(tasks, split_offsets, hkv, int(group_size), max(int(k.max()), 1))
