@@ -11,7 +11,8 @@
 #     own as $OUT/build_cache.tgz (vLLM's build as $OUT/vllm_build_cache.tgz, where it fits).
 #   GPU_TESTS=<test files or node ids> narrows the tests; SKIP_TESTS=1 skips them, SKIP_SANITIZE=1
 #   compute-sanitizer, SKIP_BENCH=1 the kernel benchmark, SKIP_STEP=1 the device-step benchmark and
-#   SKIP_HOST=1 the host-time split (a run that has to fit one call's time limit takes a subset).
+#   SKIP_HOST=1 the host-time split (a run that has to fit one call's time limit takes a subset);
+#   STEP_ARGS="--cases ..." narrows the device-step benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 source scripts/device_site.sh || exit 1
@@ -58,8 +59,9 @@ fi
 # BENCH_NHD=1: PersistentKV over the same pages stored NHD (vLLM's cache layout, read in place).
 [ -n "${BENCH_NHD:-}" ] && python3 -m pkv.measure.kernel_bench --kv-layout nhd --out "$OUT/kernel_bench_nhd.json" --cases b1_32k b8_bimodal b64_4k 2>/dev/null | tail -4
 [ -n "${BENCH_WRITE_FLUSH:-}" ] && python3 -m pkv.measure.kernel_bench --flush write --out "$OUT/kernel_bench_writeflush.json" --cases b1_8k b1_32k b8_bimodal 2>/dev/null | tail -4
-if [ -z "${SKIP_STEP:-}" ]; then  # SKIP_STEP=1: no device-planned step benchmark
-  python3 -m pkv.measure.device_step_bench --out "$OUT/device_step_bench.json" 2>&1 | tail -8
+if [ -z "${SKIP_STEP:-}" ]; then  # SKIP_STEP=1: no device-planned step benchmark; STEP_ARGS: its options
+  # shellcheck disable=SC2086
+  python3 -m pkv.measure.device_step_bench --out "$OUT/device_step_bench.json" ${STEP_ARGS:-} 2>&1 | tail -8
 fi
 if [ -z "${SKIP_HOST:-}" ]; then  # SKIP_HOST=1: no host-time split
   python3 -m pkv.measure.host_bench --calibration conf/gpu/h200.yaml --out "$OUT/host_bench.json" 2>&1 | tail -25
