@@ -17,8 +17,8 @@ steps the model step measured (matched by step index in the per-step records), a
 ratio inside the graph, FlashInfer's attention time per step over the adaptive route's (each the
 graphed step less the step with attention left out, which is the same for both engines). Where the
 second falls short of the first, the graphed kernels lost the lead that the same steps' eager
-kernels had. A seed is left out where either run's output was found wrong
-on measured steps, or where the step does not split into attention and the rest
+kernels had. A seed is left out where either run's output was found wrong on measured steps, or
+where the step does not split into attention and the rest
 (pkv.report.table_data.model_step.separable: a host-bound step).
 """
 
