@@ -518,7 +518,8 @@ class _GateProbes:
         else:
             record["fits"] = "supported_group_sizes"
             # The gain's interval over the probe's steps: group_size_holds keeps a probe whose
-            # interval straddles the required margin on FlashInfer.
+            # noise band (this interval, at least ROUTE_NOISE_FLOOR) straddles the required
+            # margin on FlashInfer.
             gain = measured_gain([s.measured_us for s in timed.samples], [s.measured_us for s in timed_fi.samples])
             record["interval_half_width"] = gain.record()["interval_half_width"]
             self.group_totals.setdefault(group, []).append(record)
