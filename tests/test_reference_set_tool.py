@@ -4,6 +4,7 @@ the set it replaces moves, whole, under history/ with an index entry."""
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,12 @@ def test_a_run_becomes_the_set_and_the_set_it_replaces_moves_to_history(tmp_path
     assert replaced == dest / "history" / "1111111"
     assert (replaced / "tables" / "table1.md").read_text().count("Commit: 111111111111") == 1
     assert (replaced / "README.md").is_file() and not (replaced / "history").exists()
+    # Its job logs are one archive there, the same files under logs/.
+    assert not (replaced / "logs").exists()
+    with tarfile.open(replaced / "logs.tar.gz") as archive:
+        assert "logs/evaluate/b1/seed1/x.log" in archive.getnames()
+        assert archive.extractfile("logs/evaluate/b1/seed1/x.log").read() == (
+            dest / "logs" / "evaluate" / "b1" / "seed1" / "x.log").read_bytes()
     index = (dest / "history" / "README.md").read_text()
     assert "| `1111111/` | 1111111 |" in index and "replaced it" in index
     assert (dest / "logs" / "dag" / "part1_dag.log").is_file()
@@ -111,3 +118,14 @@ def test_the_command_refuses_in_one_line(tmp_path, capsys):
         rs.main([str(run), str(tmp_path / "dest")])
     assert exit_.value.code == 2
     assert "claims.md: missing" in capsys.readouterr().err
+
+
+def test_packed_logs_are_the_same_bytes_each_time(tmp_path):
+    for name in ("a", "b"):
+        logs = tmp_path / name / "logs" / "x"
+        logs.mkdir(parents=True)
+        (logs / "job.log").write_text("one\n")
+        (logs.parent / "build.log").write_text("two\n")
+        rs.pack_logs(tmp_path / name)
+    assert (tmp_path / "a" / "logs.tar.gz").read_bytes() == (tmp_path / "b" / "logs.tar.gz").read_bytes()
+    assert not (tmp_path / "a" / "logs").exists()

@@ -5,8 +5,9 @@ A reference set is one run at one commit: its tables 1-9 and claims check, the f
 calibration with its repeats and spread, the kernel and host benchmarks, the Nsight counters, the
 isolated calls and every job's log. This command checks that the run is that (every table and the
 claims name one commit; every JSON result records that commit, a clean tree and where it ran),
-moves the set it replaces, whole, under ``history/<commit>/`` and lists it in ``history/README.md``,
-and writes the new set with a README of the run's provenance and, for a run with model steps,
+moves the set it replaces, whole, under ``history/<commit>/`` (its job logs packed into one
+``logs.tar.gz``: sets are committed and every GPU run carries the tree) and lists it in
+``history/README.md``, and writes the new set with a README of the run's provenance and, for a run with model steps,
 ``graph_gain.md`` (pkv.report.graph_gain, which reads per-seed files the set does not keep).
 Nothing is changed where a check fails: the refusal names the file, the field and the value.
 
@@ -20,9 +21,11 @@ the tables, figures and claims are computed from them, and each job's log is kep
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import re
 import shutil
+import tarfile
 from pathlib import Path
 
 from pkv.atomic_io import read_json, write_text_atomic
@@ -52,6 +55,8 @@ PROVENANCE = ("git_commit", "git_dirty", "source_digest", "gpu_name", "driver_ve
 COMMIT_LINE = re.compile(r"Commit: `*([0-9a-f]{7,40})")
 HISTORY_INDEX = "README.md"
 GRAPH_GAIN = "graph_gain.md"
+# A set moved into history keeps its logs/ as this one archive.
+HISTORY_LOGS = "logs.tar.gz"
 
 
 def tables_commit(run: Path) -> str:
@@ -207,11 +212,12 @@ def promote(run: Path, dest: Path, dag_logs: list[Path] = (), notes: str = "") -
             for entry in dest.iterdir():
                 if entry.name != "history":
                     (shutil.copytree if entry.is_dir() else _copy)(entry, old_set / entry.name)
+            pack_logs(old_set)
             count = sum(1 for p in old_set.rglob("*") if p.is_file())
             index_path = staging / "history" / HISTORY_INDEX
             index = index_path.read_text() if index_path.is_file() else ""
             note = (f"the reference set of commit {replaced.name} until commit {commit[:7]}'s replaced it; "
-                    "its README says how it ran.")
+                    f"its README says how it ran, its `{HISTORY_LOGS}` holds every job's log.")
             write_text_atomic(index_path, _index_with(index, replaced.name, count, note, dest.name.upper()))
         write_text_atomic(staging / "README.md", _readme(commit, provenance, dest.name, notes))
         if gain is not None:
@@ -229,6 +235,26 @@ def promote(run: Path, dest: Path, dag_logs: list[Path] = (), notes: str = "") -
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return (dest / "history" / replaced.name) if replaced is not None else dest
+
+
+def pack_logs(folder: Path) -> None:
+    """Replace ``folder``'s logs/ by logs.tar.gz of the same files (paths under logs/, sorted, with
+    no dates or owners in the archive, so packing the same logs twice gives the same bytes). A
+    history set is read rarely; its text logs are most of its size and pack about twentyfold."""
+    logs = folder / "logs"
+    if not logs.is_dir():
+        return
+    target = folder / HISTORY_LOGS
+    partial = target.with_name(f".{target.name}.partial")
+    with open(partial, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as packed, \
+            tarfile.open(fileobj=packed, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for path in sorted(p for p in logs.rglob("*") if p.is_file()):
+            info = archive.gettarinfo(str(path), arcname=str(path.relative_to(folder)))
+            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
+            with open(path, "rb") as handle:
+                archive.addfile(info, handle)
+    os.replace(partial, target)
+    shutil.rmtree(logs)
 
 
 def _copy(src: Path, dst: Path) -> None:
