@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kPlanThreads)
   // its tail; both indexed by row, so a group's row is g % kPlanThreads.
   __shared__ int tiles_of[kPlanThreads];
   __shared__ int splits_of[kPlanThreads];
-  __shared__ int group_len[2 * kPlanThreads];    // tiles of each of the group's tasks
+  __shared__ int group_len[2 * kPlanThreads];    // tiles of each of the group's tasks (0: no group)
   __shared__ int group_splits[2 * kPlanThreads];  // splits of the group per KV head (0: no group)
   __shared__ int group_at[2 * kPlanThreads];      // sorted position -> group, longest first; -1 past the last
   __shared__ int task_begin[2 * kPlanThreads];    // sorted position -> its first task
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kPlanThreads)
   splits_of[tid] = splits;
   group_len[tid] = per_split;
   group_splits[tid] = splits - tail_differs;
-  group_len[kPlanThreads + tid] = tail;
+  group_len[kPlanThreads + tid] = tail_differs ? tail : 0;
   group_splits[kPlanThreads + tid] = tail_differs;
   group_at[2 * tid] = group_at[2 * tid + 1] = -1;
   __syncthreads();
@@ -100,20 +100,19 @@ __global__ void __launch_bounds__(kPlanThreads)
   // The host plan's order (pkv.pipeline.schedule.plan_workqueue, csrc/step_plan.cpp): groups by
   // tiles a task, longest first, ties by row (a row's two groups never tie), so the block scheduler
   // starts the long tasks first and the shorter tails of long rows after their full-length splits.
-  for (int which = 0; which < 2; ++which) {
-    const int g = which * kPlanThreads + tid;
-    if (tid >= batch || group_splits[g] == 0) continue;
-    const int length = group_len[g];
-    int rank = 0;
+  // A group's length is 0 only where it has no task, and both of a row's groups are ranked in one
+  // pass over the rows: two shared-memory reads a row.
+  const int full_len = group_len[tid], tail_len = group_len[kPlanThreads + tid];
+  if (tid < batch && full_len > 0) {
+    int full_rank = 0, tail_rank = 0;
     for (int j = 0; j < batch; ++j) {
-#pragma unroll
-      for (int other = 0; other < 2; ++other) {
-        const int h = other * kPlanThreads + j;
-        const int other_length = group_len[h];
-        rank += group_splits[h] > 0 && (other_length > length || (other_length == length && j < tid));
-      }
+      const int a = group_len[j], b = group_len[kPlanThreads + j];
+      const int earlier = j < tid;
+      full_rank += (a > full_len) + (b > full_len) + earlier * ((a == full_len) + (b == full_len));
+      tail_rank += (a > tail_len) + (b > tail_len) + earlier * ((a == tail_len) + (b == tail_len));
     }
-    group_at[rank] = g;
+    group_at[full_rank] = tid;
+    if (tail_len > 0) group_at[tail_rank] = kPlanThreads + tid;
   }
   int slots_total;
   const int slot_begin = block_exclusive_scan(splits, warp_totals, &slots_total);
