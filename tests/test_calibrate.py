@@ -289,9 +289,15 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
                                         wave_candidates=[2], fits="skew_target_ctas"))
 
 
-def _stepped(times):
-    """A trace timed on one route, one sample a step, steps numbered from 0."""
-    samples = [types.SimpleNamespace(step=types.SimpleNamespace(step=i, seq_lens=[70000]), measured_us=us)
+# Rows of a B4 step: skewed (one row holds more than 2/3 of the tokens), over-split at 32 splits
+# (under 2 tiles a split a row on average), and neither.
+SKEWED_B4, OVER_SPLIT_B4, NEITHER_B4 = [9000, 100, 100, 100], [500, 400, 300, 600], [9000, 9000, 100, 100]
+
+
+def _stepped(times, rows=lambda i: NEITHER_B4):
+    """A trace timed on one route, one sample a step, steps numbered from 0 with the rows ``rows(i)``."""
+    samples = [types.SimpleNamespace(step=types.SimpleNamespace(step=i, batch_size=len(rows(i)), seq_lens=rows(i)),
+                                     measured_us=us)
                for i, us in enumerate(times)]
     return types.SimpleNamespace(total_us=sum(times), samples=samples)
 
@@ -299,10 +305,13 @@ def _stepped(times):
 def test_the_few_rows_route_is_decided_again_on_the_rules_it_runs():
     """Batches of 2..7 rows: the fixed rule on every step is inside the band (1.005x), but the route
     runs the balanced rule on the skewed steps, and counted so it clears it."""
+    def b4_rows(i):  # steps 0-5 skewed, step 6 over-split, the rest neither
+        return SKEWED_B4 if i < 6 else OVER_SPLIT_B4 if i == 6 else NEITHER_B4
+
     sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=None, calib=START)
     sweep._swept = [{"name": "bimodal_b4", "max_active": 4, "route": "persistentkv_workqueue", "regime": FEW_ROWS,
-                     "steps": 20, "timed_by_splits": {32: _stepped([100.0] * 20)},
-                     "timed_fi": _stepped([100.5] * 20)}]
+                     "steps": 20, "timed_by_splits": {32: _stepped([100.0] * 20, b4_rows)},
+                     "timed_fi": _stepped([100.5] * 20, b4_rows)}]
     points = sweep.operating_points()
     assert points[FEW_ROWS]["route"] == "flashinfer"
     sweep.route_as_run(points)  # no balanced rule fitted: nothing to count again
@@ -310,7 +319,7 @@ def test_the_few_rows_route_is_decided_again_on_the_rules_it_runs():
     # The skew fit timed steps 0-5 (skewed) and 6 (over-split) in its own pass.
     times = {"fixed": {i: 100.0 for i in range(7)}, "flashinfer": {i: 101.0 for i in range(7)},
              1: {**{i: 90.0 for i in range(6)}, 6: 95.0}}
-    sweep._balanced_steps = {"bimodal_b4": {"skewed": set(range(6)), "over_split": {6}, "times": times}}
+    sweep._balanced_steps = {"bimodal_b4": times}
     sweep._balanced_rule = {FEW_ROWS: {"waves": 1, "over_split": False}}
     sweep.route_as_run(points)
     assert points[FEW_ROWS]["route"] == "persistentkv_workqueue"

@@ -207,8 +207,8 @@ class _SplitSweep:
         self._swept: list[dict] = []  # traces that fit their regime's split count
         self._uniform: list[dict] = []  # traces that fit Calibration.uniform_target_ctas
         self._skewed: list[dict] = []  # traces that fit Calibration.skew_target_ctas
-        # Per skewed trace, its kept steps' device time by rule and step index, and which of them are
-        # skewed or over-split; per regime, the balanced rule it fitted (route_as_run reads both).
+        # Per skewed trace, its kept steps' device time by rule and step index; per regime, the
+        # balanced rule it fitted (route_as_run reads both).
         self._balanced_steps: dict[str, dict] = {}
         self._balanced_rule: dict[str, dict] = {}
         self._fixed_rule_route: dict = {}  # regime -> its route's fit with the fixed rule on every step
@@ -326,12 +326,15 @@ class _SplitSweep:
         splits = points[regime]["num_splits"]
         persistentkv_us, flashinfer_us, moved = [], [], 0
         for t in traces:
-            kept = self._balanced_steps.get(t["name"])
+            times = self._balanced_steps.get(t["name"], {})
             for sample, fi in zip(t["timed_by_splits"][splits].samples, t["timed_fi"].samples):
-                index = sample.step.step
-                if kept and (index in kept["skewed"] or (rule["over_split"] and index in kept["over_split"])):
-                    persistentkv_us.append(kept["times"][rule["waves"]][index])
-                    flashinfer_us.append(kept["times"]["flashinfer"][index])
+                step, index = sample.step, sample.step.step
+                # The policy's own test of a step the skew rule takes (RoutePolicy.choose).
+                balanced = _is_skewed_step(step) or (
+                    rule["over_split"] and is_over_split(step.batch_size, total_tokens(step.seq_lens), splits))
+                if balanced and index in times.get(rule["waves"], {}):
+                    persistentkv_us.append(times[rule["waves"]][index])
+                    flashinfer_us.append(times["flashinfer"][index])
                     moved += 1
                 else:
                     persistentkv_us.append(sample.measured_us)
@@ -420,10 +423,8 @@ class _SplitSweep:
                                                                         target_ctas=w * num_sms))
             # The steps kept that are not skewed are the over-split ones.
             mine_skewed, mine_over_split = skewed.add(timed, _is_skewed_step), over_split.add(timed, _not_skewed)
-            self._balanced_steps[t["name"]] = {
-                "skewed": {s.step for s in timed_trace.steps if _is_skewed_step(s)},
-                "over_split": {s.step for s in timed_trace.steps if not _is_skewed_step(s)},
-                "times": {rule: {x.step.step: x.measured_us for x in steps.samples} for rule, steps in timed.items()}}
+            self._balanced_steps[t["name"]] = {rule: {x.step.step: x.measured_us for x in steps.samples}
+                                               for rule, steps in timed.items()}
             # Under its name, or beside the split sweep of the same trace (listed for both fits).
             key = f"{t['name']} (skewed steps)" if t["name"] in self.records else t["name"]
             keys.append(key)
