@@ -189,10 +189,10 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
     timed_routes = []
     skewed_us_by_waves = {1: 90.0, 2: 80.0, 3: 80.5, 4: 85.0}
     # Two steps of each kind: a decision needs at least two paired steps to measure their noise.
-    skewed = [types.SimpleNamespace(step=i, batch_size=4, seq_lens=[9000, 100, 100, 100]) for i in (0, 3)]
+    skewed = [types.SimpleNamespace(batch_size=4, seq_lens=[9000, 100, 100, 100]) for _ in range(2)]
     # Two long rows: neither skewed nor over-split (18,200 tokens >= 2 tiles x 20 splits x 4 rows).
-    neither = types.SimpleNamespace(step=1, batch_size=4, seq_lens=[9000, 9000, 100, 100])
-    over_split = [types.SimpleNamespace(step=i, batch_size=4, seq_lens=[500, 400, 300, 600]) for i in (2, 4)]
+    neither = types.SimpleNamespace(batch_size=4, seq_lens=[9000, 9000, 100, 100])
+    over_split = [types.SimpleNamespace(batch_size=4, seq_lens=[500, 400, 300, 600]) for _ in range(2)]
 
     def step_us(route, step):
         if step in over_split:
@@ -287,52 +287,6 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
     with pytest.raises(ConfigError, match="none of its steps is skewed"):
         sweep.run(types.SimpleNamespace(trace="bimodal", max_active=8, route="workqueue", split_candidates=[],
                                         wave_candidates=[2], fits="skew_target_ctas"))
-
-
-# Rows of a B4 step: skewed (one row holds more than 2/3 of the tokens), over-split at 32 splits
-# (under 2 tiles a split a row on average), and neither.
-SKEWED_B4, OVER_SPLIT_B4, NEITHER_B4 = [9000, 100, 100, 100], [500, 400, 300, 600], [9000, 9000, 100, 100]
-
-
-def _stepped(times, rows=lambda i: NEITHER_B4):
-    """A trace timed on one route, one sample a step, steps numbered from 0 with the rows ``rows(i)``."""
-    samples = [types.SimpleNamespace(step=types.SimpleNamespace(step=i, batch_size=len(rows(i)), seq_lens=rows(i)),
-                                     measured_us=us)
-               for i, us in enumerate(times)]
-    return types.SimpleNamespace(total_us=sum(times), samples=samples)
-
-
-def test_the_few_rows_route_is_decided_again_on_the_rules_it_runs():
-    """Batches of 2..7 rows: the fixed rule on every step is inside the band (1.005x), but the route
-    runs the balanced rule on the skewed steps, and counted so it clears it."""
-    def b4_rows(i):  # steps 0-5 skewed, step 6 over-split, the rest neither
-        return SKEWED_B4 if i < 6 else OVER_SPLIT_B4 if i == 6 else NEITHER_B4
-
-    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=None, calib=START)
-    sweep._swept = [{"name": "bimodal_b4", "max_active": 4, "route": "persistentkv_workqueue", "regime": FEW_ROWS,
-                     "steps": 20, "timed_by_splits": {32: _stepped([100.0] * 20, b4_rows)},
-                     "timed_fi": _stepped([100.5] * 20, b4_rows)}]
-    points = sweep.operating_points()
-    assert points[FEW_ROWS]["route"] == "flashinfer"
-    sweep.route_as_run(points)  # no balanced rule fitted: nothing to count again
-    assert points[FEW_ROWS]["route"] == "flashinfer"
-    # The skew fit timed steps 0-5 (skewed) and 6 (over-split) in its own pass.
-    times = {"fixed": {i: 100.0 for i in range(7)}, "flashinfer": {i: 101.0 for i in range(7)},
-             1: {**{i: 90.0 for i in range(6)}, 6: 95.0}}
-    sweep._balanced_steps = {"bimodal_b4": times}
-    sweep._balanced_rule = {FEW_ROWS: {"waves": 1, "over_split": False}}
-    sweep.route_as_run(points)
-    assert points[FEW_ROWS]["route"] == "persistentkv_workqueue"
-    route = sweep.records["bimodal_b4"]["regime_route"]
-    assert route["measured_margin"] == pytest.approx((6 * 101.0 + 14 * 100.5) / (6 * 90.0 + 14 * 100.0))
-    assert route["steps_on_balanced_rule"] == 6 and route["fixed_rule_margin"] == pytest.approx(1.005)
-    assert "counted as the route runs" in route["basis"] and "6 of 20 steps" in route["basis"]
-    assert sweep.decisions["regimes.few_rows.route"]["value"] == "persistentkv_workqueue"
-    # Where the balanced rule also holds on over-split steps, they count on it too.
-    sweep._balanced_rule[FEW_ROWS]["over_split"] = True
-    sweep.route_as_run(points)
-    assert sweep.records["bimodal_b4"]["regime_route"]["steps_on_balanced_rule"] == 7
-    assert sweep.records["bimodal_b4"]["regime_route"]["fixed_rule_margin"] == pytest.approx(1.005)
 
 
 def test_a_closed_regime_stays_closed_when_the_timings_are_not_a_performance_result():

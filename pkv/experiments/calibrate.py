@@ -77,7 +77,6 @@ def run(cfg: PkvConfig) -> list[Path]:
     operating_points = sweep.operating_points()
     uniform_ctas = sweep.uniform_target_ctas(operating_points)
     balanced_fits = sweep.balanced_rule_fits(operating_points)
-    sweep.route_as_run(operating_points)
     clock.lap("skewed steps on each rule (balanced rule fits)")
     # The probes run the operating points just fitted, as the route policy will.
     probes = _GateProbes(cfg, settings, shape, _apply(calib, operating_points),
@@ -207,11 +206,6 @@ class _SplitSweep:
         self._swept: list[dict] = []  # traces that fit their regime's split count
         self._uniform: list[dict] = []  # traces that fit Calibration.uniform_target_ctas
         self._skewed: list[dict] = []  # traces that fit Calibration.skew_target_ctas
-        # Per skewed trace, its kept steps' device time by rule and step index; per regime, the
-        # balanced rule it fitted (route_as_run reads both).
-        self._balanced_steps: dict[str, dict] = {}
-        self._balanced_rule: dict[str, dict] = {}
-        self._fixed_rule_route: dict = {}  # regime -> its route's fit with the fixed rule on every step
         self.decisions: dict[str, dict] = {}  # decision path -> its margin, band and value (measurements.decisions)
 
     def run(self, ct) -> None:
@@ -293,61 +287,17 @@ class _SplitSweep:
                 fit = fit_regime_route([s.measured_us for t in traces for s in t["timed_by_splits"][splits].samples],
                                        [s.measured_us for t in traces for s in t["timed_fi"].samples],
                                        ROUTE_WORKQUEUE)
-                self._decide_regime_route(points, regime, traces, splits, fit)
-                self._fixed_rule_route[regime] = fit
+                if self.settings.performance_result:
+                    points[regime]["route"] = fit.route
+                field = regime_field(regime, "route")
+                measured = fit.gain.record()
+                record = {"fits": field, "fitted": fit.route, "applied": self.settings.performance_result,
+                          "speedup": measured["measured_margin"], **measured, "default": REGIME_ROUTE_DEFAULT,
+                          "basis": fit.basis, "num_splits": splits}
+                for t in traces:
+                    self.records[t["name"]]["regime_route"] = record
+                self.decisions[field] = {"value": fit.route, **_decision_fields(record)}
         return points
-
-    def _decide_regime_route(self, points: dict, regime: str, traces: list[dict], splits: int, fit,
-                             basis: str | None = None, **extra) -> None:
-        """Record a regime's route decision (``fit``: fit_regime_route's) under each of its traces
-        and in the decisions, and apply it to ``points`` where the timings are a performance result."""
-        if self.settings.performance_result:
-            points[regime]["route"] = fit.route
-        field = regime_field(regime, "route")
-        measured = fit.gain.record()
-        record = {"fits": field, "fitted": fit.route, "applied": self.settings.performance_result,
-                  "speedup": measured["measured_margin"], **measured, "default": REGIME_ROUTE_DEFAULT,
-                  "basis": basis or fit.basis, "num_splits": splits, **extra}
-        for t in traces:
-            self.records[t["name"]]["regime_route"] = record
-        self.decisions[field] = {"value": fit.route, **_decision_fields(record)}
-
-    def route_as_run(self, points: dict) -> None:
-        """The route of batches of 2..7 rows decided again on the rules the route runs: where the
-        regime fitted a balanced rule (balanced_rule_fits), its skewed steps (and its over-split
-        ones, where that rule holds there too) run it, so they count with their time on that rule,
-        paired with FlashInfer's in the same pass; every other step keeps its split-sweep pair.
-        The fixed rule on every step, which operating_points judged, is kept in the record."""
-        regime = FEW_ROWS
-        rule, fixed = self._balanced_rule.get(regime), self._fixed_rule_route.get(regime)
-        if rule is None or fixed is None:
-            return
-        traces = [t for t in self._swept if t["regime"] == regime]
-        splits = points[regime]["num_splits"]
-        persistentkv_us, flashinfer_us, moved = [], [], 0
-        for t in traces:
-            times = self._balanced_steps.get(t["name"], {})
-            for sample, fi in zip(t["timed_by_splits"][splits].samples, t["timed_fi"].samples):
-                step, index = sample.step, sample.step.step
-                # The policy's own test of a step the skew rule takes (RoutePolicy.choose).
-                balanced = _is_skewed_step(step) or (
-                    rule["over_split"] and is_over_split(step.batch_size, total_tokens(step.seq_lens), splits))
-                if balanced and index in times.get(rule["waves"], {}):
-                    persistentkv_us.append(times[rule["waves"]][index])
-                    flashinfer_us.append(times["flashinfer"][index])
-                    moved += 1
-                else:
-                    persistentkv_us.append(sample.measured_us)
-                    flashinfer_us.append(fi.measured_us)
-        if not moved:
-            return
-        fit = fit_regime_route(persistentkv_us, flashinfer_us, ROUTE_WORKQUEUE)
-        waves = rule["waves"]
-        basis = (f"{fit.basis}; counted as the route runs: the balanced rule at {waves} wave"
-                 f"{'s' if waves != 1 else ''} on {moved} of {len(persistentkv_us)} steps (the fixed rule on every "
-                 f"step: {fixed.gain.gain:.4f}x, {fixed.route})")
-        self._decide_regime_route(points, regime, traces, splits, fit, basis, steps_on_balanced_rule=moved,
-                                  fixed_rule_margin=fixed.gain.gain)
 
     def _regime_splits(self, points: dict, regime: str) -> int:
         """The regime's split count as fitted in ``points`` (operating_points), else the calibration's."""
@@ -423,8 +373,6 @@ class _SplitSweep:
                                                                         target_ctas=w * num_sms))
             # The steps kept that are not skewed are the over-split ones.
             mine_skewed, mine_over_split = skewed.add(timed, _is_skewed_step), over_split.add(timed, _not_skewed)
-            self._balanced_steps[t["name"]] = {rule: {x.step.step: x.measured_us for x in steps.samples}
-                                               for rule, steps in timed.items()}
             # Under its name, or beside the split sweep of the same trace (listed for both fits).
             key = f"{t['name']} (skewed steps)" if t["name"] in self.records else t["name"]
             keys.append(key)
@@ -443,10 +391,6 @@ class _SplitSweep:
         over_gain = (measured_gain(over_split.per_step[waves], over_split.per_step["fixed"])
                      if over_split.steps else None)
         over_split_fitted = bool(target and over_gain is not None and over_gain.clears)
-        if target:
-            self._balanced_rule[regime] = {"waves": waves, "over_split": over_split_fitted}
-        else:
-            self._balanced_rule.pop(regime, None)
         measured = gain.record()
         skew_record = {
             "fitted": target, "selected_waves": waves, "tied_waves": list(wave_fit.tied),
