@@ -62,13 +62,17 @@ def _git_state() -> tuple[str, bool | None]:
         return stamped, False
     if shutil.which("git") is None:
         return UNKNOWN, None
-    head = _run(["git", "-C", str(_SOURCE_DIR), "rev-parse", "HEAD"])
-    if head is None or not head.strip():
+    found = _run(["git", "-C", str(_SOURCE_DIR), "rev-parse", "--show-toplevel", "HEAD"])
+    lines = [] if found is None else found.split()
+    # A tree exported inside another checkout (a baseline under .device/) finds that checkout's
+    # git, whose commit is not the one that ran: only a checkout of this very tree names a commit.
+    if len(lines) != 2 or Path(lines[0]).resolve() != _SOURCE_DIR.resolve():
         return UNKNOWN, None
+    head = lines[1]
     # Untracked files (build outputs, artifacts) do not change what the tracked code computes.
     status = _run(["git", "-C", str(_SOURCE_DIR), "status", "--porcelain", "--untracked-files=no"])
     dirty = None if status is None else bool(status.strip())
-    return head.strip(), dirty
+    return head, dirty
 
 
 # What decides a result: the package, kernels, workflow and configs. Their digest identifies the

@@ -90,6 +90,19 @@ def test_source_stamp_names_the_commit_of_a_copied_tree(monkeypatch, tmp_path):
     assert (prov["git_commit"], prov["git_dirty"]) == (head, False)
 
 
+def test_a_tree_exported_inside_another_checkout_names_no_commit(monkeypatch, tmp_path):
+    repo = tmp_path / "repo"
+    head = _clean_repo(repo)
+    nested = repo / ".device" / "baseline"  # an older commit exported for an A/B, not a checkout
+    _checkout(nested, "x = 2\n")
+    monkeypatch.setattr(provenance, "_SOURCE_DIR", nested)
+    prov = collect_provenance()
+    assert (prov["git_commit"], prov["git_dirty"]) == ("unknown", None)
+    monkeypatch.setattr(provenance, "_SOURCE_DIR", repo)
+    provenance._git_state.cache_clear()
+    assert collect_provenance()["git_commit"] == head
+
+
 @pytest.mark.parametrize("stamp_text", [None, "not json", '{"git_commit": "abc"}'])
 def test_a_stamp_for_other_sources_or_unreadable_is_ignored(monkeypatch, tmp_path, stamp_text):
     repo, copy = tmp_path / "repo", tmp_path / "copy"
