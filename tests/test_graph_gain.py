@@ -92,3 +92,29 @@ def test_the_json_holds_every_seed(tmp_path):
     out = tmp_path / "gain.json"
     assert gg.main([str(tmp_path), "--json", str(out)]) == 0
     assert json.loads(out.read_text())["traces"]["bimodal_b8"]["seeds"]["20260623"]["measured"] == pytest.approx(1.02)
+
+
+def test_kernel_traces_take_attention_apart_per_layer(tmp_path, capsys):
+    _run(tmp_path)
+    ms = tmp_path / "model_step" / "bimodal_b8"
+    for seed, decode_us in ((20260623, 64.0), (20260624, 96.0)):
+        profile = {"steps": 4, "attention_kernel_us_per_step": decode_us + 32.0, "attention_span_us_per_step": 160.0,
+                   "kernels": {"gemm": {"us_per_step": 900.0, "count_per_step": 96, "attention": False},
+                               "decode_kernel": {"us_per_step": decode_us, "count_per_step": 32, "attention": True},
+                               "merge_kernel": {"us_per_step": 32.0, "count_per_step": 32, "attention": True}}}
+        _write(ms / f"seed{seed}" / "adaptive_graph.json", "adaptive_graph", cuda_tok_s=102.0, wrong_steps=0,
+               kernel_profile=profile, model={"layers_run": 32})
+    # A record whose run could not trace has no row.
+    _write(ms / "seed20260623" / "flashinfer_graph.json", "flashinfer_graph", cuda_tok_s=100.0, wrong_steps=0,
+           kernel_profile={"skipped": "not available: no kernel trace on a cpu device"}, model={"layers_run": 32})
+    (row,) = gg.kernel_rows(tmp_path)
+    assert (row["trace"], row["path"], row["seeds"], row["steps"]) == ("bimodal_b8", "adaptive_graph", 2, 8)
+    assert row["attention_kernel_us"] == pytest.approx((96 / 32 + 128 / 32) / 2)  # 3.5 us a layer
+    assert row["attention_span_us"] == pytest.approx(5.0)
+    assert row["kernels"] == [("decode_kernel", pytest.approx(2.5), pytest.approx(1.0)),
+                              ("merge_kernel", pytest.approx(1.0), pytest.approx(1.0))]
+    text = gg.render_kernels([row])
+    assert ("| Bimodal B8 | adaptive_graph | 2 | 8 | 3.50 | 5.00 "
+            "| `decode_kernel` 2.50 (1.00); `merge_kernel` 1.00") in text
+    assert gg.main([str(tmp_path)]) == 0
+    assert "Attention's kernels, per layer" in capsys.readouterr().out

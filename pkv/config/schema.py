@@ -101,6 +101,7 @@ LENGTH_SCALE = Bound(0, 1024, "multiplies prompt lengths", lo_open=True)
 # Step counts of one process: 100K decode steps of a long batch are hours of GPU time.
 STEPS = Bound(1, 100_000, "decode steps of one run")
 WARMUP = Bound(0, 10_000, "untimed decode steps before the timed ones")
+PROFILED = Bound(0, 100_000, "measured steps run again under the CUDA profiler")
 REPS = Bound(1, 1_000_000, "repetitions of one timed call")
 # The bandwidth probe allocates this much on the device; 64 GiB is under half an H200.
 PROBE_MIB = Bound(1, 65_536, "MiB the bandwidth probe allocates")
@@ -262,6 +263,9 @@ class ExperimentConfig:
     cpu_hidden: int = bounded(256, bound=WIDTH)
     cpu_intermediate: int = bounded(512, bound=WIDTH)
     cpu_layers: int = bounded(2, bound=LAYERS)
+    # model_step: the first this many measured steps run once more per path under the CUDA profiler,
+    # untimed, for each path's kernels and attention's share of them (pkv.measure.kernel_trace); 0: none
+    kernel_profile_steps: int = bounded(0, bound=PROFILED)
 
 
 @dataclass

@@ -51,6 +51,7 @@ from pkv.measure.harness import (
     query_seed,
     step_where,
 )
+from pkv.measure.kernel_trace import KernelTally, KernelTraceUnavailable, attention_profile, trace_kernels
 from pkv.measure.model_step import ModelStep
 from pkv.measure.model_step_paths import EagerPath
 from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer, hold_device
@@ -63,8 +64,9 @@ PROGRESS_EVERY_S = 5.0
 # Measured steps of one batch size whose rest of the step is timed (module docstring).
 REST_SAMPLES = 3
 # Where a job's seconds go, printed with its "done" line: untimed probes and graph captures, the
-# rest-of-step timings, the paths' timed runs, the float64 checks and agreement judgements.
-PHASES = ("prepare", "rest", "paths", "checks")
+# rest-of-step timings, the paths' timed runs, the kernel traces (where asked for), the float64
+# checks and agreement judgements.
+PHASES = ("prepare", "rest", "paths", "profile", "checks")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class ModelStepSpec:
     beta_gbps: float  # the calibration's read bandwidth: the floor of the attention's KV read
     baseline: str  # the path every other path's output is checked against
     flush_l2: bool = True
+    # The first this many measured steps are run once more per path and rest under the CUDA
+    # profiler, untimed, for each path's kernels (pkv.measure.kernel_trace); 0: none.
+    kernel_profile_steps: int = 0
 
 
 class _Record(Float64Checks):
@@ -223,6 +228,8 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
     labels = list(paths)
     records = {label: _Record() for label in labels}
     rest_samples: dict[tuple[str, int], list[float]] = {}
+    tallies = {label: KernelTally() for label in (*labels, *(_rest_label(mode) for mode in rests))}
+    untraced = None  # why no kernel trace could be taken here
     spent = dict.fromkeys(PHASES, 0.0)
     started = last = time.perf_counter()
     index = -1
@@ -252,6 +259,11 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
                 records[label].kv_bytes += kv_bytes
         spent["paths"] += time.perf_counter() - mark
         mark = time.perf_counter()
+        if measured and measured_index < spec.kernel_profile_steps and untraced is None:
+            # Before the checks: their float64 pass must stay the last to append the step's token.
+            untraced = _trace_step(rests, paths, step, x, tallies, device)
+        spent["profile"] += time.perf_counter() - mark
+        mark = time.perf_counter()
         check = measured and measured_index % spec.check_every == 0
         reference = _check(spec, model, step, x, paths, outs, records, limit) if check else None
         _judge(spec, model, step, x, paths, outs, records, STEP_REL_FACTOR * limit, measured, reference)
@@ -271,8 +283,32 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
         phases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in spent.items())
         print(f"[{spec.name} model step] done: {index + 1} steps in {time.perf_counter() - started:.1f}s "
               f"({phases})", file=sys.stderr, flush=True)
-    return {label: records[label].metrics(model.layers, layers_model, paths[label].mode,
-                                          paths[label].implementation) for label in labels}
+    metrics = {label: records[label].metrics(model.layers, layers_model, paths[label].mode,
+                                             paths[label].implementation) for label in labels}
+    if spec.kernel_profile_steps:
+        for label, path in paths.items():
+            metrics[label]["kernel_profile"] = (
+                {"skipped": f"not available: {untraced}"} if untraced is not None
+                else attention_profile(tallies[label], tallies.get(_rest_label(path.mode))))
+    return metrics
+
+
+def _rest_label(mode: str) -> str:
+    return f"rest_{mode}"
+
+
+def _trace_step(rests: dict, paths: dict, step, x, tallies: dict, device) -> str | None:
+    """One more untimed run of the step on every rest and path under the CUDA profiler, into
+    ``tallies``; why not, where this device has no kernel trace (None when traced)."""
+    runs = [(_rest_label(mode), rest) for mode, rest in rests.items()] + list(paths.items())
+    for label, path in runs:
+        path.plan(step, x)
+        try:
+            spans = trace_kernels(path.issue, device)
+        except KernelTraceUnavailable as exc:
+            return str(exc)
+        tallies[label].add(spans)
+    return None
 
 
 def _time_rest(rests: dict, samples: dict, step, x, flusher, device, measured: bool) -> None:

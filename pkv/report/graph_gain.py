@@ -20,6 +20,11 @@ second falls short of the first, the graphed kernels lost the lead that the same
 kernels had. A seed is left out where either run's output was found wrong on measured steps, or
 where the step does not split into attention and the rest
 (pkv.report.table_data.model_step.separable: a host-bound step).
+
+Where a model-step run was asked for kernel traces (``experiment.kernel_profile_steps``,
+pkv.measure.kernel_trace), a second table takes attention apart kernel by kernel, per layer: each
+path's attention kernels (those its mode's step without attention does not run), the span they add
+to that step (kernels and the gaps around them), and its largest attention kernels.
 """
 
 from __future__ import annotations
@@ -131,6 +136,55 @@ def _cell(summary: dict, column: str) -> str:
     return f"{mean:.3f}" + (f" ± {std:.3f}" if std is not None else "")
 
 
+KERNEL_NAME_CHARS = 48
+KERNELS_SHOWN = 3
+
+
+def kernel_rows(run: Path) -> list[dict]:
+    """Per (trace, path) of the model-step records that carry kernel traces, over every seed that
+    has them: attention's kernels per layer (us), the span attention adds per layer, and the
+    largest attention kernels (name, us and launches per layer)."""
+    rows = []
+    for trace, seeds in load_trace_tree(run / "model_step").items():
+        by_path: dict[str, list[tuple[dict, int]]] = {}
+        for seed in sorted(seeds):
+            for _, record in seeds[seed]:
+                metrics = record.get("metrics") or {}
+                profile, layers = metrics.get("kernel_profile") or {}, (metrics.get("model") or {}).get("layers_run")
+                if profile.get("steps") and layers:
+                    by_path.setdefault(record.get("engine"), []).append((profile, int(layers)))
+        for path, profiles in sorted(by_path.items()):
+            per_layer = lambda key: statistics.fmean(p.get(key, 0.0) / layers for p, layers in profiles)  # noqa: E731
+            kernels: dict[str, list[float]] = {}
+            for profile, layers in profiles:
+                for name, entry in profile["kernels"].items():
+                    if entry.get("attention"):
+                        got = kernels.setdefault(name, [0.0, 0.0])
+                        got[0] += entry["us_per_step"] / layers / len(profiles)
+                        got[1] += entry["count_per_step"] / layers / len(profiles)
+            top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:KERNELS_SHOWN]
+            rows.append({"trace": trace, "path": path, "seeds": len(profiles),
+                         "steps": sum(p["steps"] for p, _ in profiles),
+                         "attention_kernel_us": per_layer("attention_kernel_us_per_step"),
+                         "attention_span_us": (per_layer("attention_span_us_per_step")
+                                               if all("attention_span_us_per_step" in p for p, _ in profiles)
+                                               else None),
+                         "kernels": [(name, us, count) for name, (us, count) in top]})
+    return rows
+
+
+def render_kernels(rows: list[dict]) -> str:
+    lines = ["| Trace | Path | Seeds | Steps | Attention kernels, us a layer | Span attention adds, us a layer "
+             "| Largest attention kernels (us, launches a layer) |", "|---|---|---:|---:|---:|---:|---|"]
+    for row in rows:
+        span = "–" if row["attention_span_us"] is None else f"{row['attention_span_us']:.2f}"
+        kernels = "; ".join(f"`{name[:KERNEL_NAME_CHARS]}` {us:.2f} ({count:.2f})"
+                            for name, us, count in row["kernels"])
+        lines.append(f"| {trace_label(row['trace'])} | {row['path']} | {row['seeds']} | {row['steps']} | "
+                     f"{row['attention_kernel_us']:.2f} | {span} | {kernels} |")
+    return "\n".join(lines) + "\n"
+
+
 def render_markdown(report: dict) -> str:
     lines = ["| Trace | Seeds | Table 2 device ratio | Table 2, Table 9's steps | Attention share "
              "| Predicted step ratio | Attention ratio in the graph | Table 9 graph ratio | Ceiling |",
@@ -150,10 +204,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures per seed here")
 
     def run() -> int:
-        report = graph_gain(args.run)
+        report, kernels = graph_gain(args.run), kernel_rows(args.run)
         print(render_markdown(report), end="")
+        if kernels:
+            print("\nAttention's kernels, per layer (pkv.measure.kernel_trace):\n\n" + render_kernels(kernels), end="")
         if args.json is not None:
-            write_text_atomic(args.json, json.dumps({"run": str(args.run), "traces": report}, indent=1) + "\n")
+            write_text_atomic(args.json, json.dumps({"run": str(args.run), "traces": report, "kernels": kernels},
+                                                    indent=1) + "\n")
         return 0
 
     args = parser.parse_args(argv)

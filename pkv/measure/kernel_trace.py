@@ -1,0 +1,128 @@
+"""Which kernels one call runs on the device, and for how long, kernel by kernel.
+
+A step's device time (CUDA events around it) says how long the step took, not where the time went:
+inside a graphed model step, attention is the step less the step with attention left out, which
+folds attention's kernels, their launch gaps and their effect on their neighbours into one number.
+Here the CUDA profiler (CUPTI, through ``torch.profiler``) records every kernel the call ran, a
+graph replay's kernels included, with its start and end on the device. ``KernelTally`` sums such
+traces over steps: per kernel name its time and count, the step's span on the device (first
+kernel's start to the last one's end), the time some kernel was running (``busy``) and the rest of
+the span, where the device had no kernel of the step (launch gaps and dependency waits).
+
+A path's attention kernels are the kernels of its step whose names the step without attention
+(its mode's rest) does not run: ``attention_profile`` splits a path's tally that way.
+
+Profiling adds its own host work around the call, so these traces are taken on extra untimed runs
+of steps that were timed without it; device-side kernel times are what CUPTI measured on the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+
+class KernelTraceUnavailable(RuntimeError):
+    """This device or build has no kernel trace (not a CUDA device, or no CUPTI)."""
+
+
+@dataclass(frozen=True)
+class KernelSpan:
+    """One kernel (or device copy) of a traced call: its name and device start and end, us."""
+
+    name: str
+    start_us: float
+    end_us: float
+
+    @property
+    def duration_us(self) -> float:
+        return self.end_us - self.start_us
+
+
+def trace_kernels(fn: Callable[[], object], device) -> list[KernelSpan]:
+    """The device work ``fn`` runs on ``device``, in start order. KernelTraceUnavailable where the
+    device is not a CUDA device or the profiler recorded no device activity for a call that ran."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise KernelTraceUnavailable(f"no kernel trace on a {device.type} device")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    spans = [KernelSpan(event.name, float(event.time_range.start), float(event.time_range.end))
+             for event in prof.events() if event.device_type == DeviceType.CUDA]
+    if not spans:
+        raise KernelTraceUnavailable("the CUDA profiler recorded no device activity (CUPTI unavailable?)")
+    return sorted(spans, key=lambda span: (span.start_us, span.end_us))
+
+
+def busy_us(spans: Iterable[KernelSpan]) -> float:
+    """How long at least one of ``spans`` was running: the length of their union (kernels of one
+    stream do not overlap, but a graph's branches or a programmatic launch's prologue can)."""
+    total, reach = 0.0, None
+    for span in sorted(spans, key=lambda s: s.start_us):
+        if reach is None or span.start_us >= reach:
+            total += span.duration_us
+            reach = span.end_us
+        elif span.end_us > reach:
+            total += span.end_us - reach
+            reach = span.end_us
+    return total
+
+
+@dataclass
+class KernelTally:
+    """Kernel traces of one path summed over steps."""
+
+    steps: int = 0
+    span_us: float = 0.0
+    busy_us: float = 0.0
+    kernels: dict = field(default_factory=dict)  # name -> [total us, count]
+
+    def add(self, spans: list[KernelSpan]) -> None:
+        if not spans:
+            raise ValueError("KernelTally.add: a traced step has at least one kernel")
+        self.steps += 1
+        self.span_us += max(s.end_us for s in spans) - min(s.start_us for s in spans)
+        self.busy_us += busy_us(spans)
+        for span in spans:
+            entry = self.kernels.setdefault(span.name, [0.0, 0])
+            entry[0] += span.duration_us
+            entry[1] += 1
+
+    def record(self) -> dict:
+        """Per step: the span, the busy time, the idle rest of the span, and each kernel's time and
+        count (most time first)."""
+        steps = max(self.steps, 1)
+        kernels = sorted(self.kernels.items(), key=lambda kv: -kv[1][0])
+        return {"steps": self.steps, "span_us_per_step": self.span_us / steps,
+                "busy_us_per_step": self.busy_us / steps,
+                "idle_us_per_step": (self.span_us - self.busy_us) / steps,
+                "kernels": {name: {"us_per_step": us / steps, "count_per_step": count / steps}
+                            for name, (us, count) in kernels}}
+
+
+def attention_profile(path: KernelTally, rest: KernelTally | None) -> dict:
+    """A path's tally as a record, with its attention kernels (names its mode's rest does not run)
+    marked and summed, and the span it adds to the rest's: attention's kernels plus the gaps
+    around them, the number the step-less-rest device time estimates."""
+    record = path.record()
+    rest_names = set(rest.kernels) if rest is not None else set()
+    steps = max(path.steps, 1)
+    attention_us = 0.0
+    for name, entry in record["kernels"].items():
+        entry["attention"] = name not in rest_names
+        if entry["attention"]:
+            attention_us += entry["us_per_step"]
+    record["attention_kernel_us_per_step"] = attention_us
+    if rest is not None and rest.steps:
+        rest_record = rest.record()
+        record["rest_span_us_per_step"] = rest_record["span_us_per_step"]
+        record["rest_idle_us_per_step"] = rest_record["idle_us_per_step"]
+        record["attention_span_us_per_step"] = path.span_us / steps - rest_record["span_us_per_step"]
+    return record

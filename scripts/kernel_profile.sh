@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Where attention's time goes inside a graphed model step, kernel by kernel (Table 9's traces): one
+# GPU-machine run of the model step per trace with its first measured steps traced again under the
+# CUDA profiler (experiment.kernel_profile_steps, pkv.measure.kernel_trace), then
+# `python -m pkv.report.graph_gain`'s table of each path's attention kernels per layer. Logs and
+# results under $OUT (artifacts/<gpu>/model_step/<trace>/seed<S>/).
+#   (from the repository root, with .whl/ filled as scripts/device_site.sh says)
+#   PROFILE_TRACES="bimodal_b8 zipf_b8 ...": results trace names (<family>_b<max_active>)
+#   PROFILE_SEED (20260623), PROFILE_STEPS (8: traced steps), PROFILE_MODES ("[graph]")
+#   PROFILE_CALIBRATION: a calibration JSON (default: the committed reference set's of this GPU)
+#   BUILD_CACHE_FROM: as in scripts/device_check.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
+source scripts/device_site.sh || exit 1
+export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
+restore_builds
+[ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+GPU_NAME=$(grep -q H200 "$OUT/gpu.txt" && echo h200 || echo h100)
+CALIBRATION=${PROFILE_CALIBRATION:-artifacts/reference/$GPU_NAME/calibration/calibration.json}
+python3 -m pkv.build 2>&1 | tail -1 || exit 1
+SEED=${PROFILE_SEED:-20260623}
+for trace in ${PROFILE_TRACES:-bimodal_b8 zipf_b8 uniform_b8 homogeneous_b8}; do
+  family=${trace%_b*}; batch=${trace##*_b}
+  dest=$OUT/artifacts/$GPU_NAME/model_step/$trace/seed$SEED
+  python3 -m pkv.cli experiment=model_step "trace=$family" "trace.max_active=$batch" "seed=$SEED" \
+    "gpu=$GPU_NAME" "calibration=$CALIBRATION" "experiment.kernel_profile_steps=${PROFILE_STEPS:-8}" \
+    "experiment.engines=[adaptive,flashinfer]" "experiment.modes=${PROFILE_MODES:-[graph]}" \
+    "out=$dest" "hydra.run.dir=$dest/.run" > "$OUT/$trace.log" 2>&1
+  echo "$trace rc=$? $(tail -1 "$OUT/$trace.log")"
+done
+python3 -m pkv.report.graph_gain "$OUT/artifacts/$GPU_NAME" --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.md"

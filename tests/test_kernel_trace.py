@@ -1,0 +1,106 @@
+"""Kernel traces of a step (pkv.measure.kernel_trace): the busy time of overlapping kernels, a
+path's tally per step, its attention kernels told from its rest's, the model step's record of them
+(on the CPU, why there is none), and (GPU) a graph replay's kernels one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pkv.measure.kernel_trace import (
+    KernelSpan,
+    KernelTally,
+    KernelTraceUnavailable,
+    attention_profile,
+    busy_us,
+    trace_kernels,
+)
+
+
+def _spans(*triples):
+    return [KernelSpan(name, start, end) for name, start, end in triples]
+
+
+def test_busy_time_is_the_union_of_the_kernels():
+    assert busy_us([]) == 0.0
+    # a gap of 2 between b and c; d starts inside c (a prologue overlapping) and outlasts it
+    spans = _spans(("a", 0, 3), ("b", 3, 5), ("c", 7, 10), ("d", 9, 12), ("e", 10, 11))
+    assert busy_us(spans) == pytest.approx(3 + 2 + 5)
+    assert busy_us(list(reversed(spans))) == pytest.approx(10)
+
+
+def test_a_tally_is_per_step_and_attention_is_what_the_rest_does_not_run():
+    path, rest = KernelTally(), KernelTally()
+    for offset in (0, 100):
+        path.add(_spans(("gemm", offset, offset + 10), ("decode", offset + 11, offset + 15),
+                        ("merge", offset + 16, offset + 17), ("gemm", offset + 18, offset + 28)))
+        rest.add(_spans(("gemm", offset, offset + 10), ("gemm", offset + 11, offset + 21)))
+    record = attention_profile(path, rest)
+    assert record["steps"] == 2
+    assert record["span_us_per_step"] == pytest.approx(28)
+    assert record["busy_us_per_step"] == pytest.approx(25)
+    assert record["idle_us_per_step"] == pytest.approx(3)
+    assert list(record["kernels"]) == ["gemm", "decode", "merge"]  # most time first
+    assert record["kernels"]["gemm"] == {"us_per_step": 20, "count_per_step": 2, "attention": False}
+    assert record["kernels"]["decode"]["attention"] and record["kernels"]["merge"]["attention"]
+    assert record["attention_kernel_us_per_step"] == pytest.approx(5)
+    # the span attention adds: its 5 us of kernels and the 2 us of gaps around them
+    assert record["rest_span_us_per_step"] == pytest.approx(21)
+    assert record["attention_span_us_per_step"] == pytest.approx(7)
+    with pytest.raises(ValueError, match="at least one kernel"):
+        path.add([])
+
+
+def test_without_a_rest_every_kernel_counts_as_attention():
+    path = KernelTally()
+    path.add(_spans(("decode", 0, 4)))
+    record = attention_profile(path, None)
+    assert record["attention_kernel_us_per_step"] == 4 and "attention_span_us_per_step" not in record
+
+
+def test_no_kernel_trace_on_the_cpu():
+    with pytest.raises(KernelTraceUnavailable, match="cpu device"):
+        trace_kernels(lambda: None, "cpu")
+
+
+def test_a_model_step_asked_for_kernel_traces_on_the_cpu_says_why_it_has_none():
+    from test_model_step_wrong_baseline import BASELINE, _eager, _paths, _run, _studied_engine
+
+    from pkv.engines.sdpa import SdpaEngine
+    from pkv.measure.model_step import StepShape
+
+    attention = StepShape(hidden=64, intermediate=96, num_qo_heads=8, num_kv_heads=2, head_dim=16,
+                          num_layers=2).attention
+    make = _paths(_eager(BASELINE, SdpaEngine(attention, "cpu")), _eager("adaptive_eager", _studied_engine()))
+    plain = _run(make)
+    traced = _run(make, kernel_profile_steps=2)
+    for label in plain:
+        assert "kernel_profile" not in plain[label]
+        assert traced[label]["kernel_profile"] == {"skipped": "not available: no kernel trace on a cpu device"}
+        # the same steps timed and checked either way
+        assert [s["step"] for s in traced[label]["per_step"]] == [s["step"] for s in plain[label]["per_step"]]
+        assert traced[label]["max_rel_err_vs_baseline"] == pytest.approx(plain[label]["max_rel_err_vs_baseline"])
+
+
+@pytest.mark.gpu
+def test_a_graph_replay_is_traced_kernel_by_kernel():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    a = torch.randn(512, 512, device="cuda")
+    out = torch.empty_like(a)
+
+    def step():
+        torch.mm(a, a, out=out)
+        out.exp_()
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    eager = trace_kernels(step, "cuda")
+    replayed = trace_kernels(graph.replay, "cuda")
+    assert len(replayed) >= 2, replayed
+    assert {s.name for s in replayed} == {s.name for s in eager}
+    tally = KernelTally()
+    tally.add(replayed)
+    assert 0 < tally.record()["busy_us_per_step"] <= tally.record()["span_us_per_step"]
