@@ -7,7 +7,8 @@
 #   (from the repository root, with .whl/ filled as scripts/device_site.sh says)
 #   PROFILE_TRACES="bimodal_b8 zipf_b8 ...": results trace names (<family>_b<max_active>)
 #   PROFILE_SEED (20260623), PROFILE_STEPS (8: traced steps), PROFILE_MODES ("[graph]")
-#   PROFILE_CALIBRATION: a calibration JSON (default: the committed reference set's of this GPU)
+#   PROFILE_CALIBRATION: a calibration JSON (default: the committed reference set's of this GPU;
+#     where there is none, conf/gpu/<gpu>.yaml's constants, as a run without calibration= takes)
 #   BUILD_CACHE_FROM: as in scripts/device_check.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
@@ -18,13 +19,16 @@ restore_builds
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 GPU_NAME=$(grep -q H200 "$OUT/gpu.txt" && echo h200 || echo h100)
 CALIBRATION=${PROFILE_CALIBRATION:-artifacts/reference/$GPU_NAME/calibration/calibration.json}
+calibrated=()
+[ -f "$CALIBRATION" ] && calibrated=("calibration=$CALIBRATION")
+echo "calibration: ${calibrated[*]:-conf/gpu/$GPU_NAME.yaml}"
 python3 -m pkv.build 2>&1 | tail -1 || exit 1
 SEED=${PROFILE_SEED:-20260623}
 for trace in ${PROFILE_TRACES:-bimodal_b8 zipf_b8 uniform_b8 homogeneous_b8}; do
   family=${trace%_b*}; batch=${trace##*_b}
   dest=$OUT/artifacts/$GPU_NAME/model_step/$trace/seed$SEED
   python3 -m pkv.cli experiment=model_step "trace=$family" "trace.max_active=$batch" "seed=$SEED" \
-    "gpu=$GPU_NAME" "calibration=$CALIBRATION" "experiment.kernel_profile_steps=${PROFILE_STEPS:-8}" \
+    "gpu=$GPU_NAME" ${calibrated[@]+"${calibrated[@]}"} "experiment.kernel_profile_steps=${PROFILE_STEPS:-8}" \
     "experiment.engines=[adaptive,flashinfer]" "experiment.modes=${PROFILE_MODES:-[graph]}" \
     "out=$dest" "hydra.run.dir=$dest/.run" > "$OUT/$trace.log" 2>&1
   echo "$trace rc=$? $(tail -1 "$OUT/$trace.log")"
