@@ -43,7 +43,7 @@ fi
 # run is stopped at its time limit; the slowest are printed.
 if [ -z "${SKIP_TESTS:-}" ]; then
   PKV_TEST_TIMES="$OUT/test_times.tsv" python3 -X faulthandler -m pytest -v -p no:cacheprovider -m gpu \
-    ${GPU_TESTS:-tests/test_kernels_gpu.py tests/test_device_step_gpu.py tests/test_large_pool_gpu.py tests/test_model_step.py tests/test_baselines_gpu.py tests/test_vllm_engines.py} \
+    ${GPU_TESTS:-tests/test_kernels_gpu.py tests/test_device_step_gpu.py tests/test_large_pool_gpu.py tests/test_model_step.py tests/test_kernel_trace.py tests/test_baselines_gpu.py tests/test_vllm_engines.py} \
     > "$OUT/tests.log" 2>&1
   grep -E "FAILED|ERROR|passed|failed|Fatal|^E  " "$OUT/tests.log" | tail -30
   sort -t$'\t' -k3 -rn "$OUT/test_times.tsv" 2>/dev/null | head -8 | cut -c1-160
