@@ -63,7 +63,7 @@ def _git_state() -> tuple[str, bool | None]:
     if shutil.which("git") is None:
         return UNKNOWN, None
     found = _run(["git", "-C", str(_SOURCE_DIR), "rev-parse", "--show-toplevel", "HEAD"])
-    lines = [] if found is None else found.split()
+    lines = [] if found is None else found.splitlines()
     # A tree exported inside another checkout (a baseline under .device/) finds that checkout's
     # git, whose commit is not the one that ran: only a checkout of this very tree names a commit.
     if len(lines) != 2 or Path(lines[0]).resolve() != _SOURCE_DIR.resolve():
