@@ -7,7 +7,8 @@
 #     (the GPU machine's copy of .git may be stale, so the baseline is exported here, not there)
 #   CASES="b1_8k b1_32k ...": the pkv.measure.kernel_bench cases (default below).
 #   STEP_CASES="b8_bimodal ...": the pkv.measure.device_step_bench cases, the device-planned step
-#     (host_planned_graph against device_planned_decode_graph: what a graphed layer replays).
+#     (host_planned_graph against device_planned_decode_graph, and host_planned_balanced against
+#     device_planned_balanced_decode_graph: what a graphed layer replays).
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 BASELINE=${BASELINE:?set BASELINE to the baseline checkout}

@@ -93,12 +93,14 @@ def _check_device_step_case(record, case) -> None:
     assert (record["seq_lens"], record["num_splits"], record["routed_route"]) == (_scaled(lengths), splits, route)
     assert set(rows) == set(DEVICE_STEP_CPU_ROWS)
     wave = device_step_bench.WAVE_CTAS_PER_SM * default_num_sms("cpu")
-    for name in ("host_planned_balanced", "device_planned_balanced", "device_planned_balanced_graph"):
+    for name in ("host_planned_balanced", "device_planned_balanced", "device_planned_balanced_graph",
+                 "device_planned_balanced_decode_graph"):
         assert rows[name]["target_ctas"] == wave, name
     # Every form of the step that writes an output wrote the host-planned step's.
     compared = [name for name, row in rows.items() if "max_abs_diff_vs_host" in row]
     assert {"routed_graph", "device_planned", "device_planned_lists", "in_decode", "in_decode_lists",
-            "device_planned_balanced", "host_planned_balanced", "device_planned_decode_graph"} <= set(compared)
+            "device_planned_balanced", "host_planned_balanced", "device_planned_decode_graph",
+            "device_planned_balanced_decode_graph"} <= set(compared)
     for name in compared:
         assert rows[name]["max_abs_diff_vs_host"] < 1e-5, name
     assert rows["flashinfer"]["path"] == "flashinfer"  # the CPU's FlashInfer role: repack + SDPA

@@ -8,7 +8,8 @@ the same split count planned on the GPU (pkv.engines.device_step) run eagerly ov
 and over page lists (pkv.page_table), replayed from a CUDA graph, and its decode alone replayed
 after one plan (the capacity grid a graphed model step's layers replay,
 "device_planned_decode_graph"); the same with no plan launch (planner "in_decode"), eager and
-replayed; the balanced rule planned on the GPU, eager and replayed; replayed through the routed
+replayed; the balanced rule planned on the GPU, eager and replayed, and its decode alone replayed after
+one plan ("device_planned_balanced_decode_graph"); replayed through the routed
 graphs a serving engine would hold (pkv.engines.routed_graphs: the route asked of the policy with
 the host's lengths, then the replay over static buffers the caller writes); FlashInfer's fastest
 decode path for reference, and its CUDA-graph decode on tensor and on CUDA cores (planned on the
@@ -55,7 +56,8 @@ K = 1024
 PLANNER_ROWS = {"plan_kernel": "device_planned", "in_decode": "in_decode"}
 ROWS = ("host_planned", "host_planned_balanced", "host_planned_graph",
         *(f"{PLANNER_ROWS[p]}{suffix}" for p in PLANNERS for suffix in ("", "_lists", "_graph")),
-        "device_planned_decode_graph", "device_planned_balanced", "device_planned_balanced_graph", "routed_graph",
+        "device_planned_decode_graph", "device_planned_balanced", "device_planned_balanced_graph",
+        "device_planned_balanced_decode_graph", "routed_graph",
         "flashinfer", "flashinfer_graph_tc", "flashinfer_graph_cc")
 # Rows that need the CUDA engine's graph replay of a host plan (the CPU's reference engine has none).
 CUDA_ONLY_ROWS = ("host_planned_graph",)
@@ -224,15 +226,19 @@ def run_case(name, lengths, splits, route, shape, flusher, reps, seed, log, *, d
         if "target_ctas" in options:
             for suffix in (*(suffix for suffix, _ in forms), "_graph"):
                 rows[row_name + suffix]["target_ctas"] = options["target_ctas"]
-        if row_name == PLANNER_ROWS["plan_kernel"]:
+        if workspace.planner == "plan_kernel":
             # A graphed model step plans once and replays the decode in every layer: the decode (and
             # merge) of one device plan replayed alone, its capacity grid included, the plan launch
-            # not. Against host_planned_graph, what the capacity grid costs a layer.
+            # not. Against host_planned_graph (and, for the balanced rule, host_planned_balanced),
+            # what the capacity grid costs a layer.
             out = torch.empty_like(q)
             workspace.plan(table, lens, step.page_size)
             graph = capture_graph(lambda workspace=workspace, out=out: workspace.decode(q, k, v, table, lens, out))
-            rows["device_planned_decode_graph"] = _timed_row(graph.replay, flusher, reps, out=out,
-                                                             reference=reference, replay=graph.replay)
+            decode_row = f"{row_name}_decode_graph"
+            rows[decode_row] = _timed_row(graph.replay, flusher, reps, out=out, reference=reference,
+                                          replay=graph.replay)
+            if "target_ctas" in options:
+                rows[decode_row]["target_ctas"] = options["target_ctas"]
 
     # The serving form: the caller has written the step into the bucket's buffers; the host asks
     # the route and replays. The pinned policy keeps the case's route on this split count; the
@@ -292,13 +298,13 @@ def main(argv=None) -> int:
     args = bench_parser(__doc__, CASES, reps=30, seed=20260622).parse_args(argv)
     config = {"cases": args.cases, "reps": args.reps}
     if not torch.cuda.is_available():
-        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/9", config, args.seed)
+        return write_skipped_no_gpu(args.out, "pkv.measure.device_step_bench/10", config, args.seed)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
     cases = run_cases({name: CASES[name] for name in args.cases}, ModelShape(), args.reps, args.seed, log)
-    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/9", "cases": cases,
+    write_json_atomic(args.out, {"schema": "pkv.measure.device_step_bench/10", "cases": cases,
                                  "provenance": collect_provenance(config=config, seed=args.seed)})
     return 0
 
