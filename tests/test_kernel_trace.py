@@ -44,11 +44,24 @@ def test_a_tally_is_per_step_and_attention_is_what_the_rest_does_not_run():
     assert record["kernels"]["gemm"] == {"us_per_step": 20, "count_per_step": 2, "attention": False}
     assert record["kernels"]["decode"]["attention"] and record["kernels"]["merge"]["attention"]
     assert record["attention_kernel_us_per_step"] == pytest.approx(5)
-    # the span attention adds: its 5 us of kernels and the 2 us of gaps around them
+    # 1 us before the decode, between decode and merge, and after the merge
+    assert {(g["previous"], g["next"]): g["us_per_step"] for g in record["gaps"]} == {
+        ("gemm", "decode"): 1, ("decode", "merge"): 1, ("merge", "gemm"): 1}
+    assert record["attention_gap_us_per_step"] == pytest.approx(3)
+    # the span attention adds: its 5 us of kernels and 3 us of gaps around them, less the 1 us gap
+    # the rest has between its two GEMMs
     assert record["rest_span_us_per_step"] == pytest.approx(21)
     assert record["attention_span_us_per_step"] == pytest.approx(7)
     with pytest.raises(ValueError, match="at least one kernel"):
         path.add([])
+
+
+def test_a_gap_is_idle_time_only():
+    tally = KernelTally()
+    # b starts inside a (an overlapping prologue): no gap; c starts 2 us after the later end (b's)
+    tally.add(_spans(("a", 0, 10), ("b", 8, 12), ("c", 14, 15)))
+    gaps = {(g["previous"], g["next"]): g["us_per_step"] for g in tally.record()["gaps"]}
+    assert gaps == {("a", "b"): 0.0, ("b", "c"): 2.0}
 
 
 def test_without_a_rest_every_kernel_counts_as_attention():

@@ -7,10 +7,12 @@ Here the CUDA profiler (CUPTI, through ``torch.profiler``) records every kernel 
 graph replay's kernels included, with its start and end on the device. ``KernelTally`` sums such
 traces over steps: per kernel name its time and count, the step's span on the device (first
 kernel's start to the last one's end), the time some kernel was running (``busy``) and the rest of
-the span, where the device had no kernel of the step (launch gaps and dependency waits).
+the span, where the device had no kernel of the step (launch gaps and dependency waits), and the
+gap between each two consecutive kernels by their names.
 
 A path's attention kernels are the kernels of its step whose names the step without attention
-(its mode's rest) does not run: ``attention_profile`` splits a path's tally that way.
+(its mode's rest) does not run: ``attention_profile`` splits a path's tally that way, with the
+gaps next to an attention kernel (before it, or after it up to the next kernel) as attention's.
 
 Profiling adds its own host work around the call, so these traces are taken on extra untimed runs
 of steps that were timed without it; device-side kernel times are what CUPTI measured on the GPU.
@@ -83,6 +85,7 @@ class KernelTally:
     span_us: float = 0.0
     busy_us: float = 0.0
     kernels: dict = field(default_factory=dict)  # name -> [total us, count]
+    gaps: dict = field(default_factory=dict)  # (previous kernel, next kernel) -> total idle us between them
 
     def add(self, spans: list[KernelSpan]) -> None:
         if not spans:
@@ -94,6 +97,13 @@ class KernelTally:
             entry = self.kernels.setdefault(span.name, [0.0, 0])
             entry[0] += span.duration_us
             entry[1] += 1
+        ordered = sorted(spans, key=lambda s: (s.start_us, s.end_us))
+        reach = ordered[0].end_us
+        for before, after in zip(ordered, ordered[1:]):
+            # Idle time only: a kernel that starts before the ones so far have ended leaves none.
+            key = (before.name, after.name)
+            self.gaps[key] = self.gaps.get(key, 0.0) + max(after.start_us - reach, 0.0)
+            reach = max(reach, after.end_us)
 
     def record(self) -> dict:
         """Per step: the span, the busy time, the idle rest of the span, and each kernel's time and
@@ -104,7 +114,9 @@ class KernelTally:
                 "busy_us_per_step": self.busy_us / steps,
                 "idle_us_per_step": (self.span_us - self.busy_us) / steps,
                 "kernels": {name: {"us_per_step": us / steps, "count_per_step": count / steps}
-                            for name, (us, count) in kernels}}
+                            for name, (us, count) in kernels},
+                "gaps": [{"previous": a, "next": b, "us_per_step": us / steps}
+                         for (a, b), us in sorted(self.gaps.items(), key=lambda kv: -kv[1])]}
 
 
 def attention_profile(path: KernelTally, rest: KernelTally | None) -> dict:
@@ -120,6 +132,9 @@ def attention_profile(path: KernelTally, rest: KernelTally | None) -> dict:
         if entry["attention"]:
             attention_us += entry["us_per_step"]
     record["attention_kernel_us_per_step"] = attention_us
+    # Idle time next to attention's kernels: the launch gaps and waits attention brings into the step.
+    record["attention_gap_us_per_step"] = sum(gap["us_per_step"] for gap in record["gaps"]
+                                              if gap["previous"] not in rest_names or gap["next"] not in rest_names)
     if rest is not None and rest.steps:
         rest_record = rest.record()
         record["rest_span_us_per_step"] = rest_record["span_us_per_step"]

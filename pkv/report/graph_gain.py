@@ -23,8 +23,8 @@ where the step does not split into attention and the rest
 
 Where a model-step run was asked for kernel traces (``experiment.kernel_profile_steps``,
 pkv.measure.kernel_trace), a second table takes attention apart kernel by kernel, per layer: each
-path's attention kernels (those its mode's step without attention does not run), the span they add
-to that step (kernels and the gaps around them), and its largest attention kernels.
+path's attention kernels (those its mode's step without attention does not run), the idle gaps next
+to them, the span they add to that step, and its largest attention kernels.
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ KERNELS_SHOWN = 3
 
 def kernel_rows(run: Path) -> list[dict]:
     """Per (trace, path) of the model-step records that carry kernel traces, over every seed that
-    has them: attention's kernels per layer (us), the span attention adds per layer, and the
-    largest attention kernels (name, us and launches per layer)."""
+    has them: attention's kernels per layer (us), the idle gaps next to them, the span attention
+    adds per layer, and the largest attention kernels (name, us and launches per layer)."""
     rows = []
     for trace, seeds in load_trace_tree(run / "model_step").items():
         by_path: dict[str, list[tuple[dict, int]]] = {}
@@ -166,6 +166,7 @@ def kernel_rows(run: Path) -> list[dict]:
             rows.append({"trace": trace, "path": path, "seeds": len(profiles),
                          "steps": sum(p["steps"] for p, _ in profiles),
                          "attention_kernel_us": per_layer("attention_kernel_us_per_step"),
+                         "attention_gap_us": per_layer("attention_gap_us_per_step"),
                          "attention_span_us": (per_layer("attention_span_us_per_step")
                                                if all("attention_span_us_per_step" in p for p, _ in profiles)
                                                else None),
@@ -174,14 +175,15 @@ def kernel_rows(run: Path) -> list[dict]:
 
 
 def render_kernels(rows: list[dict]) -> str:
-    lines = ["| Trace | Path | Seeds | Steps | Attention kernels, us a layer | Span attention adds, us a layer "
-             "| Largest attention kernels (us, launches a layer) |", "|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| Trace | Path | Seeds | Steps | Attention kernels, us a layer | Gaps next to them "
+             "| Span attention adds | Largest attention kernels (us, launches a layer) |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         span = "–" if row["attention_span_us"] is None else f"{row['attention_span_us']:.2f}"
         kernels = "; ".join(f"`{name[:KERNEL_NAME_CHARS]}` {us:.2f} ({count:.2f})"
                             for name, us, count in row["kernels"])
         lines.append(f"| {trace_label(row['trace'])} | {row['path']} | {row['seeds']} | {row['steps']} | "
-                     f"{row['attention_kernel_us']:.2f} | {span} | {kernels} |")
+                     f"{row['attention_kernel_us']:.2f} | {row['attention_gap_us']:.2f} | {span} | {kernels} |")
     return "\n".join(lines) + "\n"
 
 
