@@ -12,7 +12,6 @@ from pkv.measure.kernel_trace import (
     KernelTally,
     KernelTraceUnavailable,
     attention_profile,
-    busy_us,
     trace_kernels,
 )
 
@@ -22,11 +21,13 @@ def _spans(*triples):
 
 
 def test_busy_time_is_the_union_of_the_kernels():
-    assert busy_us([]) == 0.0
+    tally = KernelTally()
     # a gap of 2 between b and c; d starts inside c (a prologue overlapping) and outlasts it
-    spans = _spans(("a", 0, 3), ("b", 3, 5), ("c", 7, 10), ("d", 9, 12), ("e", 10, 11))
-    assert busy_us(spans) == pytest.approx(3 + 2 + 5)
-    assert busy_us(list(reversed(spans))) == pytest.approx(10)
+    tally.add(_spans(("a", 0, 3), ("b", 3, 5), ("c", 7, 10), ("d", 9, 12), ("e", 10, 11)))
+    record = tally.record()
+    assert record["span_us_per_step"] == pytest.approx(12)
+    assert record["busy_us_per_step"] == pytest.approx(3 + 2 + 5)
+    assert record["idle_us_per_step"] == pytest.approx(2)
 
 
 def test_a_tally_is_per_step_and_attention_is_what_the_rest_does_not_run():

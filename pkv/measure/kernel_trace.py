@@ -20,7 +20,7 @@ of steps that were timed without it; device-side kernel times are what CUPTI mea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,20 +63,6 @@ def trace_kernels(fn: Callable[[], object], device) -> list[KernelSpan]:
     return sorted(spans, key=lambda span: (span.start_us, span.end_us))
 
 
-def busy_us(spans: Iterable[KernelSpan]) -> float:
-    """How long at least one of ``spans`` was running: the length of their union (kernels of one
-    stream do not overlap, but a graph's branches or a programmatic launch's prologue can)."""
-    total, reach = 0.0, None
-    for span in sorted(spans, key=lambda s: s.start_us):
-        if reach is None or span.start_us >= reach:
-            total += span.duration_us
-            reach = span.end_us
-        elif span.end_us > reach:
-            total += span.end_us - reach
-            reach = span.end_us
-    return total
-
-
 @dataclass
 class KernelTally:
     """Kernel traces of one path summed over steps."""
@@ -90,20 +76,24 @@ class KernelTally:
     def add(self, spans: list[KernelSpan]) -> None:
         if not spans:
             raise ValueError("KernelTally.add: a traced step has at least one kernel")
-        self.steps += 1
-        self.span_us += max(s.end_us for s in spans) - min(s.start_us for s in spans)
-        self.busy_us += busy_us(spans)
         for span in spans:
             entry = self.kernels.setdefault(span.name, [0.0, 0])
             entry[0] += span.duration_us
             entry[1] += 1
         ordered = sorted(spans, key=lambda s: (s.start_us, s.end_us))
-        reach = ordered[0].end_us
+        reach, idle = ordered[0].end_us, 0.0
         for before, after in zip(ordered, ordered[1:]):
-            # Idle time only: a kernel that starts before the ones so far have ended leaves none.
+            # Idle time only: a kernel that starts before the ones so far have ended (a graph's
+            # branches, a programmatic launch's prologue) leaves none.
+            gap = max(after.start_us - reach, 0.0)
             key = (before.name, after.name)
-            self.gaps[key] = self.gaps.get(key, 0.0) + max(after.start_us - reach, 0.0)
+            self.gaps[key] = self.gaps.get(key, 0.0) + gap
+            idle += gap
             reach = max(reach, after.end_us)
+        span = reach - ordered[0].start_us
+        self.steps += 1
+        self.span_us += span
+        self.busy_us += span - idle  # the time some kernel ran: the union of the kernels
 
     def record(self) -> dict:
         """Per step: the span, the busy time, the idle rest of the span, and each kernel's time and
