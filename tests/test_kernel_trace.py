@@ -78,14 +78,11 @@ def test_no_kernel_trace_on_the_cpu():
 
 
 def test_a_model_step_asked_for_kernel_traces_on_the_cpu_says_why_it_has_none():
-    from test_model_step_wrong_baseline import BASELINE, _eager, _paths, _run, _studied_engine
+    from test_model_step_wrong_baseline import BASELINE, SHAPE, _eager, _paths, _run, _studied_engine
 
     from pkv.engines.sdpa import SdpaEngine
-    from pkv.measure.model_step import StepShape
 
-    attention = StepShape(hidden=64, intermediate=96, num_qo_heads=8, num_kv_heads=2, head_dim=16,
-                          num_layers=2).attention
-    make = _paths(_eager(BASELINE, SdpaEngine(attention, "cpu")), _eager("adaptive_eager", _studied_engine()))
+    make = _paths(_eager(BASELINE, SdpaEngine(SHAPE.attention, "cpu")), _eager("adaptive_eager", _studied_engine()))
     plain = _run(make)
     traced = _run(make, kernel_profile_steps=2)
     for label in plain:
