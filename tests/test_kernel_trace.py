@@ -110,8 +110,8 @@ def test_a_graph_replay_is_traced_kernel_by_kernel():
         step()
     eager = trace_kernels(step, "cuda")
     replayed = trace_kernels(graph.replay, "cuda")
-    assert len(replayed) >= 2, replayed
-    assert {s.name for s in replayed} == {s.name for s in eager}
+    assert len(replayed) >= 2, replayed  # the matmul's kernel and the exp's, one by one
+    assert {s.name for s in replayed} <= {s.name for s in eager}, (replayed, eager)
     tally = KernelTally()
     tally.add(replayed)
     assert 0 < tally.record()["busy_us_per_step"] <= tally.record()["span_us_per_step"]
