@@ -69,7 +69,6 @@ class KernelTally:
 
     steps: int = 0
     span_us: float = 0.0
-    busy_us: float = 0.0
     kernels: dict = field(default_factory=dict)  # name -> [total us, count]
     gaps: dict = field(default_factory=dict)  # (previous kernel, next kernel) -> total idle us between them
 
@@ -81,28 +80,25 @@ class KernelTally:
             entry[0] += span.duration_us
             entry[1] += 1
         ordered = sorted(spans, key=lambda s: (s.start_us, s.end_us))
-        reach, idle = ordered[0].end_us, 0.0
+        reach = ordered[0].end_us
         for before, after in zip(ordered, ordered[1:]):
             # Idle time only: a kernel that starts before the ones so far have ended (a graph's
             # branches, a programmatic launch's prologue) leaves none.
-            gap = max(after.start_us - reach, 0.0)
             key = (before.name, after.name)
-            self.gaps[key] = self.gaps.get(key, 0.0) + gap
-            idle += gap
+            self.gaps[key] = self.gaps.get(key, 0.0) + max(after.start_us - reach, 0.0)
             reach = max(reach, after.end_us)
-        span = reach - ordered[0].start_us
         self.steps += 1
-        self.span_us += span
-        self.busy_us += span - idle  # the time some kernel ran: the union of the kernels
+        self.span_us += reach - ordered[0].start_us
 
     def record(self) -> dict:
         """Per step: the span, the busy time, the idle rest of the span, and each kernel's time and
         count (most time first)."""
         steps = max(self.steps, 1)
         kernels = sorted(self.kernels.items(), key=lambda kv: -kv[1][0])
+        idle = sum(self.gaps.values())  # the span less the union of the kernels
         return {"steps": self.steps, "span_us_per_step": self.span_us / steps,
-                "busy_us_per_step": self.busy_us / steps,
-                "idle_us_per_step": (self.span_us - self.busy_us) / steps,
+                "busy_us_per_step": (self.span_us - idle) / steps,
+                "idle_us_per_step": idle / steps,
                 "kernels": {name: {"us_per_step": us / steps, "count_per_step": count / steps}
                             for name, (us, count) in kernels},
                 "gaps": [{"previous": a, "next": b, "us_per_step": us / steps}

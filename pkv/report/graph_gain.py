@@ -154,7 +154,8 @@ def kernel_rows(run: Path) -> list[dict]:
                 if profile.get("steps") and layers:
                     by_path.setdefault(record.get("engine"), []).append((profile, int(layers)))
         for path, profiles in sorted(by_path.items()):
-            per_layer = lambda key: statistics.fmean(p.get(key, 0.0) / layers for p, layers in profiles)  # noqa: E731
+            def per_layer(key, profiles=profiles):
+                return statistics.fmean(p.get(key, 0.0) / layers for p, layers in profiles)
             kernels: dict[str, list[float]] = {}
             for profile, layers in profiles:
                 for name, entry in profile["kernels"].items():
