@@ -99,7 +99,7 @@ def test_kernel_traces_take_attention_apart_per_layer(tmp_path, capsys):
     ms = tmp_path / "model_step" / "bimodal_b8"
     for seed, decode_us in ((20260623, 64.0), (20260624, 96.0)):
         profile = {"steps": 4, "attention_kernel_us_per_step": decode_us + 32.0, "attention_gap_us_per_step": 48.0,
-                   "attention_span_us_per_step": 160.0,
+                   "attention_span_us_per_step": 160.0, "other_kernels_extra_us_per_step": 16.0,
                    "kernels": {"gemm": {"us_per_step": 900.0, "count_per_step": 96, "attention": False},
                                "decode_kernel": {"us_per_step": decode_us, "count_per_step": 32, "attention": True},
                                "merge_kernel": {"us_per_step": 32.0, "count_per_step": 32, "attention": True}}}
@@ -115,7 +115,8 @@ def test_kernel_traces_take_attention_apart_per_layer(tmp_path, capsys):
     assert row["kernels"] == [("decode_kernel", pytest.approx(2.5), pytest.approx(1.0)),
                               ("merge_kernel", pytest.approx(1.0), pytest.approx(1.0))]
     text = gg.render_kernels([row])
-    assert ("| Bimodal B8 | adaptive_graph | 2 | 8 | 3.50 | 1.50 | 5.00 "
+    assert row["other_kernels_extra_us"] == pytest.approx(0.5)
+    assert ("| Bimodal B8 | adaptive_graph | 2 | 8 | 3.50 | 1.50 | 5.00 | 0.50 "
             "| `decode_kernel` 2.50 (1.00); `merge_kernel` 1.00") in text
     assert gg.main([str(tmp_path)]) == 0
     assert "Attention's kernels, per layer" in capsys.readouterr().out

@@ -53,8 +53,23 @@ def test_a_tally_is_per_step_and_attention_is_what_the_rest_does_not_run():
     # the rest has between its two GEMMs
     assert record["rest_span_us_per_step"] == pytest.approx(21)
     assert record["attention_span_us_per_step"] == pytest.approx(7)
+    # the GEMMs take the same time with attention between them as without it
+    assert record["other_kernels_extra_us_per_step"] == pytest.approx(0)
+    assert record["other_kernels_extra"] == {"gemm": pytest.approx(0)}
     with pytest.raises(ValueError, match="at least one kernel"):
         path.add([])
+
+
+def test_the_other_kernels_slowed_by_attention_are_counted_by_name():
+    path, rest = KernelTally(), KernelTally()
+    # after the decode the second GEMM takes 12 us instead of 10; the norm runs only in the rest
+    path.add(_spans(("gemm", 0, 10), ("decode", 10, 14), ("gemm", 14, 26)))
+    rest.add(_spans(("gemm", 0, 10), ("norm", 10, 11), ("gemm", 11, 21)))
+    record = attention_profile(path, rest)
+    assert record["attention_kernel_us_per_step"] == pytest.approx(4)
+    assert record["attention_span_us_per_step"] == pytest.approx(5)
+    assert record["other_kernels_extra"] == {"gemm": pytest.approx(2), "norm": pytest.approx(-1)}
+    assert record["other_kernels_extra_us_per_step"] == pytest.approx(1)
 
 
 def test_a_gap_is_idle_time_only():

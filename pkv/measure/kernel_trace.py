@@ -126,4 +126,13 @@ def attention_profile(path: KernelTally, rest: KernelTally | None) -> dict:
         record["rest_span_us_per_step"] = rest_record["span_us_per_step"]
         record["rest_idle_us_per_step"] = rest_record["idle_us_per_step"]
         record["attention_span_us_per_step"] = path.span_us / steps - rest_record["span_us_per_step"]
+        # The span attention adds is its kernels, its gaps and what it does to the other kernels:
+        # each non-attention kernel's time in this path less its time in the rest (L2 state,
+        # clocks and overlap change with what ran before it), by name, largest difference first.
+        rest_us = {name: entry["us_per_step"] for name, entry in rest_record["kernels"].items()}
+        others = {name: entry["us_per_step"] - rest_us.get(name, 0.0)
+                  for name, entry in record["kernels"].items() if not entry["attention"]}
+        others.update({name: -us for name, us in rest_us.items() if name not in record["kernels"]})
+        record["other_kernels_extra_us_per_step"] = sum(others.values())
+        record["other_kernels_extra"] = dict(sorted(others.items(), key=lambda kv: -abs(kv[1])))
     return record

@@ -171,20 +171,27 @@ def kernel_rows(run: Path) -> list[dict]:
                          "attention_span_us": (per_layer("attention_span_us_per_step")
                                                if all("attention_span_us_per_step" in p for p, _ in profiles)
                                                else None),
+                         "other_kernels_extra_us": (per_layer("other_kernels_extra_us_per_step")
+                                                    if all("other_kernels_extra_us_per_step" in p
+                                                           for p, _ in profiles)
+                                                    else None),
                          "kernels": [(name, us, count) for name, (us, count) in top]})
     return rows
 
 
 def render_kernels(rows: list[dict]) -> str:
     lines = ["| Trace | Path | Seeds | Steps | Attention kernels, us a layer | Gaps next to them "
-             "| Span attention adds | Largest attention kernels (us, launches a layer) |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "| Span attention adds | Other kernels' extra | Largest attention kernels (us, launches a layer) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+
+    def cell(value):
+        return "–" if value is None else f"{value:.2f}"
     for row in rows:
-        span = "–" if row["attention_span_us"] is None else f"{row['attention_span_us']:.2f}"
         kernels = "; ".join(f"`{name[:KERNEL_NAME_CHARS]}` {us:.2f} ({count:.2f})"
                             for name, us, count in row["kernels"])
         lines.append(f"| {trace_label(row['trace'])} | {row['path']} | {row['seeds']} | {row['steps']} | "
-                     f"{row['attention_kernel_us']:.2f} | {row['attention_gap_us']:.2f} | {span} | {kernels} |")
+                     f"{row['attention_kernel_us']:.2f} | {row['attention_gap_us']:.2f} | "
+                     f"{cell(row['attention_span_us'])} | {cell(row.get('other_kernels_extra_us'))} | {kernels} |")
     return "\n".join(lines) + "\n"
 
 
