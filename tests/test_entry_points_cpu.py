@@ -347,6 +347,21 @@ def test_model_step_experiment_runs_every_engine_and_mode_as_the_cli_dispatches_
             assert record["skipped"].startswith("not available: "), label
 
 
+def test_an_eager_model_step_records_which_flashinfer_path_each_batch_class_ran(tmp_path, monkeypatch):
+    """The eager FlashInfer step runs the path its probe picked per batch class (the holistic kernel
+    among them, which no graph runs); its record says which, for the baseline and the adaptive
+    engine's fallback alike. The CPU's stand-in has no paths, so one is given one here."""
+    from pkv.engines.sdpa import SdpaEngine
+
+    picked = {"paths": {"tc": "fa2 decode, tensor cores"}, "missing_paths": {},
+              "probed": [{"batch": 2, "longest_pow2": 256, "picked": "tc", "measured": {}}]}
+    monkeypatch.setattr(SdpaEngine, "path_record", lambda self: picked, raising=False)
+    _, paths = _run(["experiment=model_step", *SMALL_TRACE], tmp_path / "out")
+    records = {path.stem: json.loads(path.read_text()) for path in paths}
+    for label in ("flashinfer_eager", "adaptive_eager"):
+        assert records[label]["metrics"]["flashinfer_paths"] == picked, label
+
+
 def test_profile_experiments_inner_run_puts_each_engine_in_the_range_ncu_filters_on(tmp_path, monkeypatch):
     """The run ncu starts (PKV_NCU_CHILD=1) times the trace with each engine's decode calls in the
     NVTX range that ncu_command includes."""

@@ -184,6 +184,12 @@ def run(cfg: PkvConfig) -> list:
             elif isinstance(path, AdaptiveGraphPath):
                 paths_by_batch = path.flashinfer_path.paths
                 metrics[label]["flashinfer_graph_paths"] = {str(b): p for b, p in sorted(paths_by_batch.items())}
+            elif isinstance(path, EagerPath):
+                # The FlashInfer path each batch class ran eagerly (the probe's pick, shared by the
+                # engines of the process): it may be the holistic kernel, which no graph runs.
+                path_record = getattr(path.engine, "path_record", lambda: None)()
+                if path_record is not None:
+                    metrics[label]["flashinfer_paths"] = path_record
 
     model_record = {"name": exp.model, "hidden": shape.hidden, "intermediate": shape.intermediate,
                     "num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
