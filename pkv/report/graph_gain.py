@@ -24,7 +24,9 @@ where the step does not split into attention and the rest
 Where a model-step run was asked for kernel traces (``experiment.kernel_profile_steps``,
 pkv.measure.kernel_trace), a second table takes attention apart kernel by kernel, per layer: each
 path's attention kernels (those its mode's step without attention does not run), the idle gaps next
-to them, the span they add to that step, and its largest attention kernels.
+to them, the span they add to that step, and its largest attention kernels; a third, what
+attention does to the step's other kernels (each one's time less its time in the step without
+attention, by name: the part of the span that is neither attention's kernels nor its gaps).
 """
 
 from __future__ import annotations
@@ -164,6 +166,11 @@ def kernel_rows(run: Path) -> list[dict]:
                         got[0] += entry["us_per_step"] / layers / len(profiles)
                         got[1] += entry["count_per_step"] / layers / len(profiles)
             top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:KERNELS_SHOWN]
+            others: dict[str, float] = {}
+            for profile, layers in profiles:
+                for name, extra in (profile.get("other_kernels_extra") or {}).items():
+                    others[name] = others.get(name, 0.0) + extra / layers / len(profiles)
+            other_top = sorted(others.items(), key=lambda kv: -abs(kv[1]))[:KERNELS_SHOWN]
             rows.append({"trace": trace, "path": path, "seeds": len(profiles),
                          "steps": sum(p["steps"] for p, _ in profiles),
                          "attention_kernel_us": per_layer("attention_kernel_us_per_step"),
@@ -175,7 +182,8 @@ def kernel_rows(run: Path) -> list[dict]:
                                                     if all("other_kernels_extra_us_per_step" in p
                                                            for p, _ in profiles)
                                                     else None),
-                         "kernels": [(name, us, count) for name, (us, count) in top]})
+                         "kernels": [(name, us, count) for name, (us, count) in top],
+                         "other_kernels": other_top})
     return rows
 
 
@@ -193,6 +201,20 @@ def render_kernels(rows: list[dict]) -> str:
                      f"{row['attention_kernel_us']:.2f} | {row['attention_gap_us']:.2f} | "
                      f"{cell(row['attention_span_us'])} | {cell(row.get('other_kernels_extra_us'))} | {kernels} |")
     return "\n".join(lines) + "\n"
+
+
+def render_other_kernels(rows: list[dict]) -> str:
+    """What attention does to the rest of the step: per path, the step's other kernels whose time
+    differs most from the step without attention (us a layer, + where slower), by name."""
+    lines = ["| Trace | Path | Other kernels' extra, us a layer | Largest differences (us a layer) |",
+             "|---|---|---:|---|"]
+    for row in rows:
+        extra = row.get("other_kernels_extra_us")
+        if not row.get("other_kernels") or extra is None:
+            continue
+        names = "; ".join(f"`{name[:KERNEL_NAME_CHARS]}` {us:+.2f}" for name, us in row["other_kernels"])
+        lines.append(f"| {trace_label(row['trace'])} | {row['path']} | {extra:+.2f} | {names} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
 def render_markdown(report: dict) -> str:
@@ -218,6 +240,10 @@ def main(argv=None) -> int:
         print(render_markdown(report), end="")
         if kernels:
             print("\nAttention's kernels, per layer (pkv.measure.kernel_trace):\n\n" + render_kernels(kernels), end="")
+            others = render_other_kernels(kernels)
+            if others:
+                print("\nThe step's other kernels beside attention, against the step without it:\n\n" + others,
+                      end="")
         if args.json is not None:
             write_text_atomic(args.json, json.dumps({"run": str(args.run), "traces": report, "kernels": kernels},
                                                     indent=1) + "\n")
