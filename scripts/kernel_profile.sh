@@ -3,7 +3,8 @@
 # GPU-machine run of the model step per trace with its first measured steps traced again under the
 # CUDA profiler (experiment.kernel_profile_steps, pkv.measure.kernel_trace), then
 # `python -m pkv.report.graph_gain`'s table of each path's attention kernels per layer. Logs and
-# results under $OUT (artifacts/<gpu>/model_step/<trace>/seed<S>/).
+# results under $OUT, packed as $OUT/kernel_profile.tgz (artifacts/<gpu>/model_step/<trace>/seed<S>/ and
+# each trace's log: a device run sends back a few files, and these folders hold dozens).
 #   (from the repository root, with .whl/ filled as scripts/device_site.sh says)
 #   PROFILE_TRACES="bimodal_b8 zipf_b8 ...": results trace names (<family>_b<max_active>)
 #   PROFILE_SEED (20260623), PROFILE_STEPS (8: traced steps), PROFILE_MODES ("[graph]")
@@ -34,3 +35,6 @@ for trace in ${PROFILE_TRACES:-bimodal_b8 zipf_b8 uniform_b8 homogeneous_b8}; do
   echo "$trace rc=$? $(tail -1 "$OUT/$trace.log")"
 done
 python3 -m pkv.report.graph_gain "$OUT/artifacts/$GPU_NAME" --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.md"
+logs=$(cd "$OUT" && ls ./*_b*.log 2>/dev/null)
+# shellcheck disable=SC2086  # the trace logs, names without spaces
+tar czf "$OUT/kernel_profile.tgz" -C "$OUT" artifacts $logs && rm -rf "$OUT/artifacts" && (cd "$OUT" && rm -f $logs)
