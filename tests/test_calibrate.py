@@ -11,9 +11,8 @@ import pytest
 
 from pkv.experiments.calibrate import _GateProbes, _SplitSweep
 from pkv.policy import Calibration, CalibrationError, RegimeParams, load_calibration, regime_of, save_calibration
-from pkv.policy.calibration import LEGACY_SCHEMA
+from pkv.policy.calibration import LEGACY_SCHEMA, regime_field
 from pkv.policy.regime import FEW_ROWS, MANY_ROWS, REGIME_BATCH, REGIMES, SINGLE_ROW
-from pkv.policy.calibration import regime_field
 
 HARDWARE = dict(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0)
 START = Calibration(**HARDWARE,
@@ -111,7 +110,11 @@ def test_traces_of_one_operating_point_are_decided_by_their_summed_time():
     # Every step measured the same ratio: the band is the floor, which a 1.1% gain clears.
     assert route["measured_margin"] == pytest.approx(89.0 / 88.0) and route["noise_band"] == pytest.approx(0.01)
     assert route["default"] == "flashinfer" and route["num_splits"] == 36
-    assert sweep.decisions["regimes.few_rows.route"]["value"] == "persistentkv_workqueue"
+    # Both sides' sums, kept with the decision: which one moved, where calibrations disagree.
+    decision = sweep.decisions["regimes.few_rows.route"]
+    assert decision["value"] == "persistentkv_workqueue"
+    assert decision["candidate_device_us_total"] == pytest.approx(88.0)
+    assert decision["default_device_us_total"] == pytest.approx(89.0)
     # A split count records the fastest candidate and those tied with it, the fewest taken.
     splits = sweep.decisions["regimes.many_rows.num_splits"]
     assert (splits["value"], splits["fastest"], splits["tied"], splits["measured_margin"]) == (24, 24, [24], 1.0)
@@ -161,6 +164,7 @@ def test_the_uniform_traces_steps_stay_out_of_c_min_and_the_plan_times(monkeypat
             return types.SimpleNamespace(samples=[(self.name, route.num_splits)], plan_us=[1.0], total_us=1.0)
 
         def flashinfer(self):
+            self.flashinfer_paths = {"probed": [self.name]}  # the best-of engine's picks so far
             return types.SimpleNamespace(samples=[(self.name, "fi")], plan_us=[2.0], total_us=1.0)
 
     monkeypatch.setattr(calibrate, "_TimedTrace", FakeTrace)
@@ -173,6 +177,8 @@ def test_the_uniform_traces_steps_stay_out_of_c_min_and_the_plan_times(monkeypat
     assert sweep.persistentkv_plan_us == [1.0, 1.0] and sweep.flashinfer_plan_us == [2.0]
     assert [t["name"] for t in sweep._swept] == ["bimodal_b8"] and [t["name"] for t in sweep._uniform] == [
         "homogeneous_b8"]
+    # FlashInfer's path picks are the process's, every class so far: the last trace's record holds them.
+    assert sweep.flashinfer_paths == {"probed": ["homogeneous"]}
 
 
 def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_it_on_over_split_ones(

@@ -83,11 +83,12 @@ def test_a_missing_file_is_one_refusal_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("pkv: ") and "x.json" in proc.stderr
 
 
-def _with_route(tmp_path, name, route, margin, band):
-    """The reference calibration with the B2-7 route ``route``, decided on ``margin`` against ``band``."""
+def _with_route(tmp_path, name, route, margin, band, **totals):
+    """The reference calibration with the B2-7 route ``route``, decided on ``margin`` against ``band``
+    (and, where given, both sides' device-time sums)."""
     path = tmp_path / name
     decision = {"value": route, "measured_margin": margin, "noise_band": band, "required_margin": 1 + band,
-                "steps": 64, "default": "flashinfer", "basis": "test", "applied": True}
+                "steps": 64, "default": "flashinfer", "basis": "test", "applied": True, **totals}
     save_calibration(path, load_calibration(REFERENCE).with_regime("few_rows", route=route),
                      {"measurements": {"decisions": {"regimes.few_rows.route": decision}}})
     return path
@@ -105,6 +106,18 @@ def test_a_flipped_route_shows_each_runs_margin_and_band(tmp_path):
     # What that does to Table 2: the bimodal B4 trace's steps move, the B8 trace's do not.
     steps = {row["trace"]: row for row in report["steps"]}
     assert steps["bimodal_b4"]["differ"][0] > 0 and steps["bimodal_b8"]["differ"] == [0]
+
+
+def test_a_flipped_route_shows_which_side_moved(tmp_path):
+    # The workqueue's sum held still; FlashInfer's moved by 2%.
+    first = _with_route(tmp_path, "a.json", "flashinfer", 1.0049, 0.01, default_device_us_total=8082.1,
+                        candidate_device_us_total=8042.5)
+    second = _with_route(tmp_path, "b.json", "persistentkv_workqueue", 1.0250, 0.01, default_device_us_total=8249.3,
+                         candidate_device_us_total=8048.4)
+    text = render_markdown(spread([first, second]))
+    assert ("| regimes.few_rows.route | flashinfer: margin 1.005x; band 1.0%, needs > 1.010x; flashinfer 8,082.1 us, "
+            "candidate 8,042.5 us | persistentkv_workqueue: margin 1.025x; band 1.0%, needs > 1.010x; "
+            "flashinfer 8,249.3 us, candidate 8,048.4 us |") in text
 
 
 def test_a_flipped_split_count_shows_each_runs_tied_candidates(tmp_path):

@@ -115,6 +115,7 @@ def run(cfg: PkvConfig) -> list[Path]:
         # with the measured margin and the noise band it was judged against (spread.md shows them
         # for a decision that differs between repeated calibrations).
         "decisions": {**sweep.decisions, **probes.decisions(context_gates, group_fit)},
+        "flashinfer_paths": sweep.flashinfer_paths,
         "performance_result": settings.performance_result,
     }
     out = Path(cfg.out)
@@ -161,6 +162,7 @@ class _TimedTrace:
                                          settings.device, cfg.seed)
         self.kv_dtype_bytes = k_pages.element_size()
         self.shape, self.device = shape, settings.device
+        self.flashinfer_paths = None  # set by flashinfer(): the paths FlashInfer's best-of engine picked
         self.timing = dict(shape=shape, k_pages=k_pages, v_pages=v_pages, dtype=dtype,
                            device=settings.device, seed=cfg.seed, reps=run_settings.reps,
                            flush_l2=cfg.experiment.flush_l2)
@@ -171,13 +173,18 @@ class _TimedTrace:
 
     def flashinfer(self):
         baseline = build_engine("flashinfer", shape=self.shape, device=self.device)
-        return time_steps(baseline, FLASHINFER_ROUTE, self.steps, **self.timing)
+        timed = time_steps(baseline, FLASHINFER_ROUTE, self.steps, **self.timing)
+        # Which of FlashInfer's paths each batch class ran (its probe's pick, shared by the engines
+        # of the process): the baseline's side of every route decision taken on these steps.
+        self.flashinfer_paths = getattr(baseline, "path_record", lambda: None)()
+        return timed
 
 
 # What measurements.decisions keeps of a decision's record: the measured margin (the default's
 # device time over the candidate's: above 1, the candidate is faster), the band it was judged
 # against, the margin it needed, what it falls back to, and why it came out as it did.
-_DECISION_KEYS = ("measured_margin", "noise_band", "required_margin", "steps", "default", "basis", "applied")
+_DECISION_KEYS = ("measured_margin", "noise_band", "required_margin", "steps", "default", "basis", "applied",
+                  "candidate_device_us_total", "default_device_us_total")
 
 
 def _decision_fields(record: dict) -> dict:
@@ -202,6 +209,7 @@ class _SplitSweep:
     def __init__(self, cfg, settings, shape, calib):
         self.cfg, self.settings, self.shape, self.calib = cfg, settings, shape, calib
         self.samples, self.flashinfer_plan_us, self.persistentkv_plan_us = [], [], []
+        self.flashinfer_paths = None  # FlashInferEngine.path_record of the model's shape, where FlashInfer ran
         self.records, self.kv_dtype_bytes = {}, 2
         self._swept: list[dict] = []  # traces that fit their regime's split count
         self._uniform: list[dict] = []  # traces that fit Calibration.uniform_target_ctas
@@ -229,6 +237,8 @@ class _SplitSweep:
                 self.persistentkv_plan_us += timed.plan_us
         # FlashInfer-role steps at low occupancy are what pins C_min down; its plan() time is a constant too.
         timed_fi = timed_trace.flashinfer()
+        if timed_trace.flashinfer_paths is not None:
+            self.flashinfer_paths = timed_trace.flashinfer_paths  # the process's picks so far, every class
         if not fits_cap:
             self.samples += timed_fi.samples
             self.flashinfer_plan_us += timed_fi.plan_us
@@ -284,16 +294,19 @@ class _SplitSweep:
                 # those paired steps (fit_regime_route). As for the context gates, CPU timings are
                 # recorded and the configured route kept.
                 splits = split_fit.num_splits
-                fit = fit_regime_route([s.measured_us for t in traces for s in t["timed_by_splits"][splits].samples],
-                                       [s.measured_us for t in traces for s in t["timed_fi"].samples],
-                                       ROUTE_WORKQUEUE)
+                candidate_us = [s.measured_us for t in traces for s in t["timed_by_splits"][splits].samples]
+                flashinfer_us = [s.measured_us for t in traces for s in t["timed_fi"].samples]
+                fit = fit_regime_route(candidate_us, flashinfer_us, ROUTE_WORKQUEUE)
                 if self.settings.performance_result:
                     points[regime]["route"] = fit.route
                 field = regime_field(regime, "route")
                 measured = fit.gain.record()
                 record = {"fits": field, "fitted": fit.route, "applied": self.settings.performance_result,
                           "speedup": measured["measured_margin"], **measured, "default": REGIME_ROUTE_DEFAULT,
-                          "basis": fit.basis, "num_splits": splits}
+                          "basis": fit.basis, "num_splits": splits,
+                          # Both sides' sums: where repeated calibrations disagree, which one moved.
+                          "candidate_device_us_total": sum(candidate_us),
+                          "default_device_us_total": sum(flashinfer_us)}
                 for t in traces:
                     self.records[t["name"]]["regime_route"] = record
                 self.decisions[field] = {"value": fit.route, **_decision_fields(record)}
@@ -400,7 +413,8 @@ class _SplitSweep:
                                             "the fixed rule")
         over_record = {
             "fits": regime_field(regime, "over_split_balanced"), "fitted": over_split_fitted,
-            "steps": over_split.steps, "speedup_over_fixed": over_gain.record()["measured_margin"] if over_gain else None,
+            "steps": over_split.steps,
+            "speedup_over_fixed": over_gain.record()["measured_margin"] if over_gain else None,
             "applied": self.settings.performance_result, "default": False,
             **({k: v for k, v in over_gain.record().items() if k != "steps"} if over_gain else {})}
         if over_gain is None:

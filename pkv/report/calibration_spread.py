@@ -118,6 +118,10 @@ def evidence_text(entry: dict | None) -> str:
     if isinstance(required, (int, float)):
         relation = ">=" if required < 1 else ">"
         band_text += f", needs {relation} {required:.3f}x"
+    default_us, candidate_us = entry.get("default_device_us_total"), entry.get("candidate_device_us_total")
+    if isinstance(default_us, (int, float)) and isinstance(candidate_us, (int, float)):
+        # Both sides' sums, so calibrations that disagree show which side moved.
+        band_text += f"; {entry.get('default', 'default')} {default_us:,.1f} us, candidate {candidate_us:,.1f} us"
     return f"{text}; {band_text}"
 
 
