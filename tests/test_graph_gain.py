@@ -100,7 +100,7 @@ def test_kernel_traces_take_attention_apart_per_layer(tmp_path, capsys):
     for seed, decode_us in ((20260623, 64.0), (20260624, 96.0)):
         profile = {"steps": 4, "attention_kernel_us_per_step": decode_us + 32.0, "attention_gap_us_per_step": 48.0,
                    "attention_span_us_per_step": 160.0, "other_kernels_extra_us_per_step": 16.0,
-                   "other_kernels_extra": {"gemm": 32.0, "norm": -16.0},
+                   "other_kernels_extra": {"gemm after merge_kernel": 32.0, "norm": -16.0},
                    "kernels": {"gemm": {"us_per_step": 900.0, "count_per_step": 96, "attention": False},
                                "decode_kernel": {"us_per_step": decode_us, "count_per_step": 32, "attention": True},
                                "merge_kernel": {"us_per_step": 32.0, "count_per_step": 32, "attention": True}}}
@@ -117,8 +117,9 @@ def test_kernel_traces_take_attention_apart_per_layer(tmp_path, capsys):
                               ("merge_kernel", pytest.approx(1.0), pytest.approx(1.0))]
     text = gg.render_kernels([row])
     assert row["other_kernels_extra_us"] == pytest.approx(0.5)
-    assert row["other_kernels"] == [("gemm", pytest.approx(1.0)), ("norm", pytest.approx(-0.5))]
-    assert "| Bimodal B8 | adaptive_graph | +0.50 | `gemm` +1.00; `norm` -0.50 |" in gg.render_other_kernels([row])
+    assert row["other_kernels"] == [("gemm after merge_kernel", pytest.approx(1.0)), ("norm", pytest.approx(-0.5))]
+    assert ("| Bimodal B8 | adaptive_graph | +0.50 | `gemm after merge_kernel` +1.00; `norm` -0.50 |"
+            in gg.render_other_kernels([row]))
     assert ("| Bimodal B8 | adaptive_graph | 2 | 8 | 3.50 | 1.50 | 5.00 | 0.50 "
             "| `decode_kernel` 2.50 (1.00); `merge_kernel` 1.00") in text
     assert gg.main([str(tmp_path)]) == 0

@@ -55,17 +55,34 @@ def test_a_tally_is_per_step_and_attention_is_what_the_rest_does_not_run():
     assert record["attention_span_us_per_step"] == pytest.approx(7)
     # the GEMMs take the same time with attention between them as without it
     assert record["other_kernels_extra_us_per_step"] == pytest.approx(0)
-    assert record["other_kernels_extra"] == {"gemm": pytest.approx(0)}
+    assert record["other_kernels_extra"] == {"gemm": pytest.approx(0), "gemm after merge": pytest.approx(0)}
     with pytest.raises(ValueError, match="at least one kernel"):
         path.add([])
 
 
-def test_the_other_kernels_slowed_by_attention_are_counted_by_name():
+def test_the_kernel_after_attention_is_told_apart_from_the_same_kernel_elsewhere():
     path, rest = KernelTally(), KernelTally()
-    # after the decode the second GEMM takes 12 us instead of 10; the norm runs only in the rest
+    for offset, slower in ((0, 2), (100, 4)):
+        # the GEMM right after the merge runs slower than its counterpart in the rest; the first
+        # GEMM of the step, the same kernel, does not
+        path.add(_spans(("gemm", offset, offset + 10), ("decode", offset + 10, offset + 14),
+                        ("merge", offset + 14, offset + 15), ("gemm", offset + 15, offset + 25 + slower)))
+        rest.add(_spans(("gemm", offset, offset + 10), ("gemm", offset + 10, offset + 20)))
+    record = attention_profile(path, rest)
+    assert record["other_kernels_aligned"]
+    assert record["other_kernels_extra"] == {"gemm after merge": pytest.approx(3), "gemm": pytest.approx(0)}
+    assert record["other_kernels_extra_us_per_step"] == pytest.approx(3)
+    # span added (5 us of attention, 3 us more GEMM) = kernels + gaps + the other kernels' extra
+    assert record["attention_span_us_per_step"] == pytest.approx(8)
+
+
+def test_steps_that_do_not_line_up_are_compared_by_name():
+    path, rest = KernelTally(), KernelTally()
+    # the norm runs only in the rest: no one-to-one order, so each name's time over the step
     path.add(_spans(("gemm", 0, 10), ("decode", 10, 14), ("gemm", 14, 26)))
     rest.add(_spans(("gemm", 0, 10), ("norm", 10, 11), ("gemm", 11, 21)))
     record = attention_profile(path, rest)
+    assert not record["other_kernels_aligned"]
     assert record["attention_kernel_us_per_step"] == pytest.approx(4)
     assert record["attention_span_us_per_step"] == pytest.approx(5)
     assert record["other_kernels_extra"] == {"gemm": pytest.approx(2), "norm": pytest.approx(-1)}

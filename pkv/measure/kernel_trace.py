@@ -71,10 +71,14 @@ class KernelTally:
     span_us: float = 0.0
     kernels: dict = field(default_factory=dict)  # name -> [total us, count]
     gaps: dict = field(default_factory=dict)  # (previous kernel, next kernel) -> total idle us between them
+    # Each traced step's kernels in start order: a path's steps and its rest's, traced on the same
+    # steps in the same order, line up kernel by kernel once attention's are taken out.
+    sequences: list = field(default_factory=list)
 
     def add(self, spans: list[KernelSpan]) -> None:
         if not spans:
             raise ValueError("KernelTally.add: a traced step has at least one kernel")
+        self.sequences.append(sorted(spans, key=lambda s: (s.start_us, s.end_us)))
         for span in spans:
             entry = self.kernels.setdefault(span.name, [0.0, 0])
             entry[0] += span.duration_us
@@ -126,13 +130,36 @@ def attention_profile(path: KernelTally, rest: KernelTally | None) -> dict:
         record["rest_span_us_per_step"] = rest_record["span_us_per_step"]
         record["rest_idle_us_per_step"] = rest_record["idle_us_per_step"]
         record["attention_span_us_per_step"] = path.span_us / steps - rest_record["span_us_per_step"]
-        # The span attention adds is its kernels, its gaps and what it does to the other kernels:
-        # each non-attention kernel's time in this path less its time in the rest (L2 state,
-        # clocks and overlap change with what ran before it), by name, largest difference first.
-        rest_us = {name: entry["us_per_step"] for name, entry in rest_record["kernels"].items()}
-        others = {name: entry["us_per_step"] - rest_us.get(name, 0.0)
-                  for name, entry in record["kernels"].items() if not entry["attention"]}
-        others.update({name: -us for name, us in rest_us.items() if name not in record["kernels"]})
+        # The span attention adds is its kernels, its gaps and what it does to the other kernels
+        # (L2 state, clocks and overlap change with what ran before them): each other kernel's
+        # time in this path less its time in the rest, largest difference first.
+        others = _aligned_extra(path, rest, rest_names)
+        record["other_kernels_aligned"] = others is not None
+        if others is None:  # the steps do not line up: by name, over the step
+            rest_us = {name: entry["us_per_step"] for name, entry in rest_record["kernels"].items()}
+            others = {name: entry["us_per_step"] - rest_us.get(name, 0.0)
+                      for name, entry in record["kernels"].items() if not entry["attention"]}
+            others.update({name: -us for name, us in rest_us.items() if name not in record["kernels"]})
         record["other_kernels_extra_us_per_step"] = sum(others.values())
         record["other_kernels_extra"] = dict(sorted(others.items(), key=lambda kv: -abs(kv[1])))
     return record
+
+
+def _aligned_extra(path: KernelTally, rest: KernelTally, rest_names: set) -> dict | None:
+    """Per step, the path's kernels other than attention's against the rest's kernels of the same
+    step, one to one in order: each one's time less its counterpart's, per step, summed by name,
+    with " after <kernel>" where an attention kernel ran right before it (the GEMM that reads
+    attention's output is told apart from the step's other launches of the same GEMM). None where
+    the two did not trace the same steps or a step's kernels do not line up by name."""
+    if len(path.sequences) != len(rest.sequences) or not path.sequences:
+        return None
+    extra: dict[str, float] = {}
+    for mine, theirs in zip(path.sequences, rest.sequences):
+        kept = [(span, before) for before, span in zip([None, *mine[:-1]], mine) if span.name in rest_names]
+        if len(kept) != len(theirs) or any(span.name != base.name for (span, _), base in zip(kept, theirs)):
+            return None
+        for (span, before), base in zip(kept, theirs):
+            after_attention = before is not None and before.name not in rest_names
+            label = f"{span.name} after {before.name}" if after_attention else span.name
+            extra[label] = extra.get(label, 0.0) + span.duration_us - base.duration_us
+    return {label: us / len(path.sequences) for label, us in extra.items()}

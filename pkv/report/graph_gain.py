@@ -212,7 +212,9 @@ def render_other_kernels(rows: list[dict]) -> str:
         extra = row.get("other_kernels_extra_us")
         if not row.get("other_kernels") or extra is None:
             continue
-        names = "; ".join(f"`{name[:KERNEL_NAME_CHARS]}` {us:+.2f}" for name, us in row["other_kernels"])
+        # A label is a kernel's name, or "<name> after <attention kernel>": each name shortened.
+        names = "; ".join("`" + " after ".join(part[:KERNEL_NAME_CHARS] for part in label.split(" after ", 1))
+                          + f"` {us:+.2f}" for label, us in row["other_kernels"])
         lines.append(f"| {trace_label(row['trace'])} | {row['path']} | {extra:+.2f} | {names} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
