@@ -148,6 +148,18 @@ def test_a_tie_goes_to_the_cheaper_plan():
     assert fi.pick_path(measured) == "holistic"  # 10% faster wins whatever its plan costs
 
 
+def test_a_tie_on_the_plan_too_goes_to_the_faster_kernel_whichever_plan_was_timed_cheaper():
+    # cc and tc within 2% on the device and within 10% on the plan: the faster decode, every time
+    for cc_plan, tc_plan in ((250.0, 240.0), (240.0, 250.0)):
+        measured = {"cc": {"device_us": 100.0, "plan_us": cc_plan},
+                    "tc": {"device_us": 101.0, "plan_us": tc_plan},
+                    "holistic": {"device_us": 99.5, "plan_us": 400.0}}  # faster, but its plan is dearer
+        assert fi.pick_path(measured) == "cc"
+    # a plan clearly cheaper (by more than PLAN_TIE_FRACTION) still takes the tie
+    measured["tc"]["plan_us"] = 200.0
+    assert fi.pick_path(measured) == "tc"
+
+
 def test_the_record_names_every_path_and_its_times(fake_flashinfer, make_step):
     engine = fi.FlashInferEngine(ModelShape(), device="cuda")
     step = make_step([3000, 1000])
