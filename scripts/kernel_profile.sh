@@ -25,7 +25,7 @@ calibrated=()
 echo "calibration: ${calibrated[*]:-conf/gpu/$GPU_NAME.yaml}"
 python3 -m pkv.build 2>&1 | tail -1 || exit 1
 SEED=${PROFILE_SEED:-20260623}
-for trace in ${PROFILE_TRACES:-bimodal_b8 zipf_b8 uniform_b8 homogeneous_b8}; do
+for trace in ${PROFILE_TRACES:-bimodal_b8 zipf_b8 uniform_b8 homogeneous_b8 bucketed_b1}; do
   family=${trace%_b*}; batch=${trace##*_b}
   dest=$OUT/artifacts/$GPU_NAME/model_step/$trace/seed$SEED
   python3 -m pkv.cli experiment=model_step "trace=$family" "trace.max_active=$batch" "seed=$SEED" \
