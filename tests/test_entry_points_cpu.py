@@ -350,12 +350,12 @@ def test_model_step_experiment_runs_every_engine_and_mode_as_the_cli_dispatches_
 def test_an_eager_model_step_records_which_flashinfer_path_each_batch_class_ran(tmp_path, monkeypatch):
     """The eager FlashInfer step runs the path its probe picked per batch class (the holistic kernel
     among them, which no graph runs); its record says which, for the baseline and the adaptive
-    engine's fallback alike. The CPU's stand-in has no paths, so one is given one here."""
+    engine's fallback alike. The CPU's stand-in runs no FlashInfer path, so it is given a record here."""
     from pkv.engines.sdpa import SdpaEngine
 
     picked = {"paths": {"tc": "fa2 decode, tensor cores"}, "missing_paths": {},
               "probed": [{"batch": 2, "longest_pow2": 256, "picked": "tc", "measured": {}}]}
-    monkeypatch.setattr(SdpaEngine, "path_record", lambda self: picked, raising=False)
+    monkeypatch.setattr(SdpaEngine, "path_record", lambda self: picked)
     _, paths = _run(["experiment=model_step", *SMALL_TRACE], tmp_path / "out")
     records = {path.stem: json.loads(path.read_text()) for path in paths}
     for label in ("flashinfer_eager", "adaptive_eager"):

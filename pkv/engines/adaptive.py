@@ -81,8 +81,7 @@ class AdaptiveEngine(Engine):
 
     def path_record(self) -> dict | None:
         """The fallback's FlashInfer path record, where the fallback is FlashInfer."""
-        record = getattr(self.fallback, "path_record", None)
-        return None if record is None else record()
+        return self.fallback.path_record()
 
     def run(self, q, k_pages, v_pages, plan):
         if plan.route == ROUTE_FLASHINFER:

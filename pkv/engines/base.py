@@ -82,6 +82,11 @@ class Engine:
         costs more than the rest (the default: nothing to do). The adaptive engine calls it
         with the plan of the route its policy picks for the coming step."""
 
+    def path_record(self) -> dict | None:
+        """Which of FlashInfer's paths this engine ran per batch class, for a result to record
+        (pkv.engines.flashinfer.FlashInferEngine.path_record); None for an engine that runs none."""
+        return None
+
     def plan(self, step) -> object:  # pragma: no cover - interface
         raise NotImplementedError
 

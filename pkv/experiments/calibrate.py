@@ -176,7 +176,7 @@ class _TimedTrace:
         timed = time_steps(baseline, FLASHINFER_ROUTE, self.steps, **self.timing)
         # Which of FlashInfer's paths each batch class ran (its probe's pick, shared by the engines
         # of the process): the baseline's side of every route decision taken on these steps.
-        self.flashinfer_paths = getattr(baseline, "path_record", lambda: None)()
+        self.flashinfer_paths = baseline.path_record()
         return timed
 
 

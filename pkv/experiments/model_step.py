@@ -187,7 +187,7 @@ def run(cfg: PkvConfig) -> list:
             elif isinstance(path, EagerPath):
                 # The FlashInfer path each batch class ran eagerly (the probe's pick, shared by the
                 # engines of the process): it may be the holistic kernel, which no graph runs.
-                path_record = getattr(path.engine, "path_record", lambda: None)()
+                path_record = path.engine.path_record()
                 if path_record is not None:
                     metrics[label]["flashinfer_paths"] = path_record
 

@@ -453,7 +453,7 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
     results = {name: records[name].metrics(engines[name].implementation) for name in names}
     for name in names:
         # Which FlashInfer path each batch class ran, and what every path measured in its probe.
-        path_record = getattr(engines[name], "path_record", lambda: None)()
+        path_record = engines[name].path_record()
         if path_record is not None:
             results[name]["flashinfer_paths"] = path_record
     return results

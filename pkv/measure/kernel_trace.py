@@ -23,8 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 
 class KernelTraceUnavailable(RuntimeError):
     """This device or build has no kernel trace (not a CUDA device, or no CUPTI)."""
@@ -46,6 +44,8 @@ class KernelSpan:
 def trace_kernels(fn: Callable[[], object], device) -> list[KernelSpan]:
     """The device work ``fn`` runs on ``device``, in start order. KernelTraceUnavailable where the
     device is not a CUDA device or the profiler recorded no device activity for a call that ran."""
+    import torch  # here, not at import: the reports read this module's records and labels without torch
+
     device = torch.device(device)
     if device.type != "cuda":
         raise KernelTraceUnavailable(f"no kernel trace on a {device.type} device")
@@ -63,50 +63,66 @@ def trace_kernels(fn: Callable[[], object], device) -> list[KernelSpan]:
     return sorted(spans, key=lambda span: (span.start_us, span.end_us))
 
 
+# Joins a kernel's name to the attention kernel that ran right before it, in other_kernels_extra's labels.
+AFTER_ATTENTION = " after "
+
+
 @dataclass
 class KernelTally:
-    """Kernel traces of one path summed over steps."""
+    """Kernel traces of one path over steps: each traced step's kernels in start order, from which
+    every sum is taken. A path's steps and its rest's, traced on the same steps in the same order,
+    line up kernel by kernel once attention's are taken out."""
 
-    steps: int = 0
-    span_us: float = 0.0
-    kernels: dict = field(default_factory=dict)  # name -> [total us, count]
-    gaps: dict = field(default_factory=dict)  # (previous kernel, next kernel) -> total idle us between them
-    # Each traced step's kernels in start order: a path's steps and its rest's, traced on the same
-    # steps in the same order, line up kernel by kernel once attention's are taken out.
     sequences: list = field(default_factory=list)
 
     def add(self, spans: list[KernelSpan]) -> None:
         if not spans:
             raise ValueError("KernelTally.add: a traced step has at least one kernel")
         self.sequences.append(sorted(spans, key=lambda s: (s.start_us, s.end_us)))
-        for span in spans:
-            entry = self.kernels.setdefault(span.name, [0.0, 0])
+
+    @property
+    def steps(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def kernels(self) -> dict:
+        """name -> [total us, count] over the steps."""
+        kernels: dict = {}
+        for span in (span for ordered in self.sequences for span in ordered):
+            entry = kernels.setdefault(span.name, [0.0, 0])
             entry[0] += span.duration_us
             entry[1] += 1
-        ordered = sorted(spans, key=lambda s: (s.start_us, s.end_us))
-        reach = ordered[0].end_us
-        for before, after in zip(ordered, ordered[1:]):
-            # Idle time only: a kernel that starts before the ones so far have ended (a graph's
-            # branches, a programmatic launch's prologue) leaves none.
-            key = (before.name, after.name)
-            self.gaps[key] = self.gaps.get(key, 0.0) + max(after.start_us - reach, 0.0)
-            reach = max(reach, after.end_us)
-        self.steps += 1
-        self.span_us += reach - ordered[0].start_us
+        return kernels
+
+    def _span_and_gaps(self) -> tuple[float, dict]:
+        """The steps' summed span (first start to last end) and (previous kernel, next kernel) ->
+        total idle us between them."""
+        span_us, gaps = 0.0, {}
+        for ordered in self.sequences:
+            reach = ordered[0].end_us
+            for before, after in zip(ordered, ordered[1:]):
+                # Idle time only: a kernel that starts before the ones so far have ended (a graph's
+                # branches, a programmatic launch's prologue) leaves none.
+                key = (before.name, after.name)
+                gaps[key] = gaps.get(key, 0.0) + max(after.start_us - reach, 0.0)
+                reach = max(reach, after.end_us)
+            span_us += reach - ordered[0].start_us
+        return span_us, gaps
 
     def record(self) -> dict:
         """Per step: the span, the busy time, the idle rest of the span, and each kernel's time and
         count (most time first)."""
         steps = max(self.steps, 1)
         kernels = sorted(self.kernels.items(), key=lambda kv: -kv[1][0])
-        idle = sum(self.gaps.values())  # the span less the union of the kernels
-        return {"steps": self.steps, "span_us_per_step": self.span_us / steps,
-                "busy_us_per_step": (self.span_us - idle) / steps,
+        span_us, gaps = self._span_and_gaps()
+        idle = sum(gaps.values())  # the span less the union of the kernels
+        return {"steps": self.steps, "span_us_per_step": span_us / steps,
+                "busy_us_per_step": (span_us - idle) / steps,
                 "idle_us_per_step": idle / steps,
                 "kernels": {name: {"us_per_step": us / steps, "count_per_step": count / steps}
                             for name, (us, count) in kernels},
                 "gaps": [{"previous": a, "next": b, "us_per_step": us / steps}
-                         for (a, b), us in sorted(self.gaps.items(), key=lambda kv: -kv[1])]}
+                         for (a, b), us in sorted(gaps.items(), key=lambda kv: -kv[1])]}
 
 
 def attention_profile(path: KernelTally, rest: KernelTally | None) -> dict:
@@ -115,7 +131,6 @@ def attention_profile(path: KernelTally, rest: KernelTally | None) -> dict:
     around them, the number the step-less-rest device time estimates."""
     record = path.record()
     rest_names = set(rest.kernels) if rest is not None else set()
-    steps = max(path.steps, 1)
     attention_us = 0.0
     for name, entry in record["kernels"].items():
         entry["attention"] = name not in rest_names
@@ -129,7 +144,7 @@ def attention_profile(path: KernelTally, rest: KernelTally | None) -> dict:
         rest_record = rest.record()
         record["rest_span_us_per_step"] = rest_record["span_us_per_step"]
         record["rest_idle_us_per_step"] = rest_record["idle_us_per_step"]
-        record["attention_span_us_per_step"] = path.span_us / steps - rest_record["span_us_per_step"]
+        record["attention_span_us_per_step"] = record["span_us_per_step"] - rest_record["span_us_per_step"]
         # The span attention adds is its kernels, its gaps and what it does to the other kernels
         # (L2 state, clocks and overlap change with what ran before them): each other kernel's
         # time in this path less its time in the rest, largest difference first.
@@ -160,6 +175,6 @@ def _aligned_extra(path: KernelTally, rest: KernelTally, rest_names: set) -> dic
             return None
         for (span, before), base in zip(kept, theirs):
             after_attention = before is not None and before.name not in rest_names
-            label = f"{span.name} after {before.name}" if after_attention else span.name
+            label = f"{span.name}{AFTER_ATTENTION}{before.name}" if after_attention else span.name
             extra[label] = extra.get(label, 0.0) + span.duration_us - base.duration_us
     return {label: us / len(path.sequences) for label, us in extra.items()}

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from pkv.atomic_io import write_text_atomic
 from pkv.config import ConfigError
+from pkv.measure.kernel_trace import AFTER_ATTENTION
 from pkv.refusal import exit_on_refusal
 from pkv.report.table_data.comparisons import metric
 from pkv.report.table_data.labels import trace_label
@@ -213,7 +214,8 @@ def render_other_kernels(rows: list[dict]) -> str:
         if not row.get("other_kernels") or extra is None:
             continue
         # A label is a kernel's name, or "<name> after <attention kernel>": each name shortened.
-        names = "; ".join("`" + " after ".join(part[:KERNEL_NAME_CHARS] for part in label.split(" after ", 1))
+        names = "; ".join("`" + AFTER_ATTENTION.join(part[:KERNEL_NAME_CHARS]
+                                                     for part in label.split(AFTER_ATTENTION, 1))
                           + f"` {us:+.2f}" for label, us in row["other_kernels"])
         lines.append(f"| {trace_label(row['trace'])} | {row['path']} | {extra:+.2f} | {names} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
