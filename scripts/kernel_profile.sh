@@ -10,6 +10,9 @@
 #   PROFILE_SEED (20260623), PROFILE_STEPS (8: traced steps), PROFILE_MODES ("[graph]")
 #   PROFILE_CALIBRATION: a calibration JSON (default: the committed reference set's of this GPU;
 #     where there is none, conf/gpu/<gpu>.yaml's constants, as a run without calibration= takes)
+#   PROFILE_OVERRIDES="key=value ...": more Hydra overrides for every run, e.g. engine.merge=fused or
+#     engine.num_splits=4 (every regime's split count, over the calibration's), to see which part of
+#     a route moves a kernel
 #   BUILD_CACHE_FROM: as in scripts/device_check.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
@@ -28,10 +31,11 @@ SEED=${PROFILE_SEED:-20260623}
 for trace in ${PROFILE_TRACES:-bimodal_b8 zipf_b8 uniform_b8 homogeneous_b8 bucketed_b1}; do
   family=${trace%_b*}; batch=${trace##*_b}
   dest=$OUT/artifacts/$GPU_NAME/model_step/$trace/seed$SEED
+  # shellcheck disable=SC2086  # PROFILE_OVERRIDES is a list of words
   python3 -m pkv.cli experiment=model_step "trace=$family" "trace.max_active=$batch" "seed=$SEED" \
     "gpu=$GPU_NAME" ${calibrated[@]+"${calibrated[@]}"} "experiment.kernel_profile_steps=${PROFILE_STEPS:-8}" \
     "experiment.engines=[adaptive,flashinfer]" "experiment.modes=${PROFILE_MODES:-[graph]}" \
-    "out=$dest" "hydra.run.dir=$dest/.run" > "$OUT/$trace.log" 2>&1
+    ${PROFILE_OVERRIDES:-} "out=$dest" "hydra.run.dir=$dest/.run" > "$OUT/$trace.log" 2>&1
   echo "$trace rc=$? $(tail -1 "$OUT/$trace.log")"
 done
 python3 -m pkv.report.graph_gain "$OUT/artifacts/$GPU_NAME" --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.md"
