@@ -13,7 +13,7 @@ import torch
 
 from pkv.config import ConfigError, compose
 from pkv.engines import build_engine
-from pkv.measure.model_step import ModelStep, StepShape, append_kv, append_slots, dense_attend, rms_norm
+from pkv.measure.model_step import ModelStep, StepShape, append_kv, append_slots, dense_attend, rms_norm, skip_attend
 from pkv.pipeline.step import build_step
 from pkv.report import tables
 from pkv.report.results import result_envelope, write_json_atomic
@@ -148,6 +148,32 @@ def test_bad_model_step_config_names_the_field(tmp_path, override, field):
     with pytest.raises(ConfigError) as err:
         model_step_shape(compose(["experiment=model_step", f"out={tmp_path}/o", override]))
     assert f"field '{field}' = " in str(err.value)
+
+
+def test_clock_probe_needs_a_cuda_device_and_writes_nothing(tmp_path):
+    from pkv.experiments.model_step import run
+
+    with pytest.raises(ConfigError) as err:
+        run(compose(["experiment=model_step", "profile=cpu", "device=cpu", f"out={tmp_path}/o",
+                     "experiment.clock_probe_cycles=20000"]))
+    assert "field 'experiment.clock_probe_cycles' = 20000" in str(err.value) and "CUDA" in str(err.value)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("cycles", [-1, True, 2.5])
+def test_model_step_refuses_a_clock_probe_that_is_not_a_count(cycles):
+    with pytest.raises(ValueError, match="clock_probe_cycles"):
+        ModelStep(SHAPE, layers=1, num_pages=4, page_size=PAGE, dtype="float32", device="cpu", seed=1,
+                  clock_probe_cycles=cycles)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a spin of GPU clock cycles needs CUDA")
+def test_clock_probe_spins_without_changing_the_step():
+    kwargs = dict(layers=2, num_pages=64, page_size=PAGE, dtype="float32", device="cuda", seed=3)
+    plain, probed = ModelStep(SHAPE, **kwargs), ModelStep(SHAPE, **kwargs, clock_probe_cycles=1000)
+    table, lens = _tensors(_step([5, 9]), "cuda")
+    x = plain.hidden_input(2, 7)
+    assert torch.equal(plain.forward(x, table, lens, skip_attend), probed.forward(x, table, lens, skip_attend))
 
 
 def test_cpu_profile_keeps_the_attention_and_shrinks_the_rest(tmp_path):

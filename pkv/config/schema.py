@@ -102,6 +102,8 @@ LENGTH_SCALE = Bound(0, 1024, "multiplies prompt lengths", lo_open=True)
 STEPS = Bound(1, 100_000, "decode steps of one run")
 WARMUP = Bound(0, 10_000, "untimed decode steps before the timed ones")
 PROFILED = Bound(0, 100_000, "measured steps run again under the CUDA profiler")
+# A spin of 10M cycles is 5 ms a layer at 2 GHz, longer than any step it would sit in.
+PROBE_CYCLES = Bound(0, 10_000_000, "GPU clock cycles of one clock probe")
 REPS = Bound(1, 1_000_000, "repetitions of one timed call")
 # The bandwidth probe allocates this much on the device; 64 GiB is under half an H200.
 PROBE_MIB = Bound(1, 65_536, "MiB the bandwidth probe allocates")
@@ -266,6 +268,11 @@ class ExperimentConfig:
     # model_step: the first this many measured steps run once more per path under the CUDA profiler,
     # untimed, for each path's kernels and attention's share of them (pkv.measure.kernel_trace); 0: none
     kernel_profile_steps: int = bounded(0, bound=PROFILED)
+    # model_step: a spin of this many SM clock cycles (torch.cuda._sleep) right after each layer's
+    # attention and after its gate/up GEMM, in every path and in the step without attention, so a
+    # kernel trace times the SM clock there (a spin's time is its cycles over the clock); 0: none.
+    # A diagnostic: it adds its spins to every step's time.
+    clock_probe_cycles: int = bounded(0, bound=PROBE_CYCLES)
 
 
 @dataclass

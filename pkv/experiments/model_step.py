@@ -142,6 +142,9 @@ def run(cfg: PkvConfig) -> list:
     exp, trace = cfg.experiment, cfg.trace
     shape, layers_model, dtype = model_step_shape(cfg)
     settings = resolve_settings(cfg)
+    if exp.clock_probe_cycles and torch.device(settings.device).type != "cuda":
+        raise _fail("experiment.clock_probe_cycles", exp.clock_probe_cycles,
+                    f"a spin of GPU clock cycles needs a CUDA device; this run's is {settings.device!r}")
     calib = run_calibration(cfg)
     requests = load_requests(trace, cfg.seed, settings)
     attention = model_shape(cfg)
@@ -162,7 +165,8 @@ def run(cfg: PkvConfig) -> list:
                    for r in exp.engines for m in exp.modes}
     else:
         model = ModelStep(shape, layers=layers, num_pages=assignment.num_physical_pages, page_size=trace.page_size,
-                          dtype=dtype, device=settings.device, seed=cfg.seed)
+                          dtype=dtype, device=settings.device, seed=cfg.seed,
+                          clock_probe_cycles=exp.clock_probe_cycles)
         paths, reasons = _paths(cfg, engines, skipped, model, max_pages)
         if baseline not in paths:
             raise ConfigError(f"{WHERE}: field 'experiment.baseline' = {exp.baseline!r}: its {exp.modes[0]} path "

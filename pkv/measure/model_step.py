@@ -132,9 +132,15 @@ class ModelStep:
     """
 
     def __init__(self, shape: StepShape, *, layers: int, num_pages: int, page_size: int, dtype, device,
-                 seed: int, weights: list | None = None) -> None:
+                 seed: int, weights: list | None = None, clock_probe_cycles: int = 0) -> None:
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= shape.num_layers:
             raise ValueError(f"ModelStep layers must be in 1..{shape.num_layers}, got {layers!r}")
+        if isinstance(clock_probe_cycles, bool) or not isinstance(clock_probe_cycles, int) or clock_probe_cycles < 0:
+            raise ValueError(f"ModelStep clock_probe_cycles must be an integer >= 0, got {clock_probe_cycles!r}")
+        if clock_probe_cycles and torch.device(device).type != "cuda":
+            raise ValueError(f"ModelStep clock_probe_cycles={clock_probe_cycles} needs a CUDA device "
+                             f"(a spin of GPU clock cycles), got {device!r}")
+        self.clock_probe_cycles = clock_probe_cycles
         self.shape = shape
         self.layers = layers
         self.page_size = int(page_size)
@@ -168,10 +174,20 @@ class ModelStep:
             v_new = qkv[:, qd + kvd:].reshape(batch, s.num_kv_heads, s.head_dim)
             append_kv(self.k_pages[layer], self.v_pages[layer], k_new, v_new, page, slot)
             attn = attend(layer, q)
+            self._clock_probe()
             x = x + F.linear(attn.reshape(batch, qd).to(x.dtype), w.o)
             gate, up = F.linear(rms_norm(x, w.norm2), w.gate_up).chunk(2, dim=-1)
+            self._clock_probe()
             x = x + F.linear(F.silu(gate) * up, w.down)
         return x
+
+    def _clock_probe(self) -> None:
+        # A spin of a fixed count of SM cycles takes cycles / clock on the device: traced next to
+        # the same spin in the step without attention, it says whether the clock right after
+        # attention (or the MLP's first GEMM) is lower, which a kernel's own time cannot tell from
+        # a slower memory system.
+        if self.clock_probe_cycles:
+            torch.cuda._sleep(self.clock_probe_cycles)
 
     def float64_copy(self) -> "ModelStep":
         """The same model (weights and current pools) in float64: the ground truth of a step."""
