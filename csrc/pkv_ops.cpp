@@ -1,5 +1,7 @@
 // Thin torch binding over pkv_launch.h: validates tensors, then launches on the current stream.
 // Registered as TORCH_LIBRARY(pkv) ops with mutation annotations; fake kernels live in pkv/ops.py.
+#include <atomic>
+
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -14,6 +16,12 @@
 namespace {
 
 using at::Tensor;
+
+// Whether merges drop the partial states they read (DecodeArgs::discard_merged_states): a process
+// setting that every launch built after it is set carries, graph captures included.
+std::atomic<bool> g_discard_merged_states{false};
+
+bool set_discard_merged_states(bool enabled) { return g_discard_merged_states.exchange(enabled); }
 
 void check_cuda_tensor(const Tensor& t, const char* name, at::ScalarType dtype) {
   TORCH_CHECK(t.is_cuda(), "pkv: ", name, " must be a CUDA tensor, got device ", t.device());
@@ -64,6 +72,7 @@ pkv::DecodeArgs make_core_args(const Tensor& q, const Tensor& k_pages, const Ten
   TORCH_CHECK(stages >= 2 && stages <= 4, "pkv: stages must be 2, 3 or 4, got ", stages);
 
   pkv::DecodeArgs a{};
+  a.discard_merged_states = g_discard_merged_states.load();
   a.q = q.data_ptr();
   a.k_pages = k_pages.data_ptr();
   a.v_pages = v_pages.data_ptr();
@@ -234,6 +243,7 @@ void merge_states(const Tensor& part_m, const Tensor& part_l, const Tensor& part
   TORCH_CHECK(row_indices.has_value() != split_offsets.has_value(),
               "pkv: merge_states takes row_indices (uniform buckets) or split_offsets (workqueue), not both");
   pkv::DecodeArgs a{};
+  a.discard_merged_states = g_discard_merged_states.load();
   a.out = out.data_ptr();
   a.part_m = part_m.data_ptr<float>();
   a.part_l = part_l.data_ptr<float>();
@@ -490,6 +500,8 @@ TORCH_LIBRARY(pkv, m) {
       "Tensor tasks, Tensor split_offsets, float sm_scale, Tensor(a!) out, Tensor(b!) part_m, "
       "Tensor(c!) part_l, Tensor(d!) part_acc, Tensor(e!)? pair_counters, int stages=3, "
       "Tensor? page_indptr=None) -> ()");
+  // Returns the setting before the call.
+  m.def("set_discard_merged_states(bool enabled) -> bool", &set_discard_merged_states);
   m.def(
       "merge_states(Tensor part_m, Tensor part_l, Tensor part_acc, Tensor? row_indices, "
       "Tensor? split_offsets, int num_kv_heads, int num_splits, Tensor(a!) out) -> ()");

@@ -44,6 +44,23 @@ __device__ __forceinline__ float block_reduce(float x, float* red) {
   return x;
 }
 
+// Invalidates, without a write-back, the L2 lines of the partial states one warp of merge_head read
+// (slots group, group + kMergeSlotGroups, ...: 512 bytes, four 128-byte lines each). Lanes 0, 8, 16
+// and 24 each drop the line that starts at their own 16 bytes. Call it only once every lane of the
+// warp has consumed its loads. A line not 128-byte aligned (a state buffer at an odd offset) is
+// left alone: discard takes whole lines.
+template <int G>
+__device__ void discard_read_states(const float* acc_of_slot, int num_slots, int group) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(kHeadDim * sizeof(float) == 4 * 128, "a state row is four 128-byte lines, one per 8 lanes");
+  if ((threadIdx.x & 7) != 0) return;
+  for (int s = group; s < num_slots; s += kMergeSlotGroups) {
+    const float* line = acc_of_slot + static_cast<int64_t>(s) * G * kHeadDim;
+    if ((reinterpret_cast<uintptr_t>(line) & 127) == 0) asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
+  }
+#endif
+}
+
 // Merges query head g of one (row, kvh) pair over its slots, with kMergeThreads threads:
 // out = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s. The merge runs after the decode grid,
 // so its cost is its chain of dependent reads: every m and l, and the accumulators of the first
@@ -109,7 +126,8 @@ __device__ void merge_head(const DecodeArgs& a, int slot_begin, int num_slots, i
   mine[1] = acc.y;
   mine[2] = acc.z;
   mine[3] = acc.w;
-  __syncthreads();
+  __syncthreads();  // every lane's loads are consumed: the states it read may go
+  if (a.discard_merged_states) discard_read_states<G>(acc_of_slot, num_slots, group);
   const float total = partial[t] + partial[kHeadDim + t] + partial[2 * kHeadDim + t] + partial[3 * kHeadDim + t];
   T* out = static_cast<T*>(a.out) + row * a.out_stride_row + (kvh * G + g) * a.out_stride_head;
   out[t] = Vec8<T>::from_float(total / l);

@@ -38,6 +38,14 @@ def load() -> object:
     return torch.ops.pkv
 
 
+def discard_merged_states(enabled: bool) -> bool:
+    """Whether the merge kernels of this process drop the partial states they have read from L2
+    without writing them back (csrc DecodeArgs::discard_merged_states), for every launch made
+    (or graph captured) after the call; the states are undefined after their merge. Returns the
+    setting before the call."""
+    return bool(load().set_discard_merged_states(bool(enabled)))
+
+
 @functools.lru_cache(maxsize=1)
 def load_planner() -> object:
     """torch.ops.pkv with the C++ step planner (plan_workqueue, plan_buckets): from the CUDA

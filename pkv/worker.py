@@ -539,6 +539,14 @@ class _State:
                 setattr(mod, name, value)
             if contents is not None:
                 _restore_contents(value, contents)
+        # The extension's process settings: a job's merges that dropped their states (an
+        # engine.discard_merged_states run) must not carry into the next job's.
+        ops = sys.modules.get("pkv.ops")
+        if self.device and ops is not None and ops.load.cache_info().currsize:
+            try:
+                ops.discard_merged_states(False)
+            except Exception as exc:
+                retire.append(f"the extension's merge setting could not be put back ({type(exc).__name__}: {exc})")
         for module, name in FLASHINFER_BUFFERS:
             buffers = getattr(sys.modules.get(module), name, None)
             if isinstance(buffers, dict):
@@ -997,6 +1005,13 @@ def selfcheck(device: bool) -> int:
             (a @ a).sum().item()
 
         check("cuBLAS's workspace", matmul, False)
+        from pkv import ops
+
+        def merges_that_discard():
+            ops.discard_merged_states(True)
+
+        check("merges left dropping their states (engine.discard_merged_states)", merges_that_discard, False,
+              lambda: "the setting was kept" if ops.discard_merged_states(False) else None)
         leaked = []
 
         def leak():

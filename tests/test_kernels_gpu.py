@@ -414,6 +414,47 @@ def test_cuda_graph_replay_matches_eager(route):
         torch.testing.assert_close(got, ref, atol=0, rtol=0)
 
 
+@pytest.fixture
+def discarding_merges():
+    from pkv import ops
+
+    before = ops.discard_merged_states(True)
+    yield
+    ops.discard_merged_states(before)
+
+
+@pytest.mark.parametrize("route", ["workqueue", "bucket_exact", "bucket_masked"])
+def test_merges_that_discard_their_states_match_float64(route, discarding_merges):
+    from pkv.pipeline.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    rng = np.random.default_rng(31)
+    for trial, splits in enumerate((3, 20, 64)):
+        lengths = [int(n) for n in rng.choice(EDGE_LENGTHS, size=6)] + [30000]
+        engine = _engine(shape, route=route, split_policy=SplitPolicy(num_splits=splits), bucket_num_splits=splits)
+        step, q, k, v = _case(lengths, shape, torch.float16, seed=500 + trial)
+        ref = _dense(step, q, k, v)
+        for _ in range(2):  # the second run merges states written after the first run's were dropped
+            _, out, _ = _run_poisoned(engine, step, q, k, v)
+            _check(out, ref, torch.float16)
+
+
+def test_graph_replays_that_discard_merged_states_match_eager(discarding_merges):
+    from pkv.pipeline.schedule import SplitPolicy
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    eager = _engine(shape, route="workqueue", split_policy=SplitPolicy(num_splits=20))
+    graphed = _engine(shape, route="workqueue", split_policy=SplitPolicy(num_splits=20), cuda_graph=True)
+    for seed, lengths in enumerate(([4000, 9000, 100, 30000], [17, 65000, 2048, 4097], [30000, 1, 33, 8000])):
+        step, q, k, v = _case(lengths, shape, torch.float16, seed=seed)
+        ref = _dense(step, q, k, v)
+        got = graphed.run(q, k, v, graphed.plan(step))
+        _check(got, ref, torch.float16)
+        torch.testing.assert_close(got, eager.run(q, k, v, eager.plan(step)), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("route", ["workqueue", "bucket_masked"])
 def test_nhd_pages_are_read_in_place(route, group):

@@ -281,6 +281,14 @@ def build_engines(labels: Iterable[str], cfg: PkvConfig, shape, device: str, cal
     """({label: Engine}, {label: reason}) for the labels that could and could not be built, each
     with the policy of its role over the run's calibration."""
     engines, skipped = {}, {}
+    if cfg.engine.discard_merged_states:
+        # A setting of the process's merge launches, not of one engine: set once, before any capture.
+        if torch.device(device).type != "cuda":
+            raise ConfigError(f"conf/engine: field 'engine.discard_merged_states' = True: the merge kernels "
+                              f"run on a CUDA device; this run's is {device!r}")
+        from pkv import ops
+
+        ops.discard_merged_states(True)
     for label in labels:
         role, options = engine_role_and_options(label, cfg.engine)
         try:
