@@ -44,9 +44,10 @@ struct DecodeArgs {
   float sm_scale;
   KvDtype dtype;
   int stages;  // cp.async ring depth per warp: 2, 3 or 4
-  // The merge kernel drops each partial state's L2 lines once it has read them (discard.global.L2,
-  // sm_80 and later), so the dead states are never written back to memory while the next kernels
-  // stream their own data; the states are undefined afterwards. Off: the states stay readable.
+  // The merge kernel (merge_states; not the fused or cluster merges) drops each partial state's
+  // L2 lines once it has read them (discard.global.L2, sm_80 and later), so the dead states are
+  // never written back to memory while the next kernels stream their own data; the states are
+  // undefined afterwards. Off: the states stay readable.
   bool discard_merged_states;
 };
 

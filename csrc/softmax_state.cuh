@@ -56,7 +56,8 @@ __device__ void discard_read_states(const float* acc_of_slot, int num_slots, int
   if ((threadIdx.x & 7) != 0) return;
   for (int s = group; s < num_slots; s += kMergeSlotGroups) {
     const float* line = acc_of_slot + static_cast<int64_t>(s) * G * kHeadDim;
-    if ((reinterpret_cast<uintptr_t>(line) & 127) == 0) asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
+    if ((reinterpret_cast<uintptr_t>(line) & 127) == 0)
+      asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
   }
 #endif
 }

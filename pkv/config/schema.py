@@ -169,8 +169,8 @@ class EngineConfig:
     use_tensor_cores: Optional[bool] = None
     cuda_graph: bool = False
     planner: str = "native"
-    # Merges drop the partial states they have read from L2 without writing them back (csrc
-    # DecodeArgs::discard_merged_states): a setting of the run's process, CUDA only.
+    # The merge kernel (merge: launch) drops the partial states it has read from L2 without writing
+    # them back (csrc DecodeArgs::discard_merged_states): a setting of the run's process, CUDA only.
     discard_merged_states: bool = False
 
 
