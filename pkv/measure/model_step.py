@@ -167,6 +167,11 @@ class ModelStep:
         s = self.shape
         batch, qd, kvd = x.shape[0], s.num_qo_heads * s.head_dim, s.num_kv_heads * s.head_dim
         page, slot = append_slots(block_table, seq_lens, self.page_size)
+        # A spin of a fixed count of SM cycles takes cycles / clock on the device: traced next to
+        # the same spin in the step without attention, it says whether the clock right after
+        # attention (or the MLP's first GEMM) is lower, which a kernel's own time cannot tell from
+        # a slower memory system. Read once: an eager step's host time pays no call per layer.
+        probe_cycles = self.clock_probe_cycles
         for layer, w in enumerate(self.weights):
             qkv = F.linear(rms_norm(x, w.norm1), w.qkv)
             q = qkv[:, :qd].reshape(batch, s.num_qo_heads, s.head_dim).contiguous()
@@ -174,20 +179,14 @@ class ModelStep:
             v_new = qkv[:, qd + kvd:].reshape(batch, s.num_kv_heads, s.head_dim)
             append_kv(self.k_pages[layer], self.v_pages[layer], k_new, v_new, page, slot)
             attn = attend(layer, q)
-            self._clock_probe()
+            if probe_cycles:
+                torch.cuda._sleep(probe_cycles)
             x = x + F.linear(attn.reshape(batch, qd).to(x.dtype), w.o)
             gate, up = F.linear(rms_norm(x, w.norm2), w.gate_up).chunk(2, dim=-1)
-            self._clock_probe()
+            if probe_cycles:
+                torch.cuda._sleep(probe_cycles)
             x = x + F.linear(F.silu(gate) * up, w.down)
         return x
-
-    def _clock_probe(self) -> None:
-        # A spin of a fixed count of SM cycles takes cycles / clock on the device: traced next to
-        # the same spin in the step without attention, it says whether the clock right after
-        # attention (or the MLP's first GEMM) is lower, which a kernel's own time cannot tell from
-        # a slower memory system.
-        if self.clock_probe_cycles:
-            torch.cuda._sleep(self.clock_probe_cycles)
 
     def float64_copy(self) -> "ModelStep":
         """The same model (weights and current pools) in float64: the ground truth of a step."""
