@@ -416,15 +416,24 @@ def test_gate_and_group_size_decisions_record_the_margin_at_their_boundary():
     assert gate["measured_margin"] == pytest.approx(18.0 / 15.0) and gate["margin_below"] == pytest.approx(10.0 / 12.0)
     assert gate["noise_band"] == 0.02 and gate["required_margin"] == pytest.approx(1 / 1.02)
     groups = decisions["supported_group_sizes"]
+    sums = {"persistentkv_device_us_total": 60.3, "flashinfer_device_us_total": 60.0}
     assert groups["value"] == [4, 8] and groups["by_group"] == {"8": {"measured_margin": pytest.approx(60 / 60.3),
                                                                      "interval_half_width": None,
-                                                                     "opened": True}}
+                                                                     "opened": True, **sums}}
     # The same margin with its interval (2%) straddling 1 / 1.02: a tie, kept on FlashInfer.
     probes.group_totals[8][0]["interval_half_width"] = 0.02
     decisions = probes.decisions(gates, probes.fit_group_sizes(START))
     assert decisions["supported_group_sizes"]["value"] == [4]
     assert decisions["supported_group_sizes"]["by_group"]["8"] == {
-        "measured_margin": pytest.approx(60 / 60.3), "interval_half_width": 0.02, "opened": False}
+        "measured_margin": pytest.approx(60 / 60.3), "interval_half_width": 0.02, "opened": False, **sums}
+    # The worst probe's sums and FlashInfer's picks on it go with the decision.
+    probes.group_totals[8].append({"probe": "bimodal_b8 x1 G=8", "persistentkv_device_us_total": 62.0,
+                                   "flashinfer_device_us_total": 55.0, "flashinfer_picks": {"B8 65536": "tc"}})
+    decisions = probes.decisions(gates, probes.fit_group_sizes(START))
+    assert decisions["supported_group_sizes"]["by_group"]["8"] == {
+        "measured_margin": pytest.approx(55 / 62), "interval_half_width": None, "opened": False,
+        "probe": "bimodal_b8 x1 G=8", "persistentkv_device_us_total": 62.0, "flashinfer_device_us_total": 55.0,
+        "flashinfer_picks": {"B8 65536": "tc"}}
 
 
 # --------------------------------------------------------------------------------------

@@ -145,6 +145,22 @@ def test_a_flipped_group_size_shows_each_probes_margin_and_interval(tmp_path):
     assert "| supported_group_sizes | 4: G=1 0.977x ± 0.4% (closed); band 2.0% | 1, 4: G=1 0.982x; band 2.0% |" in text
 
 
+def test_a_flipped_group_size_shows_which_side_of_its_worst_probe_moved(tmp_path):
+    paths = []
+    for name, groups, fi_us, pick in (("a.json", (1, 4), 4805.6, "holistic"), ("b.json", (4,), 4048.5, "cc")):
+        worst = {"measured_margin": fi_us / 4116.0, "interval_half_width": 0.001, "opened": 1 in groups,
+                 "probe": "bucketed_b1 x1 G=1", "flashinfer_device_us_total": fi_us,
+                 "persistentkv_device_us_total": 4116.0, "flashinfer_picks": {"B1 32768": pick}}
+        decision = {"value": list(groups), "noise_band": 0.02, "required_margin": 1 / 1.02, "by_group": {"1": worst}}
+        paths.append(tmp_path / name)
+        calib = dataclasses.replace(load_calibration(REFERENCE), supported_group_sizes=groups)
+        save_calibration(paths[-1], calib, {"measurements": {"decisions": {"supported_group_sizes": decision}}})
+    text = render_markdown(spread(paths))
+    assert ("1, 4: G=1 1.168x ± 0.1% (bucketed_b1 x1 G=1: FlashInfer 4,805.6 us on B1 32768 holistic, "
+            "PersistentKV 4,116.0 us); band 2.0%") in text
+    assert "(bucketed_b1 x1 G=1: FlashInfer 4,048.5 us on B1 32768 cc, PersistentKV 4,116.0 us)" in text
+
+
 def test_a_file_from_before_the_decisions_were_recorded_still_compares(tmp_path):
     """A pkv.calibration/3 file without measurements.decisions: the B2-7 route's margin from its split
     sweep, its band not recorded; any other decision not recorded."""

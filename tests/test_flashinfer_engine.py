@@ -97,7 +97,7 @@ def test_second_engine_reuses_the_first_engines_pick(fake_flashinfer, make_step)
     q, k, v = _inputs()
 
     baseline.prepare(step, q, k, v)
-    assert _probe_runs(baseline) == 3 * (fi.PROBE_REPS + 1)  # every path, warm run + timed reps
+    assert _probe_runs(baseline) == 3 * (fi.PROBE_ROUNDS * fi.PROBE_REPS + 1)  # every path, warm run + timed rounds
     fallback.prepare(step, q, k, v)
     assert _probe_runs(fallback) == 0  # no second probe that could pick the other path
 
@@ -128,7 +128,7 @@ def test_picks_are_kept_apart_by_dtype_shape_and_batch_class(fake_flashinfer, ma
         if engine is group1:
             k = v = torch.zeros(64, 32, 16, 128, dtype=dtype)
         engine.prepare(other_step, q, k, v)
-        assert _probe_runs(engine) - before == 3 * (fi.PROBE_REPS + 1)
+        assert _probe_runs(engine) - before == 3 * (fi.PROBE_ROUNDS * fi.PROBE_REPS + 1)
 
 
 def test_pinned_variant_never_probes(fake_flashinfer, make_step):
@@ -171,6 +171,32 @@ def test_the_record_names_every_path_and_its_times(fake_flashinfer, make_step):
     assert {p: m["device_us"] for p, m in probe["measured"].items()} == pytest.approx(
         {"tc": 10.0, "cc": 12.0, "holistic": 13.0})
     assert all(m["plan_us"] >= 0 for m in probe["measured"].values())
+    assert all(m["rounds_us"] == pytest.approx([m["device_us"]] * fi.PROBE_ROUNDS) for m in probe["measured"].values())
+
+
+def test_a_slow_start_of_the_probe_does_not_pick_against_the_path_timed_first(fake_flashinfer, monkeypatch, make_step):
+    # cc is 5% faster, but the first timed runs of the probe (a clock still rising, caches still cold)
+    # are 30% slower: timed path by path, cc would take all of that and lose; timed in alternating
+    # rounds with each path's median, it takes one slow round of five and wins.
+    monkeypatch.setattr(_Clock, "decode_us", {"tc": 10.0, "cc": 9.5, "holistic": 13.0, "fa3": 40.0})
+    runs = {"count": 0}
+    fast_run = _Wrapper.run
+
+    def slow_start(self, q, kv):
+        runs["count"] += 1
+        warm_runs = 3  # one untimed run per path comes first
+        if warm_runs < runs["count"] <= warm_runs + fi.PROBE_REPS:
+            _Clock.now_us += 0.3 * _Clock.decode_us[self.path]
+        return fast_run(self, q, kv)
+
+    monkeypatch.setattr(_Wrapper, "run", slow_start)
+    engine = fi.FlashInferEngine(ModelShape(), device="cuda")
+    step = make_step([3000, 1000])
+    engine.prepare(step, *_inputs())
+    (probe,) = engine.path_record()["probed"]
+    assert probe["measured"]["cc"]["rounds_us"][0] == pytest.approx(9.5 * 1.3)
+    assert probe["measured"]["cc"]["device_us"] == pytest.approx(9.5)
+    assert probe["picked"] == "cc"
 
 
 def test_holistic_plans_the_token_lengths_of_the_step(fake_flashinfer, make_step):
@@ -279,7 +305,7 @@ def test_a_path_that_cannot_plan_a_batch_is_left_out_of_the_pick_with_its_reason
     assert engine.path_for(step) == "tc"  # holistic would be fastest, but it could not plan
     (probe,) = engine.path_record()["probed"]
     assert "Buffer overflow" in probe["measured"]["holistic"]["error"]
-    assert set(probe["measured"]["tc"]) == {"device_us", "plan_us"}
+    assert set(probe["measured"]["tc"]) == {"device_us", "plan_us", "rounds_us"}
 
 
 def test_no_path_that_can_plan_a_batch_is_an_error_naming_each_reason():

@@ -26,13 +26,19 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 # workspace doubled, up to this much; past it the plan's own error stands.
 HOLISTIC_WORKSPACE_LIMIT = 16 * 1024 ** 3
 _WORKSPACE_OVERFLOW = "Buffer overflow when allocating"
-# Timed repetitions per path when choosing the best path for a batch class, and timed plan()
-# calls (their median is the path's plan time: one call's host time moves by tens of percent).
-PROBE_REPS = 5
+# Choosing the best path for a batch class: PROBE_ROUNDS rounds over every path, each timing
+# PROBE_REPS back-to-back runs of one path, the paths in alternating order from round to round; a
+# path's decode time is the median of its rounds. Paths timed one after another, each once, took
+# whatever the GPU's clock and caches were doing at their turn: the same B4 class's holistic kernel
+# read 78.2 us in one calibration and 66.8 us in its repeat minutes later (fa2's 75.4 and 74.3), so
+# the two runs picked different kernels and the baseline they measured moved by 2.2%. Timed plan()
+# calls: their median is the path's plan time (one call's host time moves by tens of percent).
+PROBE_ROUNDS = 5
+PROBE_REPS = 3
 PROBE_PLANS = 3
 # Paths whose probed decode times lie within this fraction of the fastest count as tied; the tie
-# goes to the cheaper plan(), since the wall step pays plan() every call and five repetitions
-# cannot tell apart kernels closer than this.
+# goes to the cheaper plan(), since the wall step pays plan() every call and a probe of a few
+# rounds cannot tell apart kernels closer than this.
 TIE_FRACTION = 0.02
 # Tied paths whose plan times lie within this fraction of the cheapest are tied on the plan too;
 # those go to the faster decode. The fa2 paths plan alike (their single timed plans differed by up
@@ -292,7 +298,7 @@ class FlashInferEngine(Engine):
         self._dtypes = (q.dtype, k_pages.dtype)
         if self.path_for(step) is not None:
             return
-        measured = {}
+        measured, plan_us = {}, {}
         for path, runner in self._paths.items():
             plan = self.plan(step)
             try:  # first plan may JIT-compile: untimed
@@ -307,19 +313,31 @@ class FlashInferEngine(Engine):
                 host_start = time.perf_counter()
                 self._plan_path(path, plan, q.dtype, k_pages.dtype)
                 plan_times.append((time.perf_counter() - host_start) * 1e6)
-            plan_us = statistics.median(plan_times)
+            plan_us[path] = statistics.median(plan_times)
             runner.run(q, k_pages, v_pages)  # first call may compile or load the kernel
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(PROBE_REPS):
-                runner.run(q, k_pages, v_pages)
-            end.record()
-            end.synchronize()
-            measured[path] = {"device_us": start.elapsed_time(end) * 1e3 / PROBE_REPS, "plan_us": plan_us}
+        # Every path keeps its own plan (its own workspace), so their runs can alternate.
+        rounds_us = {path: [] for path in plan_us}
+        for r in range(PROBE_ROUNDS):
+            for path in (list(plan_us) if r % 2 == 0 else list(reversed(plan_us))):
+                rounds_us[path].append(self._timed_runs(path, q, k_pages, v_pages))
+        for path, times in rounds_us.items():
+            measured[path] = {"device_us": statistics.median(times), "plan_us": plan_us[path],
+                              "rounds_us": [round(t, 3) for t in times]}
         key = self._pick_key(step)
         _PATH_PROBES[key] = measured
         _PATH_PICKS[key] = pick_path(measured)
+
+    def _timed_runs(self, path: str, q, k_pages, v_pages) -> float:
+        """Device microseconds of one run of ``path`` as planned, the mean of PROBE_REPS back to back."""
+        runner = self._paths[path]
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(PROBE_REPS):
+            runner.run(q, k_pages, v_pages)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / PROBE_REPS
 
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
         path = plan.extra["path"]

@@ -536,6 +536,10 @@ class _GateProbes:
             # margin on FlashInfer.
             gain = measured_gain([s.measured_us for s in timed.samples], [s.measured_us for s in timed_fi.samples])
             record["interval_half_width"] = gain.record()["interval_half_width"]
+            # The FlashInfer path each batch class of this shape ran: measurements.flashinfer_paths
+            # holds the model's shape only, and this side of the margin moves with the pick.
+            record["flashinfer_picks"] = {f"B{p['batch']} {p['longest_pow2']}": p["picked"]
+                                          for p in (timed_trace.flashinfer_paths or {}).get("probed", [])}
             self.group_totals.setdefault(group, []).append(record)
 
     def fit_context_gates(self, start: Calibration) -> dict:
@@ -578,7 +582,11 @@ class _GateProbes:
             worst = min(records, key=lambda r: r["flashinfer_device_us_total"] / r["persistentkv_device_us_total"])
             by_group[str(group)] = {
                 "measured_margin": worst["flashinfer_device_us_total"] / worst["persistentkv_device_us_total"],
-                "interval_half_width": worst.get("interval_half_width"), "opened": group in group_fit["opened"]}
+                "interval_half_width": worst.get("interval_half_width"), "opened": group in group_fit["opened"],
+                # Both sides of the worst probe and FlashInfer's picks on it, so calibrations that
+                # disagree show which side moved.
+                **{key: worst[key] for key in ("probe", "flashinfer_device_us_total", "persistentkv_device_us_total",
+                                               "flashinfer_picks") if key in worst}}
         if by_group:
             out["supported_group_sizes"] = {"value": group_fit["fitted"], "by_group": by_group, **band,
                                             "applied": group_fit["applied"]}

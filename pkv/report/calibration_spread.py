@@ -94,6 +94,17 @@ def _interval_text(entry: dict) -> str:
     return f" ± {half:.1%}" if isinstance(half, (int, float)) else ""
 
 
+def _worst_probe_text(entry: dict) -> str:
+    """" (probe: FlashInfer x us on <picks>, PersistentKV y us)" of a group size's worst probe,
+    where the calibration kept its sums."""
+    fi_us, pkv_us = entry.get("flashinfer_device_us_total"), entry.get("persistentkv_device_us_total")
+    if not isinstance(fi_us, (int, float)) or not isinstance(pkv_us, (int, float)):
+        return ""
+    picks = entry.get("flashinfer_picks") or {}
+    on = f" on {', '.join(f'{cls} {path}' for cls, path in sorted(picks.items()))}" if picks else ""
+    return f" ({entry.get('probe', 'worst probe')}: FlashInfer {fi_us:,.1f} us{on}, PersistentKV {pkv_us:,.1f} us)"
+
+
 def evidence_text(entry: dict | None) -> str:
     """One decision's margin and band as spread.md prints them."""
     if not entry:
@@ -102,7 +113,7 @@ def evidence_text(entry: dict | None) -> str:
     band_text = f"band {band:.1%}" if isinstance(band, (int, float)) else "band not recorded"
     if "by_group" in entry:  # the group sizes: each probed G's worst probe
         groups = ", ".join(f"G={g} {e['measured_margin']:.3f}x{_interval_text(e)}"
-                           f"{'' if e.get('opened') else ' (closed)'}"
+                           f"{'' if e.get('opened') else ' (closed)'}{_worst_probe_text(e)}"
                            for g, e in sorted(entry["by_group"].items(), key=lambda item: int(item[0])))
         return f"{groups}; {band_text}"
     margin = entry.get("measured_margin")
