@@ -1,6 +1,7 @@
 """Small decode cases for compute-sanitizer (memcheck, racecheck): every kernel and route once,
 and the device-planned step (both planners and merges, block table and page lists, eager and
-replayed).
+replayed), then the launched merges again with their read states discarded
+(engine.discard_merged_states).
 
     compute-sanitizer --tool memcheck python scripts/sanitize_cases.py
     compute-sanitizer --tool racecheck python scripts/sanitize_cases.py
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pkv import ops
 from pkv.engines.device_step import MERGES, PLANNERS, DeviceDecodeStep, GraphedDecodeStep
 from pkv.engines.persistentkv import PersistentKVEngine
 from pkv.measure.kv_data import make_kv_pages, make_queries
@@ -48,7 +50,25 @@ def main() -> None:
             torch.cuda.synchronize()
             assert not torch.isnan(out).any()
         device_step_cases(shape, step, q, k, v)
+        if group == 4:
+            discard_cases(shape, step, q, k, v)
     print("sanitize cases ran")
+
+
+def discard_cases(shape, step, q, k, v) -> None:
+    """The routes whose merge is the merge kernel, and the device-planned step, with the merge
+    dropping the L2 lines of the partial states it read (a process setting, put back after)."""
+    before = ops.discard_merged_states(True)
+    try:
+        for route in (StepRoute(ROUTE_WORKQUEUE, 8), StepRoute(ROUTE_BUCKET, 16, bucket_mode="masked"),
+                      StepRoute(ROUTE_BUCKET, 8)):
+            engine = PersistentKVEngine(shape, policy=PinnedRoutePolicy(route))
+            out = engine.run(q, k, v, engine.plan(step))
+            torch.cuda.synchronize()
+            assert not torch.isnan(out).any()
+        device_step_cases(shape, step, q, k, v)
+    finally:
+        ops.discard_merged_states(before)
 
 
 def device_step_cases(shape, step, q, k, v) -> None:
