@@ -536,8 +536,9 @@ class _GateProbes:
             # margin on FlashInfer.
             gain = measured_gain([s.measured_us for s in timed.samples], [s.measured_us for s in timed_fi.samples])
             record["interval_half_width"] = gain.record()["interval_half_width"]
-            # The FlashInfer path each batch class of this shape ran: measurements.flashinfer_paths
-            # holds the model's shape only, and this side of the margin moves with the pick.
+            # The FlashInfer path picked for each batch class of this shape probed so far (this
+            # probe's among them): measurements.flashinfer_paths holds the model's shape only, and
+            # this side of the margin moves with the pick.
             record["flashinfer_picks"] = {f"B{p['batch']} {p['longest_pow2']}": p["picked"]
                                           for p in (timed_trace.flashinfer_paths or {}).get("probed", [])}
             self.group_totals.setdefault(group, []).append(record)
