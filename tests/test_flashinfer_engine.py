@@ -52,6 +52,15 @@ class _Clock:
     decode_us = {"tc": 10.0, "cc": 12.0, "holistic": 13.0, "fa3": 40.0}
 
 
+class _Flusher:
+    """The probe's L2 eviction: a no-op, counted."""
+
+    flushes = 0
+
+    def flush(self):
+        _Flusher.flushes += 1
+
+
 class _Event:
     def __init__(self, enable_timing=False):
         self.at_us = None
@@ -73,6 +82,8 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(fi, "_allocate_workspace", lambda device: None)
     monkeypatch.setattr(fi, "_upload", lambda tensor, device: tensor)
+    monkeypatch.setattr(fi, "_probe_flusher", lambda device: _Flusher())
+    monkeypatch.setattr(fi, "hold_device", lambda device: None)
     monkeypatch.setattr(fi, "_PATH_PICKS", {})
     monkeypatch.setattr(fi, "_PATH_PROBES", {})
     monkeypatch.setattr(torch.cuda, "Event", _Event)
@@ -97,7 +108,8 @@ def test_second_engine_reuses_the_first_engines_pick(fake_flashinfer, make_step)
     q, k, v = _inputs()
 
     baseline.prepare(step, q, k, v)
-    assert _probe_runs(baseline) == 3 * (fi.PROBE_ROUNDS * fi.PROBE_REPS + 1)  # every path, warm run + timed rounds
+    # every path: two untimed runs, then its rounds
+    assert _probe_runs(baseline) == 3 * (fi.PROBE_ROUNDS * fi.PROBE_REPS + 2)
     fallback.prepare(step, q, k, v)
     assert _probe_runs(fallback) == 0  # no second probe that could pick the other path
 
@@ -128,7 +140,7 @@ def test_picks_are_kept_apart_by_dtype_shape_and_batch_class(fake_flashinfer, ma
         if engine is group1:
             k = v = torch.zeros(64, 32, 16, 128, dtype=dtype)
         engine.prepare(other_step, q, k, v)
-        assert _probe_runs(engine) - before == 3 * (fi.PROBE_ROUNDS * fi.PROBE_REPS + 1)
+        assert _probe_runs(engine) - before == 3 * (fi.PROBE_ROUNDS * fi.PROBE_REPS + 2)
 
 
 def test_pinned_variant_never_probes(fake_flashinfer, make_step):
@@ -174,6 +186,13 @@ def test_the_record_names_every_path_and_its_times(fake_flashinfer, make_step):
     assert all(m["rounds_us"] == pytest.approx([m["device_us"]] * fi.PROBE_ROUNDS) for m in probe["measured"].values())
 
 
+def test_every_timed_probe_run_comes_after_an_l2_eviction(fake_flashinfer, monkeypatch, make_step):
+    monkeypatch.setattr(_Flusher, "flushes", 0)
+    engine = fi.FlashInferEngine(ModelShape(), device="cuda")
+    engine.prepare(make_step([3000, 1000]), *_inputs())
+    assert _Flusher.flushes == 3 * fi.PROBE_ROUNDS * fi.PROBE_REPS
+
+
 def test_a_slow_start_of_the_probe_does_not_pick_against_the_path_timed_first(fake_flashinfer, monkeypatch, make_step):
     # cc is 5% faster, but the first timed runs of the probe (a clock still rising, caches still cold)
     # are 30% slower: timed path by path, cc would take all of that and lose; timed in alternating
@@ -184,7 +203,7 @@ def test_a_slow_start_of_the_probe_does_not_pick_against_the_path_timed_first(fa
 
     def slow_start(self, q, kv):
         runs["count"] += 1
-        warm_runs = 3  # one untimed run per path comes first
+        warm_runs = 2 * 3  # two untimed runs per path come first
         if warm_runs < runs["count"] <= warm_runs + fi.PROBE_REPS:
             _Clock.now_us += 0.3 * _Clock.decode_us[self.path]
         return fast_run(self, q, kv)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pkv.engines.base import Engine, EnginePlan, EngineUnavailable
+from pkv.gpu_state import L2Flusher, hold_device
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 # BatchAttention allocates its own 384 MiB float workspace. Its plan reserves partial outputs for a
@@ -26,13 +27,17 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 # workspace doubled, up to this much; past it the plan's own error stands.
 HOLISTIC_WORKSPACE_LIMIT = 16 * 1024 ** 3
 _WORKSPACE_OVERFLOW = "Buffer overflow when allocating"
-# Choosing the best path for a batch class: PROBE_ROUNDS rounds over every path, each timing
-# PROBE_REPS back-to-back runs of one path, the paths in alternating order from round to round; a
-# path's decode time is the median of its rounds. Paths timed one after another, each once, took
-# whatever the GPU's clock and caches were doing at their turn: the same B4 class's holistic kernel
-# read 78.2 us in one calibration and 66.8 us in its repeat minutes later (fa2's 75.4 and 74.3), so
-# the two runs picked different kernels and the baseline they measured moved by 2.2%. Timed plan()
-# calls: their median is the path's plan time (one call's host time moves by tens of percent).
+# Choosing the best path for a batch class: after one untimed round over every path, PROBE_ROUNDS
+# rounds, each timing PROBE_REPS runs of one path, the paths in alternating order from round to
+# round; a path's decode time is the median of its rounds. Each run is timed as the tables time a
+# step: after an L2 eviction, queued behind a GPU-side hold (pkv.gpu_state). Timed back to back, one
+# path after the other, the probe measured something else: the first path in the order (fa2 on
+# CUDA cores) slow while the clock rose, the last (the holistic kernel) fast on KV left in L2 by the
+# runs before it. On an H100 it picked the holistic kernel for every B1 class of Table 2's bucketed
+# trace (16K: 42.6 us against fa2's 72.7 in the probe), where the kernel benchmark times it slower
+# than fa2 after an eviction (45.7 against 34.6 us), and the same B4 class's holistic kernel read
+# 78.2 us in one calibration and 66.8 us in its repeat. Timed plan() calls: their median is the
+# path's plan time (one call's host time moves by tens of percent).
 PROBE_ROUNDS = 5
 PROBE_REPS = 3
 PROBE_PLANS = 3
@@ -66,6 +71,15 @@ BEST_OF_ROLES = tuple(f"flashinfer_{p}" for p in PATHS)
 # GPU, the shape and the batch class.
 _PATH_PICKS: dict[tuple, str] = {}
 _PATH_PROBES: dict[tuple, dict[str, dict[str, float]]] = {}
+# The probe's L2 eviction buffer (twice the L2), one per device, made at the first probe.
+_PROBE_FLUSHERS: dict[str, L2Flusher] = {}
+
+
+def _probe_flusher(device) -> L2Flusher:
+    flusher = _PROBE_FLUSHERS.get(str(device))
+    if flusher is None:
+        flusher = _PROBE_FLUSHERS[str(device)] = L2Flusher(device)
+    return flusher
 
 
 def _import_flashinfer():
@@ -316,10 +330,13 @@ class FlashInferEngine(Engine):
             plan_us[path] = statistics.median(plan_times)
             runner.run(q, k_pages, v_pages)  # first call may compile or load the kernel
         # Every path keeps its own plan (its own workspace), so their runs can alternate.
+        flusher = _probe_flusher(self.device)
+        for path in plan_us:  # an untimed round: the clock up, every path's kernels loaded
+            self._paths[path].run(q, k_pages, v_pages)
         rounds_us = {path: [] for path in plan_us}
         for r in range(PROBE_ROUNDS):
             for path in (list(plan_us) if r % 2 == 0 else list(reversed(plan_us))):
-                rounds_us[path].append(self._timed_runs(path, q, k_pages, v_pages))
+                rounds_us[path].append(self._timed_runs(path, q, k_pages, v_pages, flusher))
         for path, times in rounds_us.items():
             measured[path] = {"device_us": statistics.median(times), "plan_us": plan_us[path],
                               "rounds_us": [round(t, 3) for t in times]}
@@ -327,17 +344,22 @@ class FlashInferEngine(Engine):
         _PATH_PROBES[key] = measured
         _PATH_PICKS[key] = pick_path(measured)
 
-    def _timed_runs(self, path: str, q, k_pages, v_pages) -> float:
-        """Device microseconds of one run of ``path`` as planned, the mean of PROBE_REPS back to back."""
+    def _timed_runs(self, path: str, q, k_pages, v_pages, flusher) -> float:
+        """Device microseconds of one run of ``path`` as planned: the mean of PROBE_REPS runs, each
+        after an L2 eviction and between its own events, all queued behind one hold."""
         runner = self._paths[path]
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
+        hold_device(self.device)
+        timed = []
         for _ in range(PROBE_REPS):
+            flusher.flush()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
             runner.run(q, k_pages, v_pages)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / PROBE_REPS
+            end.record()
+            timed.append((start, end))
+        timed[-1][1].synchronize()
+        return statistics.fmean(start.elapsed_time(end) for start, end in timed) * 1e3
 
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
         path = plan.extra["path"]
