@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One GPU-machine run of the DAG after the kernel tests. Logs and a tarball of artifacts/<gpu>/
-# land under $OUT. Needs .whl/ filled as scripts/device_site.sh says.
+# One GPU-machine run of the DAG after the kernel tests. Under $OUT: dag.log, dag_timing.md, a
+# tarball of artifacts/<gpu>/ (artifacts.tgz), the build caches and the small logs (the kernel
+# tests', the GPU's name, graph_gain.md, ...) packed as logs.tgz. Needs .whl/ filled as
+# scripts/device_site.sh says.
 #   DAG_CONFIG=config/gpu_smoke.yaml (default): the reduced DAG (calibration seed, one held-out
 #     seed, every trace family and ablation, the Nsight profile);
 #   DAG_CONFIG=config/config.yaml: the full DAG (five held-out seeds). Its GPU jobs run in the
@@ -68,7 +70,8 @@ source "${site:-scripts/device_site.sh}" || exit 1
 export PYTHONUNBUFFERED=1
 [ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
 restore_builds
-touch "$OUT/.jit_mark"
+# The time mark of FlashInfer's JIT count stays off $OUT: a device run sends back only a few files.
+jit_mark=$(mktemp); touch "$jit_mark"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py > "$OUT/tests.log" 2>&1; tail -2 "$OUT/tests.log"
@@ -100,7 +103,7 @@ python3 -m pkv.worker stop --slot-dir "${PKV_SLOT_DIR:-artifacts/.slots}" > /dev
 # Per rule: jobs, wall seconds, the median job, seconds not measuring (docs/performance.md's table).
 python3 -m pkv.dag_timing rules --json "$OUT/dag_timing.json" > "$OUT/dag_timing.md" 2>&1 && cat "$OUT/dag_timing.md"
 fi_jit="$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer"
-echo "FlashInfer JIT: $(find "$fi_jit" -name '*.so' -newer "$OUT/.jit_mark" 2>/dev/null | wc -l) modules compiled" \
+echo "FlashInfer JIT: $(find "$fi_jit" -name '*.so' -newer "$jit_mark" 2>/dev/null | wc -l) modules compiled" \
   "in this run, $(find "$fi_jit" -name '*.so' 2>/dev/null | wc -l) in the cache ($fi_jit)"
 grep -h "the worker retires" artifacts/"$GPU_NAME"/logs -r 2>/dev/null | sort | uniq -c | head -5
 tar czf "$OUT/artifacts.tgz" "artifacts/$GPU_NAME" 2>/dev/null
@@ -123,3 +126,8 @@ for t in 2 4 5; do head -30 "artifacts/$GPU_NAME/tables/table$t.md" 2>/dev/null;
 # What Table 9's graph kept of Table 2's attention lead (pkv.report.graph_gain), once both have run;
 # written to $OUT too, since a reference set is promoted from this run's per-seed files.
 python3 -m pkv.report.graph_gain "artifacts/$GPU_NAME" > "$OUT/graph_gain.md" 2>/dev/null && cat "$OUT/graph_gain.md"
+# A device run sends back at most 8 files: the small logs go back as one tarball beside dag.log,
+# dag_timing.md, artifacts.tgz and the build caches.
+small=$(cd "$OUT" && ls gpu.txt tests.log worker_check.log dag_timing.json graph_gain.md ab.log 2>/dev/null)
+# shellcheck disable=SC2086  # file names without spaces
+[ -n "$small" ] && tar czf "$OUT/logs.tgz" -C "$OUT" $small && (cd "$OUT" && rm -f $small)
