@@ -218,6 +218,22 @@ def test_a_slow_start_of_the_probe_does_not_pick_against_the_path_timed_first(fa
     assert probe["picked"] == "cc"
 
 
+def test_a_graph_without_the_picked_path_runs_the_faster_of_the_paths_it_has(fake_flashinfer, monkeypatch,
+                                                                             make_step):
+    # holistic wins the probe, but FlashInfer's graph wrapper runs fa2 only: the faster fa2 path by
+    # the same probe (cc here), not tensor cores whatever they measured
+    monkeypatch.setattr(_Clock, "decode_us", {"tc": 15.0, "cc": 11.0, "holistic": 8.0, "fa3": 40.0})
+    engine = fi.FlashInferEngine(ModelShape(), device="cuda")
+    step = make_step([5000])
+    assert engine.path_among(step, fi.GRAPH_PATHS) is None  # nothing probed yet
+    engine.prepare(step, *_inputs())
+    assert engine.path_for(step) == "holistic"
+    assert engine.path_among(step, fi.GRAPH_PATHS) == "cc"
+    assert engine.path_among(step, fi.PATHS) == "holistic"
+    pinned = fi.FlashInferEngine(ModelShape(), paths=("tc",), device="cuda")
+    assert pinned.path_among(step, fi.GRAPH_PATHS) == "tc"
+
+
 def test_holistic_plans_the_token_lengths_of_the_step(fake_flashinfer, make_step):
     engine = fi.FlashInferEngine(ModelShape(), paths=("holistic",), device="cuda")
     step = make_step([3000, 17, 16, 1])

@@ -52,6 +52,8 @@ TIE_FRACTION = 0.02
 PLAN_TIE_FRACTION = 0.10
 
 PATHS = ("cc", "tc", "holistic")
+# The paths FlashInfer's CUDA-graph decode wrapper runs (FlashInferGraphDecode: fa2's decode wrapper).
+GRAPH_PATHS = ("cc", "tc")
 MEASURED_ONLY_PATHS = ("fa3",)
 PATH_LABELS = {
     "cc": "fa2 decode, CUDA cores",
@@ -286,6 +288,18 @@ class FlashInferEngine(Engine):
         if self._dtypes is None:  # not prepared yet: run() probes
             return None
         return _PATH_PICKS.get(self._pick_key(step))
+
+    def path_among(self, step, paths: tuple[str, ...]) -> str | None:
+        """The path to run for the step's batch class where only ``paths`` can run: the pick where
+        it is one of them, else ``pick_path`` over their probed times (FlashInfer's CUDA-graph
+        wrapper has the fa2 paths only, so a graph falls back from a holistic pick this way, to the
+        faster fa2 path and not to a fixed one). None until a probe has picked."""
+        picked = self.path_for(step)
+        if picked is None or picked in paths:
+            return picked
+        probed = _PATH_PROBES.get(self._pick_key(step), {})
+        timed = {p: probed[p] for p in paths if p in probed}
+        return pick_path(timed) if timed else None
 
     def plan(self, step) -> EnginePlan:
         if step.page_size != self.page_size:

@@ -25,7 +25,7 @@ import torch
 from pkv.cuda_graphs import capture_graph
 from pkv.engines.base import EngineUnavailable, upload_block_table
 from pkv.engines.device_step import PLANNER_LABELS, DeviceDecodeStep, device_planner, device_step_config
-from pkv.engines.flashinfer import FlashInferGraphDecode
+from pkv.engines.flashinfer import GRAPH_PATHS, FlashInferGraphDecode
 from pkv.measure.model_step import ModelStep, skip_attend
 from pkv.policy.route import ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE
 
@@ -182,9 +182,10 @@ class FlashInferGraphPath(GraphPath):
         self.paths: dict[int, str] = {}
 
     def _tensor_cores(self, step) -> bool:
-        picked = self.engine.path_for(step)
-        self.paths[step.batch_size] = {"cc": "cc", "tc": "tc"}.get(picked, f"tc (picked {picked}, no graph wrapper)")
-        return picked != "cc"
+        # Where the pick has no graph wrapper (the holistic kernel), the faster fa2 path by the probe.
+        picked, graphed = self.engine.path_for(step), self.engine.path_among(step, GRAPH_PATHS) or "tc"
+        self.paths[step.batch_size] = graphed if graphed == picked else f"{graphed} (picked {picked}, no graph wrapper)"
+        return graphed != "cc"
 
     def prepare(self, step, x) -> None:
         q = torch.zeros(step.batch_size, self.model.shape.num_qo_heads, self.model.shape.head_dim,
