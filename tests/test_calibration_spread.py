@@ -173,3 +173,21 @@ def test_a_file_from_before_the_decisions_were_recorded_still_compares(tmp_path)
     text = render_markdown(spread([old, new]))
     assert "| regimes.few_rows.route | persistentkv_workqueue: margin 1.023x; band not recorded |" in text
     assert "| regimes.many_rows.num_splits | 28: not recorded |" in text
+
+
+def test_classes_whose_flashinfer_pick_differs_are_listed_with_each_paths_probe(tmp_path):
+    paths = []
+    for name, pick, holistic_us in (("a.json", "cc", 78.2), ("b.json", "holistic", 66.8)):
+        probed = [{"batch": 4, "longest_pow2": 16384, "picked": pick,
+                   "measured": {"cc": {"device_us": 75.4, "plan_us": 400.0},
+                                "holistic": {"device_us": holistic_us, "plan_us": 410.0}}},
+                  {"batch": 8, "longest_pow2": 65536, "picked": "tc",
+                   "measured": {"tc": {"device_us": 355.0, "plan_us": 300.0}}}]
+        paths.append(tmp_path / name)
+        save_calibration(paths[-1], load_calibration(REFERENCE),
+                         {"measurements": {"flashinfer_paths": {"paths": {}, "probed": probed}}})
+    text = render_markdown(spread(paths))
+    assert "| B4 16384 | cc (cc 75.4, holistic 78.2 us) | holistic (cc 75.4, holistic 66.8 us) |" in text
+    assert "B8 65536" not in text  # the same pick in both
+    same = render_markdown(spread([paths[0], paths[0]]))
+    assert "FlashInfer's probes picked the same path for every batch class in all (2 classes" in same

@@ -69,7 +69,30 @@ def spread(paths: list[Path]) -> dict:
         constants.append({"name": name, "values": values, "mean": mean,
                           "rel_spread": (max(values) - min(values)) / mean if mean else 0.0})
     return {"files": [str(p) for p in paths], "gpus": gpus, "decisions": decisions, "constants": constants,
+            "flashinfer_picks": [flashinfer_picks(record) for _, record in loaded],
             "steps": step_decisions(calibs), "performance_result": not cpu_profile}
+
+
+def flashinfer_picks(record: dict) -> dict[str, dict] | None:
+    """{"B<rows> <longest, a power of two>": {"picked", "measured"}} of FlashInfer's path probes on
+    the model's shape (measurements.flashinfer_paths); None where the calibration kept none. The
+    baseline side of every route decision runs these picks, so calibrations whose picks differ
+    measured different FlashInfer kernels."""
+    measured = (record.get("provenance") or {}).get("measurements") or {}
+    paths = measured.get("flashinfer_paths")
+    if not isinstance(paths, dict):
+        return None
+    return {f"B{p['batch']} {p['longest_pow2']}": {"picked": p.get("picked"), "measured": p.get("measured") or {}}
+            for p in paths.get("probed", [])}
+
+
+def _pick_text(entry: dict | None) -> str:
+    """"cc (cc 75.4, tc 85.9, holistic 78.2 us)": a class's pick and each path's probed decode time."""
+    if entry is None:
+        return "not probed"
+    times = ", ".join(f"{path} {m['device_us']:.1f}" for path, m in sorted(entry["measured"].items())
+                      if isinstance(m, dict) and isinstance(m.get("device_us"), (int, float)))
+    return f"{entry['picked']} ({times} us)" if times else str(entry["picked"])
 
 
 def decision_evidence(record: dict, name: str) -> dict | None:
@@ -208,6 +231,19 @@ def render_markdown(report: dict) -> str:
             cells = " | ".join(f"{_text(v)}: {evidence_text(e)}" for v, e in zip(d["values"], d.get("evidence")
                                                                                  or [None] * len(files)))
             lines.append(f"| {d['name']} | {cells} |")
+    picks = report.get("flashinfer_picks") or []
+    if len(picks) == len(files) and all(p is not None for p in picks):
+        classes = sorted(set().union(*picks), key=lambda c: tuple(int(x) for x in c[1:].split()))
+        differ = [c for c in classes if len({(p.get(c) or {}).get("picked") for p in picks}) > 1]
+        if differ:
+            lines += ["", "FlashInfer's path per batch class (the model's shape) where the calibrations' probes "
+                      "picked differently, with each path's probed decode time:", "",
+                      "| Class | " + " | ".join(f"[{i + 1}]" for i in range(len(files))) + " |",
+                      "|---|" + "---|" * len(files)]
+            lines += [f"| {c} | " + " | ".join(_pick_text(p.get(c)) for p in picks) + " |" for c in differ]
+        else:
+            lines += ["", f"FlashInfer's probes picked the same path for every batch class in all ({len(classes)} "
+                      "classes of the model's shape)."]
     others = [f"[{i + 1}]" for i in range(1, len(files))]
     lines += ["", "Table 2's measured steps (held-out seeds) that take another route or split count than under [1]:",
               "", "| Trace | Steps | " + " | ".join(others) + " |", "|---|---:|" + "---:|" * len(others)]
