@@ -406,6 +406,28 @@ def test_the_selected_route_names_the_steps_a_calibrated_rule_moved_off_the_fixe
         "PersistentKV workqueue, split 20")
 
 
+def test_table2_names_the_flashinfer_path_its_baseline_ran(tmp_path):
+    """A row's baseline is the FlashInfer path its probe picked per batch class: a footnote counts
+    the measured steps of each, named as the results name them."""
+    root = tmp_path / "artifacts" / "fake"
+    prov = collect_provenance({"profile": "gpu"}, 0)
+    for seed, variants in ((20260623, ["holistic"] * 3 + ["cc"]), (20260624, ["holistic"] * 4)):
+        _write_run(root, "bucketed_b1", seed, f"b1{seed}", 1.2, 1.0, True, prov)
+        path = root / "evaluate" / "bucketed_b1" / f"seed{seed}" / "flashinfer.json"
+        rec = json.loads(path.read_text())
+        rec["metrics"]["per_step"] = [{"step": i, "variant": v} for i, v in enumerate(variants)]
+        rec["metrics"]["flashinfer_paths"] = {"paths": {"cc": "fa2 decode, CUDA cores",
+                                                       "holistic": "holistic BatchAttention"}}
+        write_json_atomic(path, rec)
+    ctx = table_data.table2(root)
+    marks = [dict(ctx["notes"])[m] for m in _row(ctx["rows"], "trace", "bucketed_b1")["marks"]]
+    assert ("FlashInfer's path on the measured steps (its probe's pick per batch class): holistic BatchAttention "
+            "on 7 of 8, fa2 decode, CUDA cores on 1 of 8") in marks
+    # Results that record no path (the fixture's): no such footnote.
+    fixture_notes = dict(table_data.table2(FIXTURE)["notes"]).values()
+    assert not any("FlashInfer's path on the measured steps" in n for n in fixture_notes)
+
+
 def test_table2s_bimodal_b4_row_names_the_route_its_run_took(tmp_path):
     """Bimodal B4's route is the calibration's B2-7 decision: the row names it, and where the
     context gate sent some steps to the other route, those too."""

@@ -156,6 +156,7 @@ class ServingAggregate:
     problems: list[str]
     # seed -> its baseline's wrong steps, for the seeds left out for that (also among the problems)
     wrong_baselines: dict[int, WrongBaseline] = field(default_factory=dict)
+    baselines: list[dict] = field(default_factory=list)  # the baseline's record of each seed in `seeds`
 
     @property
     def ok(self) -> bool:
@@ -180,6 +181,7 @@ def aggregate_serving(seeds: Mapping[int, list[Loaded]], where: str, inputs: Inp
             continue
         agg.seeds.append(seed)
         agg.subjects.append(cmp.subject)
+        agg.baselines.append(cmp.baseline)
         agg.cuda_ratios.append(cuda)
         agg.wall_ratios.append(wall)
     return agg

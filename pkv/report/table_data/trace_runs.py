@@ -4,6 +4,7 @@ tail) and the hardware-independent counters of the raggedness variants."""
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,24 @@ def _second_baseline_cells(seeds, trace: str, inputs: Inputs, notes: Notes) -> t
     return miss, miss, []
 
 
+def _baseline_path_marks(agg, notes: Notes) -> list[int]:
+    """The footnote naming the FlashInfer path the baseline ran on the row's measured steps (its
+    best-of engine picks one per batch class from a probe): the baseline of a ratio is that path,
+    and a reader can hold it against the kernel benchmark's times of each path. None where the
+    results record no path (another baseline, or files from before steps recorded one)."""
+    counts: Counter[str] = Counter()
+    labels: dict[str, str] = {}
+    for record in agg.baselines:
+        metrics = record.get("metrics") or {}
+        labels.update((metrics.get("flashinfer_paths") or {}).get("paths") or {})
+        counts.update(step["variant"] for step in metrics.get("per_step") or [] if step.get("variant"))
+    if not counts:
+        return []
+    total = sum(counts.values())
+    ran = ", ".join(f"{labels.get(path, path)} on {n} of {total}" for path, n in counts.most_common())
+    return [notes.number(f"FlashInfer's path on the measured steps (its probe's pick per batch class): {ran}")]
+
+
 def table2(root: Path) -> dict[str, Any]:
     notes, inputs = Notes(), Inputs()
     tree = load_trace_tree(root / "evaluate")
@@ -98,7 +117,8 @@ def table2(root: Path) -> dict[str, Any]:
             route = max_err = mean_err = rel_err = cuda
         rows.append({**row, "route": route, "cuda": cuda, "wall": wall, "cuda_xqa": cuda_xqa,
                      "wall_xqa": wall_xqa, "max_err": max_err, "rel_err": rel_err,
-                     "mean_err": mean_err, "seeds": len(agg.seeds), "marks": note_partial(agg, notes) + xqa_marks})
+                     "mean_err": mean_err, "seeds": len(agg.seeds),
+                     "marks": note_partial(agg, notes) + xqa_marks + _baseline_path_marks(agg, notes)})
     return {**inputs.header(), "rows": rows, "seeds": seeds_text(all_seeds), "notes": notes.items}
 
 
