@@ -247,6 +247,22 @@ def test_table9_renders_ratios_ceiling_and_captured_fraction(tmp_path):
     json.dumps(table9(root)["blocks"], default=str)
 
 
+def test_table9_names_the_fa2_path_flashinfers_graph_ran_at_each_batch_size(tmp_path):
+    root = tmp_path / "artifacts"
+    for seed, path in ((20260623, "tc (picked holistic, no graph wrapper)"), (20260624, "cc"), (20260625, "cc")):
+        _write_run(root, "bimodal_b8", seed, 1.05)
+        where = root / "model_step" / "bimodal_b8" / f"seed{seed}" / "flashinfer_eager.json"
+        rec = json.loads(where.read_text())
+        rec["metrics"]["flashinfer_graph_paths"] = {"8": path, "4": "tc"}
+        write_json_atomic(where, rec)
+    ctx = table9(root)
+    rows = {r["label"]: r for r in ctx["blocks"][0]["rows"]}
+    (mark,) = rows["flashinfer_eager"]["marks"]
+    assert dict(ctx["notes"])[mark] == ("FlashInfer's CUDA-graph decode ran, by batch size: B4: tc (3 seeds); "
+                                        "B8: cc (2 seeds), tc (picked holistic, no graph wrapper) (1 seed)")
+    assert rows["adaptive_eager"]["marks"] == []  # only FlashInfer's own rows
+
+
 def test_table9_leaves_out_the_share_and_ceiling_of_a_step_bound_by_its_host(tmp_path):
     """An eager step whose device waits on the host: the step less the same step without attention
     (here 10 - 9.5 ms) is below attention's read floor (2 ms), so no share or ceiling is shown; the

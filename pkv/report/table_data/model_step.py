@@ -17,6 +17,7 @@ does for the other tables, and ratio cells no seed fills say the baseline was wr
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,24 @@ def route_cell(seeds: dict, label: str) -> str:
     return routes_taken(subjects)
 
 
+def _graph_path_marks(seeds: dict, label: str, notes: Notes) -> list[int]:
+    """The footnote naming the fa2 path FlashInfer's CUDA-graph decode ran at each batch size (its
+    wrapper has no holistic kernel; the record says where the probe picked that), where the
+    results record it: the graph rows' baseline is that path."""
+    seeds_by_path: dict[int, Counter] = {}
+    for recs in seeds.values():
+        for file, rec in recs:
+            if file.stem == label:
+                for batch, path in ((rec.get("metrics") or {}).get("flashinfer_graph_paths") or {}).items():
+                    seeds_by_path.setdefault(int(batch), Counter())[path] += 1
+    if not seeds_by_path:
+        return []
+    ran = "; ".join(f"B{batch}: " + ", ".join(f"{path} ({n} seed{'s' if n > 1 else ''})"
+                                              for path, n in seeds_by_path[batch].most_common())
+                    for batch in sorted(seeds_by_path))
+    return [notes.number(f"FlashInfer's CUDA-graph decode ran, by batch size: {ran}")]
+
+
 def table9(root: Path) -> dict[str, Any]:
     notes, inputs = Notes(), Inputs()
     tree = load_trace_tree(root / "model_step")
@@ -214,6 +233,7 @@ def table9(root: Path) -> dict[str, Any]:
                 marks.append(notes.number(f"{BASELINE_ROUTE_ONLY}, with nothing to capture" if all(gated) else
                                           f"{BASELINE_ROUTE_ONLY} on {sum(gated)} of {len(gated)} seeds, left out of "
                                           "the captured fraction"))
+            marks += _graph_path_marks(seeds, label, notes) if role == "flashinfer" else []
             rows.append({"label": label, "engine": ENGINE_LABELS.get(role, role), "mode": MODE_LABELS.get(mode, mode),
                          "route": route_cell(seeds, label),
                          "layers": ", ".join(f"{a}/{b}" for a, b in layers) or "–",
