@@ -61,6 +61,19 @@ class _Flusher:
         _Flusher.flushes += 1
 
 
+class _Queue:
+    """QueuedReps' device operations on the stand-in clock: every repetition is queued in time."""
+
+    def event(self):
+        return _Event(enable_timing=True)
+
+    def hold(self, cycles):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 class _Event:
     def __init__(self, enable_timing=False):
         self.at_us = None
@@ -70,6 +83,9 @@ class _Event:
 
     def synchronize(self):
         pass
+
+    def query(self):  # the device has not reached it: the host queued the repetition in time
+        return False
 
     def elapsed_time(self, end):  # milliseconds, as torch.cuda.Event
         return (end.at_us - self.at_us) / 1e3
@@ -83,7 +99,7 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setattr(fi, "_allocate_workspace", lambda device: None)
     monkeypatch.setattr(fi, "_upload", lambda tensor, device: tensor)
     monkeypatch.setattr(fi, "_probe_flusher", lambda device: _Flusher())
-    monkeypatch.setattr(fi, "hold_device", lambda device: None)
+    monkeypatch.setattr(fi, "_probe_queue", lambda device: _Queue())
     monkeypatch.setattr(fi, "_PATH_PICKS", {})
     monkeypatch.setattr(fi, "_PATH_PROBES", {})
     monkeypatch.setattr(torch.cuda, "Event", _Event)

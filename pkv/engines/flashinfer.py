@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pkv.engines.base import Engine, EnginePlan, EngineUnavailable
-from pkv.gpu_state import L2Flusher, hold_device
+from pkv.gpu_state import CudaQueue, L2Flusher, QueuedReps
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 # BatchAttention allocates its own 384 MiB float workspace. Its plan reserves partial outputs for a
@@ -30,7 +30,7 @@ _WORKSPACE_OVERFLOW = "Buffer overflow when allocating"
 # Choosing the best path for a batch class: after one untimed round over every path, PROBE_ROUNDS
 # rounds, each timing PROBE_REPS runs of one path, the paths in alternating order from round to
 # round; a path's decode time is the median of its rounds. Each run is timed as the tables time a
-# step: after an L2 eviction, queued behind a GPU-side hold (pkv.gpu_state). Timed back to back, one
+# step: after an L2 eviction, queued ahead of the device behind a GPU-side hold (pkv.gpu_state). Timed back to back, one
 # path after the other, the probe measured something else: the first path in the order (fa2 on
 # CUDA cores) slow while the clock rose, the last (the holistic kernel) fast on KV left in L2 by the
 # runs before it. On an H100 it picked the holistic kernel for every B1 class of Table 2's bucketed
@@ -75,6 +75,10 @@ _PATH_PICKS: dict[tuple, str] = {}
 _PATH_PROBES: dict[tuple, dict[str, dict[str, float]]] = {}
 # The probe's L2 eviction buffer (twice the L2), one per device, made at the first probe.
 _PROBE_FLUSHERS: dict[str, L2Flusher] = {}
+
+
+def _probe_queue(device) -> CudaQueue:
+    return CudaQueue(device)
 
 
 def _probe_flusher(device) -> L2Flusher:
@@ -360,20 +364,11 @@ class FlashInferEngine(Engine):
 
     def _timed_runs(self, path: str, q, k_pages, v_pages, flusher) -> float:
         """Device microseconds of one run of ``path`` as planned: the mean of PROBE_REPS runs, each
-        after an L2 eviction and between its own events, all queued behind one hold."""
+        after an L2 eviction, between its own events, queued ahead of the device (QueuedReps)."""
         runner = self._paths[path]
-        hold_device(self.device)
-        timed = []
-        for _ in range(PROBE_REPS):
-            flusher.flush()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            runner.run(q, k_pages, v_pages)
-            end.record()
-            timed.append((start, end))
-        timed[-1][1].synchronize()
-        return statistics.fmean(start.elapsed_time(end) for start, end in timed) * 1e3
+        samples = QueuedReps(_probe_queue(self.device)).time(lambda: runner.run(q, k_pages, v_pages), PROBE_REPS,
+                                                             flusher)
+        return statistics.fmean(samples)
 
     def run(self, q, k_pages, v_pages, plan: EnginePlan):
         path = plan.extra["path"]

@@ -5,7 +5,7 @@ by the assignment) and the same queries. Per step and engine, in an order that p
 in every place and right after every other equally often over steps (``engine_order``): the L2
 flush (untimed), then synchronized wall time of plan + run (+ the MLP tail); then, after another
 flush, the device time of a second run of the same plan, queued behind a GPU-side hold
-(pkv.measure.timing.hold_device) so the events time device work and not the host's launch latency.
+(pkv.gpu_state.hold_device) so the events time device work and not the host's launch latency.
 Each engine's output is checked against the baseline engine's before the step counts (fp32
 compare, the paper's bounds); every ``check_every`` measured steps all engines are also
 compared with the float64 dense reference.
@@ -32,11 +32,12 @@ import numpy as np
 import torch
 
 from pkv.engines.dense import dense_decode
+from pkv.gpu_state import hold_device
 from pkv.measure.accuracy import PAPER_MAX_ABS, PAPER_MEAN_ABS, AccuracyError, check_within, compare
 from pkv.measure.kv_data import make_kv_pages, make_queries, resolve_dtype
 from pkv.measure.mlp_tail import GatedMLPTail
 from pkv.measure.nvtx_ranges import nvtx_range, validate_range_name
-from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer, hold_device
+from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer
 from pkv.pipeline import counters
 from pkv.pipeline.serving import ContinuousDecoder, page_layout
 from pkv.policy.route import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH

@@ -28,10 +28,11 @@ import yaml
 
 from pkv.atomic_io import write_json_atomic
 from pkv.engines import OPTION_NAMES, build_engine, role_policy
+from pkv.gpu_state import hold_device
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.calibration_probe import measure_launch_us
 from pkv.measure.kv_data import make_kv_pages, make_queries
-from pkv.measure.timing import L2Flusher, WallTimer, hold_device, time_device_us
+from pkv.measure.timing import L2Flusher, WallTimer, time_device_us
 from pkv.pipeline.pages import assign_pages
 from pkv.pipeline.step import build_step
 from pkv.policy.calibration import Calibration, load_calibration

@@ -5,7 +5,7 @@ pkv.measure.harness. Per step: the step without attention is timed per mode (the
 for attention's share; below); then each path, in an order balanced over steps
 (pkv.measure.harness.engine_order), gets the L2 flush (untimed), the synchronized wall time of
 its host plan plus the whole step, and, after another flush, the device time of the same planned
-step queued behind a GPU-side hold (pkv.measure.timing.hold_device).
+step queued behind a GPU-side hold (pkv.gpu_state.hold_device).
 
 The step without attention depends on the batch size alone (its append writes one token per row
 wherever the lengths put it), so each mode's rest is timed on the first ``REST_SAMPLES`` measured
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from pkv.engines.base import upload_block_table
 from pkv.engines.dense import dense_decode
+from pkv.gpu_state import hold_device
 from pkv.measure.accuracy import compare
 from pkv.measure.harness import (
     REF_REL_LIMIT,
@@ -54,7 +55,7 @@ from pkv.measure.harness import (
 from pkv.measure.kernel_trace import KernelTally, KernelTraceUnavailable, attention_profile, trace_kernels
 from pkv.measure.model_step import ModelStep
 from pkv.measure.model_step_paths import EagerPath
-from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer, hold_device
+from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer
 
 # A path's final hidden state against the baseline's: the attention outputs differ by the dtype's
 # rounding, and every later layer carries that difference on; four times the single-call bound

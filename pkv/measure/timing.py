@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-# The L2 eviction and the GPU-side hold live in pkv.gpu_state, where FlashInfer's path probe uses
-# them too; the timers here and their callers take them from this module as before.
-from pkv.gpu_state import HEAD_START_CYCLES, L2Flusher, hold_device
+# The L2 eviction, the GPU-side hold and the queued repetitions live in pkv.gpu_state, where
+# FlashInfer's path probe uses them too; the timers here and their callers take them from this
+# module as before.
+from pkv.gpu_state import HEAD_START_CYCLES, CudaQueue, L2Flusher, QueuedReps
 from pkv.gpu_state import is_cuda_device as _is_cuda
 
 
@@ -80,7 +81,7 @@ def time_device_us(fn, *, reps: int = 30, warmup: int = 5, flusher: L2Flusher | 
     samples: list[float] = []
     if _is_cuda(device):
         every = hold == "every"
-        samples = QueuedReps(_CudaQueue(device), hold_every=every,
+        samples = QueuedReps(CudaQueue(device), hold_every=every,
                              hold_cycles=HEAD_START_CYCLES if every else None).time(fn, reps, flusher)
     else:
         for _ in range(reps):
@@ -90,86 +91,6 @@ def time_device_us(fn, *, reps: int = 30, warmup: int = 5, flusher: L2Flusher | 
             fn()
             samples.append((time.perf_counter() - t0) * 1e6)
     return summarize_us(samples)
-
-
-class _CudaQueue:
-    """The three device operations QueuedReps needs, on the current CUDA stream."""
-
-    def __init__(self, device) -> None:
-        self.device = torch.device(device)
-
-    def event(self):
-        return torch.cuda.Event(enable_timing=True)
-
-    def hold(self, cycles: int) -> None:
-        hold_device(self.device, cycles)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-
-class QueuedReps:
-    """Event-timed repetitions of a call, each queued before the device reaches it.
-
-    A repetition is clean when its start event had not yet been reached by the device when the
-    host finished queueing its end event: then every launch of the call was waiting in the queue
-    and the events time device work alone. Only clean repetitions are kept; a caught one (the
-    device drained the queue while the host was still issuing) is timed again.
-
-    A GPU-side hold (``hold_device``) gives the host its lead. One hold at the start is enough
-    while the call's device time exceeds its issue time, because the host then stays ahead; a
-    call the device runs faster than the host issues it gets a hold before every repetition (as
-    every repetition once had, at HEAD_START_CYCLES each: half a millisecond, most of a
-    calibration's time). A held repetition that is still caught doubles the hold. Nothing carries
-    over from one call of ``time`` to the next.
-    """
-
-    FIRST_HOLD_CYCLES = HEAD_START_CYCLES // 4
-    MAX_HOLD_CYCLES = HEAD_START_CYCLES * 32
-    MAX_ROUNDS = 8
-
-    def __init__(self, queue, *, hold_every: bool = False, hold_cycles: int | None = None) -> None:
-        self.queue = queue
-        self.hold_cycles = int(hold_cycles or self.FIRST_HOLD_CYCLES)
-        self.hold_every = hold_every  # set when the device outruns the host on this call
-        self.caught = 0          # repetitions dropped and timed again
-
-    def time(self, fn, reps: int, flusher=None) -> list[float]:
-        samples: list[float] = []
-        for _ in range(self.MAX_ROUNDS):
-            samples += self._round(fn, reps - len(samples), flusher)
-            if len(samples) >= reps:
-                return samples[:reps]
-        raise RuntimeError(f"QueuedReps: {self.caught} repetitions were caught by the device in "
-                           f"{self.MAX_ROUNDS} rounds; the host could not queue the call ahead of the "
-                           f"device even behind a {self.hold_cycles}-cycle hold")
-
-    def _round(self, fn, count: int, flusher) -> list[float]:
-        queued = []
-        self.queue.synchronize()
-        hold_next = True
-        for _ in range(count):
-            if flusher is not None:
-                flusher.flush()
-            held = hold_next or self.hold_every
-            if held:
-                self.queue.hold(self.hold_cycles)
-            start, end = self.queue.event(), self.queue.event()
-            start.record()
-            fn()
-            end.record()
-            clean = not start.query()
-            queued.append((start, end, clean))
-            hold_next = not clean
-            if clean:
-                continue
-            self.caught += 1
-            if held:
-                self.hold_cycles = min(2 * self.hold_cycles, self.MAX_HOLD_CYCLES)
-            else:
-                self.hold_every = True
-        self.queue.synchronize()
-        return [start.elapsed_time(end) * 1e3 for start, end, clean in queued if clean]
 
 
 def time_interleaved_us(fns, *, rounds: int = 5, reps: int = 10, flusher: L2Flusher | None = None,
