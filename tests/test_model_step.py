@@ -457,3 +457,29 @@ def test_table9_leaves_out_a_seed_whose_baseline_or_row_was_wrong(tmp_path):
     _write_run(root, "bimodal_b8", 20260624, 1.07)
     rows = {r["label"]: r for r in table9(root)["blocks"][0]["rows"]}
     assert rows["adaptive_eager"]["cuda"].n == 1 and rows["flashinfer_eager"]["cuda"].n == 2
+
+
+def test_flashinfer_graphs_are_kept_per_batch_size_and_fa2_path_each_step_runs():
+    """FlashInfer's graphed step replays, for each step, the graph of its batch size and of the fa2
+    path its batch class runs by FlashInfer's probe (the pick, or the faster fa2 path where the
+    pick has no graph wrapper), and records which paths each batch size's steps ran."""
+    from types import SimpleNamespace
+
+    from pkv.measure.model_step_paths import FlashInferGraphPath
+
+    class Picks:  # FlashInferEngine's path_for and path_among, by the step's longest row
+        picks = {1024: ("cc", "cc"), 65536: ("holistic", "tc")}
+
+        def path_for(self, step):
+            return self.picks[max(step.seq_lens)][0]
+
+        def path_among(self, step, paths):
+            return self.picks[max(step.seq_lens)][1]
+
+    path = FlashInferGraphPath.__new__(FlashInferGraphPath)  # its captures need a GPU; its bookkeeping does not
+    path.engine, path.paths = Picks(), {}
+    short, long = (SimpleNamespace(batch_size=4, seq_lens=[n, 10, 10, 10]) for n in (1024, 65536))
+    assert path.key(short) == (4, "cc") and path.key(long) == (4, "tc")
+    for step in (short, long, short):
+        path.host_plan(step, SimpleNamespace())
+    assert path.path_labels() == {"4": "cc, tc (picked holistic, no graph wrapper)"}

@@ -184,10 +184,9 @@ def run(cfg: PkvConfig) -> list:
                                  progress=cfg.progress)
         for label, path in paths.items():
             if isinstance(path, FlashInferGraphPath):
-                metrics[label]["flashinfer_graph_paths"] = {str(b): p for b, p in sorted(path.paths.items())}
+                metrics[label]["flashinfer_graph_paths"] = path.path_labels()
             elif isinstance(path, AdaptiveGraphPath):
-                paths_by_batch = path.flashinfer_path.paths
-                metrics[label]["flashinfer_graph_paths"] = {str(b): p for b, p in sorted(paths_by_batch.items())}
+                metrics[label]["flashinfer_graph_paths"] = path.flashinfer_path.path_labels()
             elif isinstance(path, EagerPath):
                 # The FlashInfer path each batch class ran eagerly (the probe's pick, shared by the
                 # engines of the process): it may be the holistic kernel, which no graph runs.

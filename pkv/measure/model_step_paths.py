@@ -169,7 +169,9 @@ class SkipGraphPath(GraphPath):
 
 
 class FlashInferGraphPath(GraphPath):
-    """FlashInfer's CUDA-graph decode wrapper, one per batch size, planned outside the graph."""
+    """FlashInfer's CUDA-graph decode wrapper, planned outside the graph: one graph per batch size
+    and fa2 path, the path each step's batch class runs by FlashInfer's probe (its pick, or where
+    the pick has no graph wrapper, the faster fa2 path), as a server would keep a wrapper of each."""
 
     def __init__(self, label: str, model: ModelStep, max_pages: int, engine) -> None:
         super().__init__(label, model, max_pages)
@@ -179,13 +181,13 @@ class FlashInferGraphPath(GraphPath):
         self.engine = engine  # the FlashInfer engine whose probe picks the kernel family
         self.implementation = f"flashinfer-{version}-cuda_graph"
         self.route = ROUTE_FLASHINFER
-        self.paths: dict[int, str] = {}
+        self.paths: dict[int, set[str]] = {}  # batch size -> the paths its steps' graphs ran, as labelled
 
-    def _tensor_cores(self, step) -> bool:
-        # Where the pick has no graph wrapper (the holistic kernel), the faster fa2 path by the probe.
-        picked, graphed = self.engine.path_for(step), self.engine.path_among(step, GRAPH_PATHS) or "tc"
-        self.paths[step.batch_size] = graphed if graphed == picked else f"{graphed} (picked {picked}, no graph wrapper)"
-        return graphed != "cc"
+    def _graph_path(self, step) -> str:
+        return self.engine.path_among(step, GRAPH_PATHS) or "tc"
+
+    def key(self, step):
+        return step.batch_size, self._graph_path(step)
 
     def prepare(self, step, x) -> None:
         q = torch.zeros(step.batch_size, self.model.shape.num_qo_heads, self.model.shape.head_dim,
@@ -194,15 +196,17 @@ class FlashInferGraphPath(GraphPath):
         super().prepare(step, x)
 
     def attend_for(self, key, static):
+        _, path = key
         static.decode = FlashInferGraphDecode(self.model.shape.attention, static.x.shape[0], self.max_pages,
-                                              self.model.page_size, self.model.device, static.tensor_cores)
+                                              self.model.page_size, self.model.device, path != "cc")
         self._plan(static)
         k, v = self.model.k_pages, self.model.v_pages
         return lambda layer, q: static.decode.run(q, k[layer], v[layer])
 
     def host_plan(self, step, static) -> None:
-        if not hasattr(static, "tensor_cores"):
-            static.tensor_cores = self._tensor_cores(step)
+        picked, graphed = self.engine.path_for(step), self._graph_path(step)
+        self.paths.setdefault(step.batch_size, set()).add(
+            graphed if graphed == picked else f"{graphed} (picked {picked}, no graph wrapper)")
         static.step = step
         if hasattr(static, "decode"):
             self._plan(static)
@@ -210,6 +214,10 @@ class FlashInferGraphPath(GraphPath):
     def _plan(self, static) -> None:
         step, dtype = static.step, self.model.dtype
         static.decode.plan(step.kv_indptr, step.kv_indices, step.kv_last_page_len, dtype, dtype)
+
+    def path_labels(self) -> dict[str, str]:
+        """{batch size: the paths its steps' graphs ran}, as results record them."""
+        return {str(batch): ", ".join(sorted(labels)) for batch, labels in sorted(self.paths.items())}
 
 
 class XqaGraphPath(GraphPath):
