@@ -105,6 +105,7 @@ python3 -m pkv.dag_timing rules --json "$OUT/dag_timing.json" > "$OUT/dag_timing
 fi_jit="$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer"
 echo "FlashInfer JIT: $(find "$fi_jit" -name '*.so' -newer "$jit_mark" 2>/dev/null | wc -l) modules compiled" \
   "in this run, $(find "$fi_jit" -name '*.so' 2>/dev/null | wc -l) in the cache ($fi_jit)"
+rm -f "$jit_mark"
 grep -h "the worker retires" artifacts/"$GPU_NAME"/logs -r 2>/dev/null | sort | uniq -c | head -5
 tar czf "$OUT/artifacts.tgz" "artifacts/$GPU_NAME" 2>/dev/null
 save_builds

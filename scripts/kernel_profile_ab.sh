@@ -10,7 +10,7 @@
 #   AB_ROUNDS (2): rounds over every setting; AB_BUDGET_S (420): no run starts after this many seconds
 #   and kernel_profile.sh's variables (PROFILE_TRACES, PROFILE_STEPS, PROFILE_MODES, BUILD_CACHE_FROM, ...).
 # Each run's kernels.md, kernels.json and log land in $OUT/ab/r<round>.s<setting>/, packed as
-# $OUT/kernel_profile_ab.tgz; the table printed last has every run's per-layer figures by setting.
+# $OUT/kernel_profile_ab.tgz; printed last, every run's per-layer tables (graph_gain's) by setting.
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT/ab"
 [ -n "${PROFILE_AB:-}" ] || { echo "PROFILE_AB: give the settings to compare, separated by '|'" >&2; exit 2; }
@@ -30,26 +30,17 @@ for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     echo "r$round.s$s rc=$? at $(( $(date +%s) - start )) s: ${settings[$s]}"
   done
 done
+# Every run's tables as pkv.report.graph_gain renders them, grouped by setting.
 python3 - "$OUT/ab" <<'EOF'
 import json, sys
 from pathlib import Path
 
-print("| setting | run | trace | path | attention kernels | span | other kernels' extra | largest other differences |")
-print("|---|---|---|---|---:|---:|---:|---|")
+from pkv.report.graph_gain import render_kernels, render_other_kernels
+
 for run in sorted(Path(sys.argv[1]).glob("r*.s*"), key=lambda p: (p.name.split(".")[1], p.name)):
+    print(f"\n== {run.name}: {(run / 'setting.txt').read_text().strip()}")
     figures = run / "kernels.json"
-    if not figures.is_file():
-        print(f"| {(run / 'setting.txt').read_text().strip()} | {run.name} | – | – | – | – | – | no kernels.json |")
-        continue
-    for row in json.loads(figures.read_text())["kernels"]:
-        def cell(value):
-            return "–" if value is None else f"{value:.2f}"
-        def short(name):  # "<kernel> after <kernel before it>" keeps both ends
-            kernel, _, before = name.partition(" after ")
-            return kernel[:40] + (f" after {before[:32]}" if before else "")
-        others = "; ".join(f"`{short(name)}` {us:+.2f}" for name, us in row["other_kernels"])
-        print(f"| {(run / 'setting.txt').read_text().strip()} | {run.name} | {row['trace']} | {row['path']} "
-              f"| {cell(row['attention_kernel_us'])} | {cell(row['attention_span_us'])} "
-              f"| {cell(row['other_kernels_extra_us'])} | {others} |")
+    rows = json.loads(figures.read_text())["kernels"] if figures.is_file() else []
+    print(render_kernels(rows) + "\n" + render_other_kernels(rows) if rows else "no kernels.json (see its run.log)")
 EOF
 tar czf "$OUT/kernel_profile_ab.tgz" -C "$OUT" ab && rm -rf "$OUT/ab"

@@ -183,11 +183,14 @@ class FlashInferGraphPath(GraphPath):
         self.route = ROUTE_FLASHINFER
         self.paths: dict[int, set[str]] = {}  # batch size -> the paths its steps' graphs ran, as labelled
 
-    def _graph_path(self, step) -> str:
-        return self.engine.path_among(step, GRAPH_PATHS) or "tc"
-
     def key(self, step):
-        return step.batch_size, self._graph_path(step)
+        """(batch size, the fa2 path of the step's batch class), asked of the probe once a step (every
+        plan and prepare asks for the key), and the path recorded under the batch size as it ran."""
+        picked = self.engine.path_for(step)
+        graphed = picked if picked in GRAPH_PATHS else self.engine.path_among(step, GRAPH_PATHS) or "tc"
+        self.paths.setdefault(step.batch_size, set()).add(
+            graphed if graphed == picked else f"{graphed} (picked {picked}, no graph wrapper)")
+        return step.batch_size, graphed
 
     def prepare(self, step, x) -> None:
         q = torch.zeros(step.batch_size, self.model.shape.num_qo_heads, self.model.shape.head_dim,
@@ -204,9 +207,6 @@ class FlashInferGraphPath(GraphPath):
         return lambda layer, q: static.decode.run(q, k[layer], v[layer])
 
     def host_plan(self, step, static) -> None:
-        picked, graphed = self.engine.path_for(step), self._graph_path(step)
-        self.paths.setdefault(step.batch_size, set()).add(
-            graphed if graphed == picked else f"{graphed} (picked {picked}, no graph wrapper)")
         static.step = step
         if hasattr(static, "decode"):
             self._plan(static)

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 # The L2 eviction, the GPU-side hold and the queued repetitions live in pkv.gpu_state, where
-# FlashInfer's path probe uses them too; the timers here and their callers take them from this
-# module as before.
+# FlashInfer's path probe uses them too; the timers here use them, and callers that pass a flusher
+# to them take L2Flusher from this module as before.
 from pkv.gpu_state import HEAD_START_CYCLES, CudaQueue, L2Flusher, QueuedReps
 from pkv.gpu_state import is_cuda_device as _is_cuda
 

@@ -73,16 +73,16 @@ def spread(paths: list[Path]) -> dict:
             "steps": step_decisions(calibs), "performance_result": not cpu_profile}
 
 
-def flashinfer_picks(record: dict) -> dict[str, dict] | None:
-    """{"B<rows> <longest, a power of two>": {"picked", "measured"}} of FlashInfer's path probes on
-    the model's shape (measurements.flashinfer_paths); None where the calibration kept none. The
+def flashinfer_picks(record: dict) -> dict[tuple[int, int], dict] | None:
+    """{(rows, longest row as a power of two): {"picked", "measured"}} of FlashInfer's path probes
+    on the model's shape (measurements.flashinfer_paths); None where the calibration kept none. The
     baseline side of every route decision runs these picks, so calibrations whose picks differ
     measured different FlashInfer kernels."""
     measured = (record.get("provenance") or {}).get("measurements") or {}
     paths = measured.get("flashinfer_paths")
     if not isinstance(paths, dict):
         return None
-    return {f"B{p['batch']} {p['longest_pow2']}": {"picked": p.get("picked"), "measured": p.get("measured") or {}}
+    return {(int(p["batch"]), int(p["longest_pow2"])): {"picked": p.get("picked"), "measured": p.get("measured") or {}}
             for p in paths.get("probed", [])}
 
 
@@ -233,14 +233,15 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {d['name']} | {cells} |")
     picks = report.get("flashinfer_picks") or []
     if len(picks) == len(files) and all(p is not None for p in picks):
-        classes = sorted(set().union(*picks), key=lambda c: tuple(int(x) for x in c[1:].split()))
+        classes = sorted(set().union(*picks))
         differ = [c for c in classes if len({(p.get(c) or {}).get("picked") for p in picks}) > 1]
         if differ:
             lines += ["", "FlashInfer's path per batch class (the model's shape) where the calibrations' probes "
                       "picked differently, with each path's probed decode time:", "",
                       "| Class | " + " | ".join(f"[{i + 1}]" for i in range(len(files))) + " |",
                       "|---|" + "---|" * len(files)]
-            lines += [f"| {c} | " + " | ".join(_pick_text(p.get(c)) for p in picks) + " |" for c in differ]
+            lines += [f"| B{rows} {longest} | " + " | ".join(_pick_text(p.get((rows, longest))) for p in picks) + " |"
+                      for rows, longest in differ]
         else:
             lines += ["", f"FlashInfer's probes picked the same path for every batch class in all ({len(classes)} "
                       "classes of the model's shape)."]
