@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
 
+#include "route_policy.h"
 #include "step_plan.h"
 
 namespace {
@@ -85,20 +87,13 @@ std::vector<int64_t> layout_head(int64_t route, int64_t batch, const Tensor& pag
   return {route, batch, lists ? 0 : pages.size(1), 0, lists ? pages.size(0) : 0};
 }
 
-std::tuple<Tensor, std::vector<int64_t>> plan_workqueue(const Tensor& seq_lens, const Tensor& block_table,
-                                                        int64_t num_kv_heads, bool balanced, int64_t num_splits,
-                                                        int64_t max_splits, int64_t target_ctas,
-                                                        int64_t min_tiles_per_split,
+// The workqueue plan of a checked step under `policy`, packed.
+std::tuple<Tensor, std::vector<int64_t>> pack_workqueue(const Tensor& seq_lens, const Tensor& block_table,
+                                                        int64_t num_kv_heads, const pkv::SplitPolicyArgs& policy,
                                                         const std::optional<Tensor>& page_indptr, bool pinned) {
-  check_step(seq_lens, block_table, page_indptr, num_kv_heads);
-  TORCH_CHECK(num_splits >= 1 && max_splits >= 1 && target_ctas >= 0 && min_tiles_per_split >= 1,
-              "pkv: split policy needs num_splits >= 1, max_splits >= 1, target_ctas >= 0 and "
-              "min_tiles_per_split >= 1, got ", num_splits, ", ", max_splits, ", ", target_ctas, ", ",
-              min_tiles_per_split);
   const int64_t batch = seq_lens.size(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   std::vector<int32_t> row_splits(batch);
-  const pkv::SplitPolicyArgs policy{balanced, num_splits, max_splits, target_ctas, min_tiles_per_split};
   const int64_t widest = pkv::workqueue_row_splits(lens, batch, num_kv_heads, policy, row_splits.data());
   const int64_t num_tasks = pkv::workqueue_num_tasks(row_splits.data(), batch, num_kv_heads);
   const int64_t num_pairs = batch * num_kv_heads;
@@ -114,16 +109,19 @@ std::tuple<Tensor, std::vector<int64_t>> plan_workqueue(const Tensor& seq_lens, 
   return {packed, layout};
 }
 
-std::tuple<Tensor, std::vector<int64_t>> plan_buckets(const Tensor& seq_lens, const Tensor& block_table,
-                                                      int64_t num_kv_heads, int64_t num_splits, bool exact,
-                                                      const std::optional<Tensor>& page_indptr, bool pinned) {
-  check_step(seq_lens, block_table, page_indptr, num_kv_heads);
-  TORCH_CHECK(num_splits >= 1, "pkv: num_splits must be >= 1, got ", num_splits);
-  const int64_t batch = seq_lens.size(0);
+void check_bucket_lengths(const Tensor& seq_lens) {
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  for (int64_t i = 0; i < batch; ++i) {
+  for (int64_t i = 0; i < seq_lens.size(0); ++i) {
     TORCH_CHECK(lens[i] >= 1, "pkv: bucket plans need seq_lens >= 1, seq_lens[", i, "] is ", lens[i]);
   }
+}
+
+// The bucket plan of a checked step whose lengths are all >= 1, packed.
+std::tuple<Tensor, std::vector<int64_t>> pack_buckets(const Tensor& seq_lens, const Tensor& block_table,
+                                                      int64_t num_kv_heads, int64_t num_splits, bool exact,
+                                                      const std::optional<Tensor>& page_indptr, bool pinned) {
+  const int64_t batch = seq_lens.size(0);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
   Tensor packed = packed_buffer(page_table_ints(block_table, page_indptr) + 2 * batch, pinned);
   int32_t* rows = pack_step(packed, seq_lens, block_table, page_indptr);
   const auto launches = pkv::plan_bucket_launches(lens, batch, num_splits, exact, rows);
@@ -139,6 +137,103 @@ std::tuple<Tensor, std::vector<int64_t>> plan_buckets(const Tensor& seq_lens, co
   return {packed, layout};
 }
 
+std::tuple<Tensor, std::vector<int64_t>> plan_workqueue(const Tensor& seq_lens, const Tensor& block_table,
+                                                        int64_t num_kv_heads, bool balanced, int64_t num_splits,
+                                                        int64_t max_splits, int64_t target_ctas,
+                                                        int64_t min_tiles_per_split,
+                                                        const std::optional<Tensor>& page_indptr, bool pinned) {
+  check_step(seq_lens, block_table, page_indptr, num_kv_heads);
+  TORCH_CHECK(num_splits >= 1 && max_splits >= 1 && target_ctas >= 0 && min_tiles_per_split >= 1,
+              "pkv: split policy needs num_splits >= 1, max_splits >= 1, target_ctas >= 0 and "
+              "min_tiles_per_split >= 1, got ", num_splits, ", ", max_splits, ", ", target_ctas, ", ",
+              min_tiles_per_split);
+  const pkv::SplitPolicyArgs policy{balanced, num_splits, max_splits, target_ctas, min_tiles_per_split};
+  return pack_workqueue(seq_lens, block_table, num_kv_heads, policy, page_indptr, pinned);
+}
+
+std::tuple<Tensor, std::vector<int64_t>> plan_buckets(const Tensor& seq_lens, const Tensor& block_table,
+                                                      int64_t num_kv_heads, int64_t num_splits, bool exact,
+                                                      const std::optional<Tensor>& page_indptr, bool pinned) {
+  check_step(seq_lens, block_table, page_indptr, num_kv_heads);
+  TORCH_CHECK(num_splits >= 1, "pkv: num_splits must be >= 1, got ", num_splits);
+  check_bucket_lengths(seq_lens);
+  return pack_buckets(seq_lens, block_table, num_kv_heads, num_splits, exact, page_indptr, pinned);
+}
+
+// The route policy of pkv/policy/native.py's flat float64 array (route_policy.h).
+pkv::RoutePolicyParams read_policy(const Tensor& policy) {
+  TORCH_CHECK(policy.device().is_cpu() && policy.scalar_type() == at::kDouble && policy.dim() == 1 &&
+                  policy.is_contiguous(),
+              "pkv: the route policy must be a contiguous float64 CPU tensor [", pkv::kPolicyValues, "], got ",
+              policy.scalar_type(), " ", policy.sizes(), " on ", policy.device());
+  pkv::RoutePolicyParams params{};
+  const char* error = nullptr;
+  int64_t index = 0;
+  const double* values = policy.data_ptr<double>();
+  TORCH_CHECK(pkv::parse_route_policy(values, policy.numel(), &params, &error, &index), "pkv: route policy: ", error,
+              index < 0 ? std::string(" (") + std::to_string(policy.numel()) + " values, expected " +
+                              std::to_string(pkv::kPolicyValues) + ")"
+                        : std::string(" (value [") + std::to_string(index) + "] = " + std::to_string(values[index]) +
+                              ")");
+  return params;
+}
+
+// [basis, route, candidate route, num_splits, balanced, target_ctas, max_splits, min_tiles_per_split] and
+// [flashinfer_us, candidate_us, speedup, margin]: what pkv/policy/native.py reads back.
+std::tuple<std::vector<int64_t>, std::vector<double>> choice_lists(const pkv::RouteChoice& c) {
+  const pkv::SplitPolicyArgs& s = c.candidate.split;
+  return {{static_cast<int64_t>(c.basis), c.route, c.candidate.route, s.num_splits, s.balanced, s.target_ctas,
+           s.max_splits, s.min_tiles_per_split},
+          {c.flashinfer_us, c.candidate_us, c.speedup, c.margin}};
+}
+
+pkv::RouteChoice checked_choice(const Tensor& seq_lens, const pkv::RoutePolicyParams& params) {
+  const pkv::RouteChoice choice = pkv::choose_route(seq_lens.data_ptr<int32_t>(), seq_lens.size(0), params);
+  TORCH_CHECK(choice.basis != pkv::RouteBasis::kNoTokens,
+              "pkv: the route policy cannot estimate a step whose rows have no tokens (seq_lens all 0)");
+  return choice;
+}
+
+// RoutePolicy.choose in C++ (route_policy.h): the decision and the estimates behind it.
+std::tuple<std::vector<int64_t>, std::vector<double>> choose_route(const Tensor& seq_lens, const Tensor& policy) {
+  const pkv::RoutePolicyParams params = read_policy(policy);
+  TORCH_CHECK(seq_lens.device().is_cpu() && seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+                  seq_lens.is_contiguous() && seq_lens.size(0) >= 1,
+              "pkv: seq_lens must be a contiguous int32 CPU tensor [B >= 1], got ", seq_lens.scalar_type(), " ",
+              seq_lens.sizes(), " on ", seq_lens.device());
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < seq_lens.size(0); ++i) {
+    TORCH_CHECK(lens[i] >= 0, "pkv: seq_lens[", i, "] must be >= 0, got ", lens[i]);
+  }
+  return choice_lists(checked_choice(seq_lens, params));
+}
+
+// An eager step's host work in one call: the route policy decides, and where it picks a PersistentKV
+// route the step is planned and packed (into pinned memory with `pinned`) and, with `upload_to`,
+// copied to that device asynchronously. A step left to FlashInfer returns no plan.
+std::tuple<std::vector<int64_t>, std::vector<double>, std::optional<Tensor>, std::optional<Tensor>,
+           std::vector<int64_t>>
+adaptive_plan(const Tensor& seq_lens, const Tensor& pages, const std::optional<Tensor>& page_indptr,
+              const Tensor& policy, bool pinned, std::optional<at::Device> upload_to) {
+  const pkv::RoutePolicyParams params = read_policy(policy);
+  check_step(seq_lens, pages, page_indptr, params.num_kv_heads);
+  const pkv::RouteChoice choice = checked_choice(seq_lens, params);
+  auto [ints, reals] = choice_lists(choice);
+  if (choice.route == pkv::kRouteFlashInfer) return {ints, reals, std::nullopt, std::nullopt, {}};
+  const pkv::SplitPolicyArgs& split = choice.candidate.split;
+  std::tuple<Tensor, std::vector<int64_t>> planned;
+  if (choice.route == pkv::kRouteWorkqueue) {
+    planned = pack_workqueue(seq_lens, pages, params.num_kv_heads, split, page_indptr, pinned);
+  } else {
+    check_bucket_lengths(seq_lens);
+    planned = pack_buckets(seq_lens, pages, params.num_kv_heads, split.num_splits, params.exact_buckets, page_indptr,
+                           pinned);
+  }
+  auto& [packed, layout] = planned;
+  Tensor meta = upload_to.has_value() ? packed.to(*upload_to, /*non_blocking=*/true) : packed;
+  return {ints, reals, packed, meta, layout};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pkv, m) {
@@ -149,9 +244,15 @@ TORCH_LIBRARY_FRAGMENT(pkv, m) {
   m.def(
       "plan_buckets(Tensor seq_lens, Tensor block_table, int num_kv_heads, int num_splits, bool exact, "
       "Tensor? page_indptr=None, bool pinned=False) -> (Tensor, int[])");
+  m.def("choose_route(Tensor seq_lens, Tensor policy) -> (int[], float[])");
+  m.def(
+      "adaptive_plan(Tensor seq_lens, Tensor pages, Tensor? page_indptr, Tensor policy, bool pinned=False, "
+      "Device? upload_to=None) -> (int[], float[], Tensor?, Tensor?, int[])");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CPU, m) {
   m.impl("plan_workqueue", &plan_workqueue);
   m.impl("plan_buckets", &plan_buckets);
+  m.impl("choose_route", &choose_route);
+  m.impl("adaptive_plan", &adaptive_plan);
 }

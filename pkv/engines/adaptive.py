@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pkv.engines.base import Engine
+from pkv.policy.choose import RouteDecision, RoutePolicy
+from pkv.policy.native import NativeRoutePolicy
 from pkv.policy.route import ROUTE_FLASHINFER
 
 
@@ -15,12 +17,25 @@ class AdaptivePlan:
     ``route``, ``num_splits``, ``schedule`` and ``step`` read like any EnginePlan, so the
     harness counts routes and counters the same way for every engine. Steps routed to
     FlashInfer get FlashInfer's plan itself (route "flashinfer"), with no wrapper around it.
+    A step decided in C++ keeps the choice as C++ returned it, and builds its RouteDecision
+    when something reads it (off the per-step path).
     """
 
-    route: str
-    decision: object
+    step_route: object  # the StepRoute planned
+    _decision: object  # a RouteDecision, or (native policy, choice ints, estimates)
     inner: object
     step: object
+
+    @property
+    def route(self) -> str:
+        return self.step_route.name
+
+    @property
+    def decision(self):
+        if not isinstance(self._decision, RouteDecision):
+            native, choice, estimates = self._decision
+            self._decision = native.decision(choice, estimates)
+        return self._decision
 
     @property
     def schedule(self):
@@ -32,19 +47,24 @@ class AdaptivePlan:
 
     @property
     def merge(self):
-        return self.decision.route.merge
+        return self.step_route.merge
 
     @property
     def num_splits(self):
-        return int(self.decision.route.num_splits)
+        return int(self.step_route.num_splits)
 
     @property
     def split_rule(self):
-        return self.decision.route.split_rule
+        return self.step_route.split_rule
 
 
 class AdaptiveEngine(Engine):
-    """Asks the route policy per step, then plans and runs the route it chose."""
+    """Asks the route policy per step, then plans and runs the route it chose.
+
+    With a calibrated RoutePolicy and a persistent engine that plans in C++ (``plan_chosen``), the
+    policy's C++ form decides and plans each step in one call (pkv.policy.native); otherwise the
+    Python policy decides and the persistent engine plans the route.
+    """
 
     held_to_paper_bound = True
 
@@ -57,9 +77,19 @@ class AdaptiveEngine(Engine):
         self.persistent = persistent
         self.fallback = fallback
         self.name = "adaptive"
+        self._native = None
+        if (isinstance(policy, RoutePolicy) and hasattr(persistent, "plan_chosen")
+                and getattr(persistent, "planner", None) == "native"):
+            self._native = NativeRoutePolicy(policy, persistent.ops)
         self.implementation = f"adaptive({persistent.implementation}|{fallback.implementation})"
 
     def plan(self, step):
+        native = self._native
+        if native is not None:
+            route, choice, estimates, inner = self.persistent.plan_chosen(step, native)
+            if inner is None:
+                return self.fallback.plan(step)
+            return AdaptivePlan(step_route=route, _decision=(native, choice, estimates), inner=inner, step=step)
         decision = self.policy.choose(step)
         if decision.route.name == ROUTE_FLASHINFER:
             # The fallback's plan as it is: on a step that ends on FlashInfer, everything the
@@ -68,7 +98,7 @@ class AdaptiveEngine(Engine):
             # GPU machine's host, where these steps take about 230 us of wall time.
             return self.fallback.plan(step)
         inner = self.persistent.plan_route(step, decision.route)
-        return AdaptivePlan(route=decision.route.name, decision=decision, inner=inner, step=step)
+        return AdaptivePlan(step_route=decision.route, _decision=decision, inner=inner, step=step)
 
     def prepare(self, step, q, k_pages, v_pages) -> None:
         # Either engine may be chosen for this step; both get their one-off work untimed: the
@@ -84,6 +114,6 @@ class AdaptiveEngine(Engine):
         return self.fallback.path_record()
 
     def run(self, q, k_pages, v_pages, plan):
-        if plan.route == ROUTE_FLASHINFER:
+        if not isinstance(plan, AdaptivePlan):  # a FlashInfer step runs the fallback's own plan
             return self.fallback.run(q, k_pages, v_pages, plan)
         return self.persistent.run(q, k_pages, v_pages, plan.inner)

@@ -234,6 +234,7 @@ class PersistentKVEngine(Engine):
         self.ops = ops.load() if self.device.type == "cuda" else ops.load_planner()
         # Plans bound for a GPU are packed into pinned memory (an async upload); a CPU-only torch has none.
         self._pinned_plans = self.device.type == "cuda"
+        self._upload_to = self.device if self.device.type == "cuda" else None  # plan_chosen's upload
         self.shape = shape
         self.policy = policy if policy is not None else PinnedRoutePolicy(pinned_route("workqueue", None))
         self.cuda_graph = bool(cuda_graph)
@@ -276,6 +277,26 @@ class PersistentKVEngine(Engine):
             raise ValueError(f"persistentkv merges at most {MAX_MERGE_SPLITS} splits per (row, KV head), "
                              f"the plan has {plan.widest_split}")
         return plan
+
+    def plan_chosen(self, step, native) -> tuple:
+        """Decide and plan in one C++ call (csrc/host_ops.cpp, adaptive_plan): (the StepRoute the
+        native route policy (pkv.policy.native.NativeRoutePolicy) chose, its choice ints and
+        estimates, the DevicePlan of that route, uploaded, or None where it leaves the step to
+        FlashInfer). The same plan as plan_route(step, route) (tests hold the two together)."""
+        variants = native.policy.variants
+        lists = not self.cuda_graph and variants.merge != MERGE_CLUSTER and page_lists_pay(step)
+        lens, pages, indptr = _step_tensors(step, lists)
+        choice, estimates, host_meta, meta, layout = self.ops.adaptive_plan(
+            lens, pages, indptr, native.values, self._pinned_plans, self._upload_to)
+        route = native.route(choice)
+        if meta is None:
+            return route, choice, estimates, None
+        balanced = route.name == ROUTE_WORKQUEUE and route.split_kind != "fixed"
+        splits = int(layout[_ROUTE_FIELDS + 1]) if balanced else route.num_splits
+        return route, choice, estimates, DevicePlan(
+            route=route.name, step=step, num_splits=splits, meta=meta, layout=layout, host_meta=host_meta,
+            num_kv_heads=self.shape.num_kv_heads, group_size=self.shape.group_size, bucket_mode=route.bucket_mode,
+            merge=route.merge, split_rule=route.split_rule)
 
     def _pack_workqueue(self, step, policy: SplitPolicy, lists: bool):
         hkv = self.shape.num_kv_heads

@@ -164,6 +164,20 @@ class RoutePolicy:
         stays on FlashInfer."""
         return self._regimes[regime_of(batch_size)][1]
 
+    @property
+    def group_supported(self) -> bool:
+        return self._group_supported
+
+    @property
+    def estimator(self) -> Estimator:
+        return self._estimator
+
+    def regime_rules(self, regime: str) -> tuple:
+        """What choose() reads for a regime's steps: (context gate, candidate route or None, margin,
+        the uniform cap's CTA target or 0, the skew rule's route or None, whether over-split steps
+        take it). The native policy (pkv.policy.native) is written from these."""
+        return self._regimes[regime]
+
     def choose(self, step) -> RouteDecision:
         if not self._group_supported:
             return GATE_GROUP

@@ -190,6 +190,14 @@ class Estimator:
             self._fixed_tables[num_splits] = table
         return table
 
+    def cost_constants(self) -> tuple[int, float, float, float, float, float, float, float]:
+        """(Hkv, us a token, us a merged slot, the occupancy's CTAs, lambda, FlashInfer's CTAs a
+        (row, KV head), each route's planning us): the doubles total_us computes with, in the order
+        of the native policy's header (pkv.policy.native)."""
+        calib = self.calib
+        return (self.hkv, self._us_per_token, self._us_per_slot, self._occupancy_ctas, calib.lambda_us,
+                calib.flashinfer_ctas_per_row_head, calib.flashinfer_plan_us, calib.persistentkv_plan_us)
+
     def plan_us(self, route: StepRoute) -> float:
         """The measured host planning per step charged to a route."""
         calib = self.calib

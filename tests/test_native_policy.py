@@ -1,0 +1,256 @@
+"""The route policy's C++ form (csrc/route_policy.cpp through pkv.policy.native) against RoutePolicy,
+its specification: the same RouteDecision, estimates bit for bit, on every step of the synthetic
+families under every committed calibration, option set and group size, and on random steps built to
+reach each rule (gates, the uniform cap, the skew and over-split rules, both split kinds, both
+bucket modes). Then the one-call plan (adaptive_plan) against plan_route, and bad policy arrays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from pkv import ops
+from pkv.engines.adaptive import AdaptiveEngine, AdaptivePlan
+from pkv.engines.persistentkv import PersistentKVEngine
+from pkv.engines.sdpa import SdpaEngine
+from pkv.measure.calibration_probe import trace_steps
+from pkv.pipeline.pages import assign_pages
+from pkv.pipeline.step import build_step
+from pkv.pipeline.traces import synthetic_trace
+from pkv.policy import Calibration, RoutePolicy, load_calibration
+from pkv.policy.native import NativeRoutePolicy, policy_values
+from pkv.policy.overrides import apply_engine_options, kernel_variants
+from pkv.shape import ModelShape
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf")
+OPTION_SETS = {"default": {}, "allow_b4": {"open_few_rows": True}, "splits16": {"num_splits": 16},
+               "balanced": {"split_kind": "balanced"}, "masked": {"schedule": "bucket_masked"}}
+
+
+@pytest.fixture(scope="module")
+def planner():
+    return ops.load_planner()
+
+
+def _calibrations() -> dict:
+    calibs = {p.relative_to(ROOT).as_posix(): load_calibration(p)
+              for p in sorted((ROOT / "artifacts" / "reference").rglob("calibration.json"))}
+    for gpu in ("h200", "h100", "cpu"):
+        path = ROOT / "conf" / "gpu" / f"{gpu}.yaml"
+        if path.exists():
+            calibs[f"conf/gpu/{gpu}.yaml"] = Calibration.from_mapping(yaml.safe_load(path.read_text()), str(path))
+    return calibs
+
+
+def _policy(calib, shape, options: dict) -> RoutePolicy:
+    options = dict(options)
+    variants = kernel_variants(options.pop("schedule", "workqueue"))
+    return RoutePolicy(apply_engine_options(calib, **options), num_kv_heads=shape.num_kv_heads,
+                       group_size=shape.group_size, head_dim=shape.head_dim, variants=variants)
+
+
+def _shape(group: int) -> ModelShape:
+    return ModelShape(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128)
+
+
+class Lens:
+    """A step as the policies read it: its lengths."""
+
+    def __init__(self, lens):
+        self.seq_lens = np.asarray(lens, dtype=np.int32)
+
+
+def test_the_native_policy_decides_every_trace_step_as_the_python_policy(planner):
+    calibs = _calibrations()
+    assert len(calibs) >= 8, sorted(calibs)
+    checked, mismatches, bases = 0, [], set()
+    for group in (1, 4, 8):
+        for options in OPTION_SETS.values():
+            policies = [_policy(calib, _shape(group), options) for calib in calibs.values()]
+            natives = [NativeRoutePolicy(policy, planner) for policy in policies]
+            for family in FAMILIES:
+                for batch, scale in ((1, 1.0), (4, 1.0), (8, 1.0), (64, 1.0), (1, 1 / 16), (8, 1 / 16)):
+                    reqs = synthetic_trace(family, num_requests=2 * batch, seed=20260623, length_scale=scale)
+                    _, steps = trace_steps(reqs, page_size=16, hole_fraction=0.1, max_active=batch, num_steps=6,
+                                           seed=20260623)
+                    for step in steps:
+                        for name, policy, native in zip(calibs, policies, natives):
+                            want, got = policy.choose(step), native.choose(step)
+                            checked += 1
+                            bases.add(want.basis)
+                            if got != want:
+                                mismatches.append((name, options, group, family, batch, want, got))
+    assert not mismatches, f"{len(mismatches)} of {checked} decisions differ; first: {mismatches[:2]}"
+    assert bases == {"gate: G", "gate: context", "gate: regime", "estimate"}
+
+
+def _open(calib: Calibration, **fields) -> Calibration:
+    """The calibration with every context gate open and ``fields`` replaced."""
+    calib = Calibration.from_mapping({**calib.to_json_dict(), **fields}, "test calibration")
+    for regime in ("single_row", "few_rows", "many_rows"):
+        calib = calib.with_regime(regime, min_context_tokens=0)
+    return calib
+
+
+def _random_steps(rng, count: int):
+    """Lengths shaped to reach every rule: uniform batches near the cap's target, one dominating row,
+    rows short for the split count, rows of length 0 among others, long rows past 2**22 tokens."""
+    for _ in range(count):
+        batch = int(rng.choice([1, 2, 3, 5, 7, 8, 9, 16, 31, 32, 33, 64, 100, 256]))
+        kind = int(rng.integers(6))
+        if kind == 0:
+            lens = rng.integers(1, 200_000, batch)
+        elif kind == 1:
+            lens = np.full(batch, rng.integers(1, 70_000)) + rng.integers(0, 4_000, batch)
+        elif kind == 2:
+            lens = rng.integers(1, 2_000, batch)
+            lens[rng.integers(batch)] = rng.integers(10_000, 300_000)
+        elif kind == 3:
+            lens = rng.integers(1, 600, batch)
+        elif kind == 4:
+            lens = rng.integers(0, 50_000, batch)
+            lens[0] = max(int(lens[0]), 1)
+        else:
+            lens = rng.integers(1, 5_000, batch)
+            lens[0] = rng.integers(1 << 22, 1 << 23)
+        yield Lens(lens)
+
+
+@pytest.mark.parametrize("options", list(OPTION_SETS.values()), ids=list(OPTION_SETS))
+def test_the_native_policy_decides_random_steps_as_the_python_policy(planner, options):
+    base = load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json")
+    variants = [_open(base),
+                _open(base, uniform_target_ctas=256),
+                _open(base, workqueue_split_kind="balanced"),
+                _open(base, flashinfer_plan_us=3.5, persistentkv_plan_us=1.25, flashinfer_ctas_per_row_head=0.37)]
+    skewed = _open(base)
+    for regime in ("few_rows", "many_rows"):
+        skewed = skewed.with_regime(regime, route="persistentkv_workqueue", skew_target_ctas=396,
+                                    over_split_balanced=True, margin=0.5)
+    variants.append(skewed)
+    rng = np.random.default_rng(7)
+    checked, mismatches, bases, routes = 0, [], set(), set()
+    for calib in variants:
+        policy = _policy(calib, _shape(4), options)
+        native = NativeRoutePolicy(policy, planner)
+        for step in _random_steps(rng, 600):
+            want, got = policy.choose(step), native.choose(step)
+            checked += 1
+            bases.add(want.basis)
+            routes.add((want.route.name, want.route.split_kind))
+            if got != want:
+                mismatches.append((step.seq_lens[:6], len(step.seq_lens), want, got))
+    assert not mismatches, f"{len(mismatches)} of {checked} decisions differ; first: {mismatches[:2]}"
+    assert "estimate" in bases
+    assert {name for name, _ in routes} == {"flashinfer", "persistentkv_bucket", "persistentkv_workqueue"}
+
+
+def test_the_native_policy_shares_one_route_object_per_route(planner):
+    calib = _open(load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json"))
+    native = NativeRoutePolicy(_policy(calib, _shape(4), {}), planner)
+    first, second = native.choose(Lens([40_000] * 8)), native.choose(Lens([40_001] * 8))
+    assert first.route == second.route and first.route is second.route
+
+
+def _engine_inputs(lens, seed=0):
+    assignment = assign_pages(lens, 16, 0.0, seed)
+    return build_step(0, np.arange(len(lens)), np.asarray(lens, dtype=np.int32), assignment.pages, 16)
+
+
+@pytest.mark.parametrize("lens", [[8192], [300], [64 * 1024, 4096, 5632, 7168, 8704, 10240, 12288, 64 * 1024],
+                                  [128 * 1024] + [100] * 63, [2000] * 4, [500] * 64])
+@pytest.mark.parametrize("options", list(OPTION_SETS.values()), ids=list(OPTION_SETS))
+def test_one_call_plans_what_the_python_policy_and_planner_plan(lens, options):
+    shape = _shape(4)
+    calib = _open(load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json"))
+    for regime in ("few_rows", "many_rows"):
+        calib = calib.with_regime(regime, skew_target_ctas=396, margin=0.5)
+    policy = _policy(calib, shape, options)
+    persistent = PersistentKVEngine(shape, policy=policy, device="cpu")
+    engine = AdaptiveEngine(policy, persistent, SdpaEngine(shape, "cpu"))
+    step = _engine_inputs(lens)
+    want = policy.choose(step)
+    plan = engine.plan(step)
+    if want.route.name == "flashinfer":
+        assert not isinstance(plan, AdaptivePlan)
+        return
+    assert isinstance(plan, AdaptivePlan) and plan.decision == want and plan.route == want.route.name
+    assert plan.num_splits == want.route.num_splits and plan.split_rule == want.route.split_rule
+    reference = persistent.plan_route(step, want.route)
+    got = plan.inner
+    assert got.layout == reference.layout and got.num_splits == reference.num_splits
+    assert torch.equal(got.host_meta, reference.host_meta) and torch.equal(got.meta, reference.meta)
+    assert (got.merge, got.bucket_mode, got.split_rule) == (reference.merge, reference.bucket_mode,
+                                                             reference.split_rule)
+    assert type(got.schedule) is type(reference.schedule)
+
+
+def test_the_adaptive_engine_decides_in_cpp_only_with_the_native_planner():
+    shape = _shape(4)
+    calib = _open(load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json"))
+    policy = _policy(calib, shape, {})
+    native = AdaptiveEngine(policy, PersistentKVEngine(shape, policy=policy, device="cpu"), SdpaEngine(shape, "cpu"))
+    numpy = AdaptiveEngine(policy, PersistentKVEngine(shape, policy=policy, device="cpu", planner="numpy"),
+                           SdpaEngine(shape, "cpu"))
+    step = _engine_inputs([8192] * 8)
+    assert native._native is not None and numpy._native is None
+    assert native.plan(step).decision == numpy.plan(step).decision
+
+
+def _values(planner):
+    calib = load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json")
+    return policy_values(_policy(calib, _shape(4), {}))
+
+
+@pytest.mark.parametrize("index,value,message", [
+    (0, 2.0, r"unknown policy version \(value \[0\] = 2"),
+    (3, 0.0, r"num_kv_heads must be in 1..2\^31-1 \(value \[3\]"),
+    (4, float("nan"), r"cost constants must be finite and >= 0 \(value \[4\]"),
+    (12, 5.0, r"candidate route code must be -1, 0 or 1 \(value \[12\]"),
+    (13, 2.5, r"num_splits must be in 1..1024 \(value \[13\]"),
+    (18, 0.0, r"margin must be finite and > 0 \(value \[18\]"),
+])
+def test_a_bad_policy_array_is_refused_naming_the_value(planner, index, value, message):
+    values = _values(planner)
+    values[index] = value
+    with pytest.raises(RuntimeError, match=message):
+        planner.choose_route(torch.tensor([100], dtype=torch.int32), torch.tensor(values, dtype=torch.float64))
+
+
+def test_a_policy_array_of_the_wrong_length_or_type_is_refused(planner):
+    values = _values(planner)
+    lens = torch.tensor([100], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"wrong length \(43 values, expected 44\)"):
+        planner.choose_route(lens, torch.tensor(values[:-1], dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous float64 CPU tensor"):
+        planner.choose_route(lens, torch.tensor(values, dtype=torch.float32))
+
+
+def test_a_step_without_tokens_is_refused(planner):
+    calib = _open(load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json"))
+    values = torch.tensor(policy_values(_policy(calib, _shape(4), {})), dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="rows have no tokens"):
+        planner.choose_route(torch.zeros(8, dtype=torch.int32), values)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] must be >= 0, got -3"):
+        planner.choose_route(torch.tensor([5, -3], dtype=torch.int32), values)
+
+
+def test_the_native_policy_refuses_a_pinned_policy(planner):
+    from pkv.policy import PinnedRoutePolicy, StepRoute
+    with pytest.raises(TypeError, match="calibrated RoutePolicy"):
+        NativeRoutePolicy(PinnedRoutePolicy(StepRoute("persistentkv_workqueue", 4)), planner)
+
+
+def test_policy_values_follow_the_resolved_regimes(planner):
+    calib = _open(load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json"))
+    calib = calib.with_regime("many_rows", route="persistentkv_workqueue", skew_target_ctas=396)
+    values = policy_values(_policy(calib, _shape(4), {}))
+    many = 11 + 2 * 11
+    assert values[many + 1] == 0.0  # the workqueue's route code
+    assert values[many + 9] == 396.0  # its skew budget
+    assert len(values) == 44 and all(isinstance(v, float) for v in values)
