@@ -170,8 +170,9 @@ class EngineConfig:
     cuda_graph: bool = False
     planner: str = "native"
     # The merge kernel (merge: launch) drops the partial states it has read from L2 without writing
-    # them back (csrc DecodeArgs::discard_merged_states): a setting of the run's process, CUDA only.
-    discard_merged_states: bool = False
+    # them back (csrc DecodeArgs::discard_merged_states): a setting of the run's process. None: on
+    # where the run's device is CUDA; true: on, and a run on another device is refused; false: off.
+    discard_merged_states: Optional[bool] = None
 
 
 # What a calibration trace's split sweep fits (CalibrationTraceConfig.fits).

@@ -281,11 +281,17 @@ def build_engines(labels: Iterable[str], cfg: PkvConfig, shape, device: str, cal
     """({label: Engine}, {label: reason}) for the labels that could and could not be built, each
     with the policy of its role over the run's calibration."""
     engines, skipped = {}, {}
-    if cfg.engine.discard_merged_states:
+    discard = cfg.engine.discard_merged_states
+    cuda = torch.device(device).type == "cuda"
+    if discard and not cuda:
+        raise ConfigError(f"conf/engine: field 'engine.discard_merged_states' = True: the merge kernels "
+                          f"run on a CUDA device; this run's is {device!r}")
+    if discard is None and cuda:
+        # On by default: the dead states' write-back otherwise lands on the kernel after the merge
+        # (docs/performance.md, "The discard switch, measured").
+        discard = True
+    if discard:
         # A setting of the process's merge launches, not of one engine: set once, before any capture.
-        if torch.device(device).type != "cuda":
-            raise ConfigError(f"conf/engine: field 'engine.discard_merged_states' = True: the merge kernels "
-                              f"run on a CUDA device; this run's is {device!r}")
         from pkv import ops
 
         ops.discard_merged_states(True)
