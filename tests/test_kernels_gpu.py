@@ -529,3 +529,40 @@ def test_warm_up_runs_each_kernel_set_once():
     for step, q, k, v in (single, single, merged, merged, single):
         engine.prepare(step, q, k, v)
     assert runs == ["persistentkv_workqueue", "persistentkv_workqueue"]
+
+
+@pytest.mark.parametrize("options", [{}, {"schedule": "bucket_masked"}, {"split_kind": "balanced"}])
+def test_the_adaptive_steps_one_call_plan_runs_as_the_python_policys_plan(options):
+    """The adaptive engine's C++ decision and plan (adaptive_plan, uploaded in the same call) run
+    bit for bit as the Python policy's route planned by plan_route, and match float64, on steps
+    that take the bucket, the fixed and the balanced workqueue routes."""
+    from pkv.engines.adaptive import AdaptiveEngine, AdaptivePlan
+    from pkv.engines.persistentkv import PersistentKVEngine
+    from pkv.engines.sdpa import SdpaEngine
+    from pkv.policy import Calibration, RoutePolicy
+    from pkv.policy.overrides import apply_engine_options, kernel_variants
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    options = dict(options)
+    variants = kernel_variants(options.pop("schedule", "workqueue"))
+    calib = Calibration.from_mapping({"gpu": "test", "num_sms": 132, "beta_gbps": 3000.0, "lambda_us": 5.0,
+                                      "c_min": 0.25, "supported_group_sizes": [4]}, "test")
+    for regime in ("single_row", "few_rows", "many_rows"):
+        calib = calib.with_regime(regime, min_context_tokens=0, margin=0.01)
+    calib = calib.with_regime("single_row", route="persistentkv_bucket", num_splits=16)
+    calib = calib.with_regime("many_rows", route="persistentkv_workqueue", num_splits=20, skew_target_ctas=396)
+    policy = RoutePolicy(apply_engine_options(calib, **options), num_kv_heads=shape.num_kv_heads,
+                         group_size=shape.group_size, head_dim=shape.head_dim, variants=variants)
+    persistent = PersistentKVEngine(shape, policy=policy)
+    engine = AdaptiveEngine(policy, persistent, SdpaEngine(shape, "cuda"))
+    assert engine._native is not None
+    cases = ([8192], [4097], [4000, 9000, 100, 30000, 17, 65000, 2048, 4097], [131072] + [100] * 63)
+    for seed, lengths in enumerate(cases):
+        step, q, k, v = _case(lengths, shape, torch.float16, seed=seed)
+        plan = engine.plan(step)
+        assert isinstance(plan, AdaptivePlan) and plan.decision == policy.choose(step)
+        got = engine.run(q, k, v, plan)
+        want = persistent.run(q, k, v, persistent.plan_route(step, plan.decision.route))
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        _check(got, _dense(step, q, k, v), torch.float16)
