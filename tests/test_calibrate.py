@@ -402,6 +402,31 @@ def test_the_few_rows_route_records_its_margin_and_band_and_two_noisy_runs_agree
     assert decided == ["flashinfer", "flashinfer"]
 
 
+def test_a_device_tie_of_the_few_rows_route_goes_to_the_cheaper_host_plan_in_both_runs():
+    """The same noisy B4 steps, with the sweep's plan times: FlashInfer's plan() 436 us a step, the
+    workqueue's 43. Device time ties in both runs, so the host decides, the same way in both."""
+    decided = []
+    for seed in (0, 1):
+        pkv, fi = _noisy_b4(seed)
+        step = types.SimpleNamespace(seq_lens=[70000])
+        samples = lambda times: [types.SimpleNamespace(step=step, measured_us=us) for us in times]  # noqa: E731
+        trace = {"name": "bimodal_b4", "max_active": 4, "route": "persistentkv_workqueue", "regime": FEW_ROWS,
+                 "steps": 64, "timed_by_splits": {36: types.SimpleNamespace(total_us=sum(pkv), samples=samples(pkv))},
+                 "timed_fi": types.SimpleNamespace(total_us=sum(fi), samples=samples(fi))}
+        sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=None,
+                            calib=START)
+        sweep._swept = [trace]
+        sweep.persistentkv_plan_us, sweep.flashinfer_plan_us = [40.0, 43.0, 50.0], [400.0, 436.0, 600.0]
+        points = sweep.operating_points()
+        decision = sweep.decisions["regimes.few_rows.route"]
+        assert points[FEW_ROWS]["route"] == decision["value"] == "persistentkv_workqueue"
+        assert "within the noise band" in decision["basis"] and "host plan (43.0 us)" in decision["basis"]
+        record = sweep.records["bimodal_b4"]["regime_route"]
+        assert record["candidate_plan_us"] == 43.0 and record["default_plan_us"] == 436.0
+        decided.append(decision["value"])
+    assert decided == ["persistentkv_workqueue"] * 2
+
+
 def test_gate_and_group_size_decisions_record_the_margin_at_their_boundary():
     sweep = {"source": "split sweep", "contexts": [70000, 70000], "persistentkv_us": [90.0, 90.0],
              "flashinfer_us": [100.0, 100.0]}

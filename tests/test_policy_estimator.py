@@ -182,6 +182,23 @@ def test_regime_route_fit_needs_a_device_time_win():
     assert fit_regime_route([50.0, 50.0], [50.0, 50.0], "persistentkv_workqueue").route == "flashinfer"
 
 
+def test_a_device_tie_goes_to_the_route_whose_host_plan_is_at_most_half_the_default():
+    tie = ([50.0, 80.0], [50.0, 80.0])
+    wq = "persistentkv_workqueue"
+    fit = fit_regime_route(*tie, wq, candidate_plan_us=43.0, default_plan_us=436.0)
+    assert fit.route == wq and "host plan (43.0 us) at most 0.5 of flashinfer's (436.0 us)" in fit.basis
+    # Half exactly is enough; more is not, nor plan times that were not measured.
+    assert fit_regime_route(*tie, wq, candidate_plan_us=50.0, default_plan_us=100.0).route == wq
+    assert fit_regime_route(*tie, wq, candidate_plan_us=50.1, default_plan_us=100.0).route == "flashinfer"
+    assert fit_regime_route(*tie, wq, candidate_plan_us=43.0).route == "flashinfer"
+    # Outside the band the device decides whatever the host: FlashInfer faster by more than the band
+    # stays on FlashInfer, and one step (no band) takes the default.
+    slower = fit_regime_route([55.0, 88.0], [50.0, 80.0], wq, candidate_plan_us=43.0, default_plan_us=436.0)
+    assert slower.route == "flashinfer" and "flashinfer faster" in slower.basis
+    one = fit_regime_route([50.0], [50.0], wq, candidate_plan_us=43.0, default_plan_us=436.0)
+    assert one.route == "flashinfer" and "fewer than 2 steps" in one.basis
+
+
 def test_group_size_holds_on_every_probe_within_the_tolerance():
     # 0.995x and 1.11x of FlashInfer: both clear 1 / 1.02 by the 1% floor of the noise band.
     records = [{"persistentkv_device_us_total": 100.5, "flashinfer_device_us_total": 100.0},

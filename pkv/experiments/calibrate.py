@@ -198,6 +198,10 @@ def _gate_rows(pkv_timed, fi_timed) -> dict:
             "flashinfer_us": [s.measured_us for s in fi_timed.samples]}
 
 
+def _median_or_none(values: list) -> float | None:
+    return statistics.median(values) if values else None
+
+
 class _SplitSweep:
     """The split sweep of the calibration traces: the operating point of each batch regime, and
     the timed steps that C_min, the host plan times and the context gates are fitted from.
@@ -290,13 +294,16 @@ class _SplitSweep:
             if regime == FEW_ROWS:
                 # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at break-even
                 # on its GPU). Here the calibration seed's steps decide, in device time, each step
-                # timed on both routes; the workqueue only where its gain clears the noise band of
-                # those paired steps (fit_regime_route). As for the context gates, CPU timings are
-                # recorded and the configured route kept.
+                # timed on both routes; the workqueue where its gain clears the noise band of
+                # those paired steps, and on a tie the route with the much cheaper host plan
+                # (fit_regime_route), by the plan times of the same sweep. As for the context
+                # gates, CPU timings are recorded and the configured route kept.
                 splits = split_fit.num_splits
                 candidate_us = [s.measured_us for t in traces for s in t["timed_by_splits"][splits].samples]
                 flashinfer_us = [s.measured_us for t in traces for s in t["timed_fi"].samples]
-                fit = fit_regime_route(candidate_us, flashinfer_us, ROUTE_WORKQUEUE)
+                plan_us = {"candidate_plan_us": _median_or_none(self.persistentkv_plan_us),
+                           "default_plan_us": _median_or_none(self.flashinfer_plan_us)}
+                fit = fit_regime_route(candidate_us, flashinfer_us, ROUTE_WORKQUEUE, **plan_us)
                 if self.settings.performance_result:
                     points[regime]["route"] = fit.route
                 field = regime_field(regime, "route")
@@ -306,7 +313,7 @@ class _SplitSweep:
                           "basis": fit.basis, "num_splits": splits,
                           # Both sides' sums: where repeated calibrations disagree, which one moved.
                           "candidate_device_us_total": sum(candidate_us),
-                          "default_device_us_total": sum(flashinfer_us)}
+                          "default_device_us_total": sum(flashinfer_us), **plan_us}
                 for t in traces:
                     self.records[t["name"]]["regime_route"] = record
                 self.decisions[field] = {"value": fit.route, **_decision_fields(record)}

@@ -309,14 +309,32 @@ class RouteFit(NamedTuple):
     basis: str  # why: the gain cleared the band, lay inside it, or FlashInfer was faster
 
 
-def fit_regime_route(persistentkv_us: Sequence[float], flashinfer_us: Sequence[float], candidate: str) -> RouteFit:
+# A device-time tie goes to the candidate where its measured host planning per step is at most this
+# fraction of the default's: the two routes then cost the same on the GPU and the candidate less on
+# the host, on every step. Half, so that the two plan times' own spread between calibrations (about
+# 30% on one H100 host) cannot reorder them; FlashInfer's plan() measured 8-10 times PersistentKV's.
+HOST_TIE_FRACTION = 0.5
+
+
+def fit_regime_route(persistentkv_us: Sequence[float], flashinfer_us: Sequence[float], candidate: str, *,
+                     candidate_plan_us: float | None = None, default_plan_us: float | None = None) -> RouteFit:
     """The route of a regime the calibration may close (batches of 2..7 rows, paper 4.4), from its
-    steps timed on its PersistentKV route and on FlashInfer (paired in order): that route only where
-    its measured gain clears the noise band (measured_gain), else REGIME_ROUTE_DEFAULT. A gain inside
-    the band, a tie included, is no evidence either way, so it goes to the default every time."""
+    steps timed on its PersistentKV route and on FlashInfer (paired in order): that route where its
+    measured gain clears the noise band (measured_gain). A gain inside the band is no evidence either
+    way about device time, so a tie is decided by the host: the candidate where its measured plan
+    per step is at most HOST_TIE_FRACTION of the default's (both given), else REGIME_ROUTE_DEFAULT;
+    either way the same every time."""
     fit = measured_gain(persistentkv_us, flashinfer_us)
-    return RouteFit(candidate if fit.clears else REGIME_ROUTE_DEFAULT, fit,
-                    fit.verdict(candidate, REGIME_ROUTE_DEFAULT))
+    if fit.clears:
+        return RouteFit(candidate, fit, fit.verdict(candidate, REGIME_ROUTE_DEFAULT))
+    tie = fit.steps >= 2 and fit.gain > 1.0 / fit.required
+    cheaper = (candidate_plan_us is not None and default_plan_us is not None
+               and candidate_plan_us <= HOST_TIE_FRACTION * default_plan_us)
+    if tie and cheaper:
+        return RouteFit(candidate, fit, f"within the noise band ({fit.noise_band:.1%}) of device time, and its "
+                                        f"host plan ({candidate_plan_us:.1f} us) at most {HOST_TIE_FRACTION:g} of "
+                                        f"{REGIME_ROUTE_DEFAULT}'s ({default_plan_us:.1f} us): {candidate}")
+    return RouteFit(REGIME_ROUTE_DEFAULT, fit, fit.verdict(candidate, REGIME_ROUTE_DEFAULT))
 
 
 def group_size_holds(records: Iterable[Mapping], tolerance: float) -> bool:
