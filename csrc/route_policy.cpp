@@ -74,15 +74,7 @@ RouteCounts bucket_counts(const int32_t* lens, int64_t batch, int64_t num_splits
 }
 
 RouteCounts workqueue_counts(const int32_t* lens, int64_t batch, const SplitPolicyArgs& split, int64_t hkv) {
-  int64_t total_tiles = 0, live = 0;
-  if (split.balanced) {
-    for (int64_t i = 0; i < batch; ++i) {
-      const int64_t n = row_tiles(lens[i]);
-      total_tiles += n;
-      live += n > 0;
-    }
-  }
-  const int64_t per_task = balanced_tiles_per_task(split, total_tiles, live, hkv);
+  const int64_t per_task = workqueue_tiles_per_task(lens, batch, hkv, split);
   int64_t total = 0, merged_rows = 0;
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t k = row_split_count(split, row_tiles(lens[i]), per_task);

@@ -8,8 +8,8 @@
 
 namespace pkv {
 
-int64_t workqueue_row_splits(const int32_t* seq_lens, int64_t batch, int64_t num_kv_heads,
-                             const SplitPolicyArgs& policy, int32_t* row_splits) {
+int64_t workqueue_tiles_per_task(const int32_t* seq_lens, int64_t batch, int64_t num_kv_heads,
+                                 const SplitPolicyArgs& policy) {
   int64_t total_tiles = 0, rows_with_tiles = 0;
   if (policy.balanced) {
     for (int64_t i = 0; i < batch; ++i) {
@@ -18,7 +18,12 @@ int64_t workqueue_row_splits(const int32_t* seq_lens, int64_t batch, int64_t num
       rows_with_tiles += n > 0;
     }
   }
-  const int64_t tiles_per_task = balanced_tiles_per_task(policy, total_tiles, rows_with_tiles, num_kv_heads);
+  return balanced_tiles_per_task(policy, total_tiles, rows_with_tiles, num_kv_heads);
+}
+
+int64_t workqueue_row_splits(const int32_t* seq_lens, int64_t batch, int64_t num_kv_heads,
+                             const SplitPolicyArgs& policy, int32_t* row_splits) {
+  const int64_t tiles_per_task = workqueue_tiles_per_task(seq_lens, batch, num_kv_heads, policy);
   int64_t widest = 0;
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t k = row_split_count(policy, row_tiles(seq_lens[i]), tiles_per_task);

@@ -39,6 +39,11 @@ enum PlanLayoutField : int {
 // cluster (at most kMaxClusterSplits). A launch with one split writes `out` whatever the kind.
 enum class MergeKind : int { kLaunch = 0, kFused = 1, kCluster = 2 };
 
+// The balanced rule's tiles per task of this batch (split_rule.h, balanced_tiles_per_task, over its
+// total tiles and the rows that have any); 0 under the fixed rule.
+int64_t workqueue_tiles_per_task(const int32_t* seq_lens, int64_t batch, int64_t num_kv_heads,
+                                 const SplitPolicyArgs& policy);
+
 // Non-empty splits of each row (the same for every KV head), written to row_splits[0..batch).
 // Returns the largest of them (0 for an empty batch).
 int64_t workqueue_row_splits(const int32_t* seq_lens, int64_t batch, int64_t num_kv_heads,

@@ -254,3 +254,20 @@ def test_policy_values_follow_the_resolved_regimes(planner):
     assert values[many + 1] == 0.0  # the workqueue's route code
     assert values[many + 9] == 396.0  # its skew budget
     assert len(values) == 44 and all(isinstance(v, float) for v in values)
+
+
+def test_a_gated_step_goes_to_flashinfer_without_the_one_call(monkeypatch):
+    shape = _shape(4)
+    calib = load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json")
+    policy = _policy(calib, shape, {})
+    persistent = PersistentKVEngine(shape, policy=policy, device="cpu")
+    engine = AdaptiveEngine(policy, persistent, SdpaEngine(shape, "cpu"))
+    short = _engine_inputs([512, 1024, 1536, 2048, 2560, 3072, 3584, 4096])  # below the B8 context gate
+    assert policy.gate(short).basis == "gate: context" and policy.choose(short).basis == "gate: context"
+    assert policy.gate(_engine_inputs([64 * 1024] * 8)) is None
+
+    def no_call(*args):
+        raise AssertionError("a gated step reached the C++ call")
+
+    monkeypatch.setattr(persistent, "plan_chosen", no_call)
+    assert not isinstance(engine.plan(short), AdaptivePlan)

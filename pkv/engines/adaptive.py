@@ -68,7 +68,7 @@ class AdaptiveEngine(Engine):
 
     held_to_paper_bound = True
 
-    def __init__(self, policy, persistent: Engine, fallback: Engine) -> None:
+    def __init__(self, policy, persistent: Engine, fallback: Engine, *, native_policy: bool = True) -> None:
         if not hasattr(persistent, "plan_route"):
             raise ValueError(
                 f"AdaptiveEngine needs a persistent engine with plan_route(step, route), "
@@ -78,7 +78,8 @@ class AdaptiveEngine(Engine):
         self.fallback = fallback
         self.name = "adaptive"
         self._native = None
-        if (isinstance(policy, RoutePolicy) and hasattr(persistent, "plan_chosen")
+        # native_policy=False keeps the Python policy on every step: the comparison host_bench times.
+        if (native_policy and isinstance(policy, RoutePolicy) and hasattr(persistent, "plan_chosen")
                 and getattr(persistent, "planner", None) == "native"):
             self._native = NativeRoutePolicy(policy, persistent.ops)
         self.implementation = f"adaptive({persistent.implementation}|{fallback.implementation})"
@@ -86,6 +87,10 @@ class AdaptiveEngine(Engine):
     def plan(self, step):
         native = self._native
         if native is not None:
+            # A gated step goes to FlashInfer without the one call, whose step tensors and checks
+            # would cost it more than the Python gates do.
+            if self.policy.gate(step) is not None:
+                return self.fallback.plan(step)
             route, choice, estimates, inner = self.persistent.plan_chosen(step, native)
             if inner is None:
                 return self.fallback.plan(step)

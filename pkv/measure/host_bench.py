@@ -4,7 +4,9 @@ For each case and engine: plan() host time, the issue of run() (host time until 
 queued), the wait for the GPU after it, their total (the synchronized wall step), and run()'s
 device time alone (L2 flushed). Every step is timed twice: in a tight loop, and right after an L2
 flush and a GPU hold the host waits out, as the serving harness times its steps. PersistentKV runs
-with its C++ planner ("native") and with the numpy planner it is tested against.
+with its C++ planner ("native") and with the numpy planner it is tested against; the adaptive
+engine also with its Python policy before the C++ planner ("adaptive/native, Python policy"), so
+one run compares the route decided in the planner's call with the route decided in Python.
 
     python -m pkv.measure.host_bench --calibration artifacts/h200/calibration/calibration.json \\
         --out artifacts/h200/host_bench/host.json
@@ -28,6 +30,7 @@ import yaml
 
 from pkv.atomic_io import write_json_atomic
 from pkv.engines import OPTION_NAMES, build_engine, role_policy
+from pkv.engines.adaptive import AdaptiveEngine
 from pkv.gpu_state import hold_device
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.calibration_probe import measure_launch_us
@@ -58,10 +61,14 @@ COLUMNS = ("plan_us", "issue_us", "wait_us", "wall_us")
 
 
 def engine_specs() -> dict[str, tuple[str, dict]]:
-    """label -> (engine role, build_engine options)."""
+    """label -> (engine role, build_engine options; "python_policy": the adaptive engine's Python
+    policy instead of its C++ form, pkv.policy.native)."""
     specs = {"flashinfer": ("flashinfer", {})}
     for planner in PLANNERS:
         specs[f"adaptive/{planner}"] = ("adaptive", {"planner": planner})
+        if planner == "native":
+            # The route decided in Python, then planned by the C++ planner: what the one call saves.
+            specs["adaptive/native, Python policy"] = ("adaptive", {"planner": planner, "python_policy": True})
         for route in ("bucket_exact", "workqueue"):
             specs[f"persistentkv_{route}/{planner}"] = ("persistentkv", {"route": route, "planner": planner})
     return specs
@@ -97,6 +104,8 @@ def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log, *, dtype="f
         policy = role_policy(role, options, shape, calib)
         engine = build_engine(role, shape=shape, device=device, policy=policy,
                               options={k: v for k, v in options.items() if k in OPTION_NAMES})
+        if options.get("python_policy"):
+            engine = AdaptiveEngine(engine.policy, engine.persistent, engine.fallback, native_policy=False)
         engine.prepare(step, q, k, v)
         for _ in range(5):
             engine.run(q, k, v, engine.plan(step))

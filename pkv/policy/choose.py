@@ -128,6 +128,18 @@ def uniform_split_count(lens, longest: int, num_kv_heads: int, num_splits: int, 
     return capped if shortest >= UNIFORM_LENGTH_FRACTION * longest else num_splits
 
 
+def _lengths(step) -> tuple:
+    """(the step's lengths, the longest): Python ints below VECTOR_MIN_ROWS rows, where they count
+    fastest, else the NumPy array."""
+    lens = np.asarray(step.seq_lens)
+    if len(lens) == 0:
+        raise ValueError("RoutePolicy.choose: StepBatch.seq_lens is empty; a decode step needs a row")
+    if len(lens) < VECTOR_MIN_ROWS:
+        lens = lens.tolist()
+        return lens, max(lens)
+    return lens, int(lens.max())  # builtins.max would walk the array element by element
+
+
 class RoutePolicy:
     """The calibrated policy of one attention shape and one run's kernel variants."""
 
@@ -181,20 +193,13 @@ class RoutePolicy:
     def choose(self, step) -> RouteDecision:
         if not self._group_supported:
             return GATE_GROUP
-        lens = np.asarray(step.seq_lens)
-        batch = len(lens)
-        if batch == 0:
-            raise ValueError("RoutePolicy.choose: StepBatch.seq_lens is empty; a decode step needs a row")
-        if batch < VECTOR_MIN_ROWS:
-            lens = lens.tolist()  # short batches count fastest as Python ints
-            longest = max(lens)
-        else:
-            longest = int(lens.max())  # builtins.max would walk the array element by element
-        gate, candidate, margin, uniform_ctas, skew_route, over_split = self._regimes[regime_of(batch)]
+        lens, longest = _lengths(step)
+        gate, candidate, margin, uniform_ctas, skew_route, over_split = self._regimes[regime_of(len(lens))]
         if longest < gate:
             return GATE_CONTEXT
         if candidate is None:
             return GATE_REGIME
+        batch = len(lens)
         tokens = total_tokens(lens)
         if skew_route is not None and (is_skewed(batch, longest, tokens)
                                        or over_split and is_over_split(batch, tokens, candidate.num_splits)):
@@ -211,6 +216,18 @@ class RoutePolicy:
         return RouteDecision(chosen, "estimate", {ROUTE_FLASHINFER: flashinfer_us, candidate.name: candidate_us},
                              speedup, margin)
 
+
+    def gate(self, step) -> RouteDecision | None:
+        """The gate that sends ``step`` to FlashInfer (choose()'s first three tests), or None where
+        its route is estimated. Cheaper than choose() on a gated step, and it needs nothing but the
+        lengths, so a caller that decides in C++ (pkv.policy.native) skips the call on such steps."""
+        if not self._group_supported:
+            return GATE_GROUP
+        lens, longest = _lengths(step)
+        gate, candidate = self._regimes[regime_of(len(lens))][:2]
+        if longest < gate:
+            return GATE_CONTEXT
+        return GATE_REGIME if candidate is None else None
 
     def _capped_route(self, route: StepRoute, splits: int) -> StepRoute:
         key = (route, splits)
