@@ -35,8 +35,9 @@ KERNEL_SOURCES = ("launch.cu", "launch_fp16_g1to4.cu", "launch_fp16_g5to8.cu", "
                   "launch_bf16_g5to8.cu", "step_executor.cu", "device_plan.cu")
 BINDING_SOURCE = "pkv_ops.cpp"
 LIBRARY_NAME = "pkv_ext"
-# The step planner and route policy: part of the CUDA extension, and on its own a CPU-only library where there is
-# no GPU (its ops are the same torch.ops.pkv.plan_* either way; never load both in one process).
+# The step planner and the route policy's C++ form: part of the CUDA extension, and on their own a
+# CPU-only library where there is no GPU (the same torch.ops.pkv ops either way; never load both in
+# one process).
 HOST_SOURCES = ("host_ops.cpp", "step_plan.cpp", "route_policy.cpp")
 HOST_HEADERS = ("step_plan.h", "route_policy.h", "decode_constants.h", "split_rule.h")
 HOST_LIBRARY_NAME = "pkv_host"

@@ -140,6 +140,14 @@ def _lengths(step) -> tuple:
     return lens, int(lens.max())  # builtins.max would walk the array element by element
 
 
+def _gate_of(rules: tuple, longest: int) -> RouteDecision | None:
+    """A regime's context and route gates (its resolved rules, RoutePolicy._regimes) on a step whose
+    longest row holds ``longest`` tokens: the gate decision, or None."""
+    if longest < rules[0]:
+        return GATE_CONTEXT
+    return GATE_REGIME if rules[1] is None else None
+
+
 class RoutePolicy:
     """The calibrated policy of one attention shape and one run's kernel variants."""
 
@@ -194,11 +202,11 @@ class RoutePolicy:
         if not self._group_supported:
             return GATE_GROUP
         lens, longest = _lengths(step)
-        gate, candidate, margin, uniform_ctas, skew_route, over_split = self._regimes[regime_of(len(lens))]
-        if longest < gate:
-            return GATE_CONTEXT
-        if candidate is None:
-            return GATE_REGIME
+        rules = self._regimes[regime_of(len(lens))]
+        gated = _gate_of(rules, longest)
+        if gated is not None:
+            return gated
+        _, candidate, margin, uniform_ctas, skew_route, over_split = rules
         batch = len(lens)
         tokens = total_tokens(lens)
         if skew_route is not None and (is_skewed(batch, longest, tokens)
@@ -215,19 +223,14 @@ class RoutePolicy:
         chosen = candidate if speedup >= margin else FLASHINFER_ROUTE
         return RouteDecision(chosen, "estimate", {ROUTE_FLASHINFER: flashinfer_us, candidate.name: candidate_us},
                              speedup, margin)
-
-
     def gate(self, step) -> RouteDecision | None:
-        """The gate that sends ``step`` to FlashInfer (choose()'s first three tests), or None where
-        its route is estimated. Cheaper than choose() on a gated step, and it needs nothing but the
+        """The gate that sends ``step`` to FlashInfer (choose()'s first tests), or None where its
+        route is estimated. Cheaper than choose() on a gated step, and it needs nothing but the
         lengths, so a caller that decides in C++ (pkv.policy.native) skips the call on such steps."""
         if not self._group_supported:
             return GATE_GROUP
         lens, longest = _lengths(step)
-        gate, candidate = self._regimes[regime_of(len(lens))][:2]
-        if longest < gate:
-            return GATE_CONTEXT
-        return GATE_REGIME if candidate is None else None
+        return _gate_of(self._regimes[regime_of(len(lens))], longest)
 
     def _capped_route(self, route: StepRoute, splits: int) -> StepRoute:
         key = (route, splits)
