@@ -18,16 +18,25 @@ namespace {
 
 using at::Tensor;
 
-// Step metadata as the planner reads it: int32 CPU seq_lens [B] and the page table, a block table
-// [B, W] or, with page_indptr [B + 1], the concatenated page lists [N >= 1] in `pages`.
-void check_step(const Tensor& seq_lens, const Tensor& pages, const std::optional<Tensor>& page_indptr,
-                int64_t num_kv_heads) {
+// A step's lengths as the planner and the route policy read them: int32 CPU [B >= 1], each >= 0.
+void check_seq_lens(const Tensor& seq_lens) {
   TORCH_CHECK(seq_lens.device().is_cpu() && seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
                   seq_lens.is_contiguous(),
               "pkv: seq_lens must be a contiguous int32 CPU tensor [B], got ", seq_lens.scalar_type(), " ",
               seq_lens.sizes(), " on ", seq_lens.device());
+  TORCH_CHECK(seq_lens.size(0) >= 1, "pkv: seq_lens is empty; a decode step needs a row");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < seq_lens.size(0); ++i) {
+    TORCH_CHECK(lens[i] >= 0, "pkv: seq_lens[", i, "] must be >= 0, got ", lens[i]);
+  }
+}
+
+// Step metadata as the planner reads it: int32 CPU seq_lens [B] and the page table, a block table
+// [B, W] or, with page_indptr [B + 1], the concatenated page lists [N >= 1] in `pages`.
+void check_step(const Tensor& seq_lens, const Tensor& pages, const std::optional<Tensor>& page_indptr,
+                int64_t num_kv_heads) {
+  check_seq_lens(seq_lens);
   const int64_t batch = seq_lens.size(0);
-  TORCH_CHECK(batch >= 1, "pkv: seq_lens is empty; a decode step needs a row");
   if (page_indptr.has_value()) {
     const Tensor& indptr = *page_indptr;
     TORCH_CHECK(indptr.device().is_cpu() && indptr.scalar_type() == at::kInt && indptr.dim() == 1 &&
@@ -52,10 +61,6 @@ void check_step(const Tensor& seq_lens, const Tensor& pages, const std::optional
                 pages.scalar_type(), " ", pages.sizes());
   }
   TORCH_CHECK(num_kv_heads >= 1, "pkv: num_kv_heads must be >= 1, got ", num_kv_heads);
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  for (int64_t i = 0; i < batch; ++i) {
-    TORCH_CHECK(lens[i] >= 0, "pkv: seq_lens[", i, "] must be >= 0, got ", lens[i]);
-  }
 }
 
 // The ints the page table takes in a packed plan.
@@ -197,14 +202,7 @@ pkv::RouteChoice checked_choice(const Tensor& seq_lens, const pkv::RoutePolicyPa
 // RoutePolicy.choose in C++ (route_policy.h): the decision and the estimates behind it.
 std::tuple<std::vector<int64_t>, std::vector<double>> choose_route(const Tensor& seq_lens, const Tensor& policy) {
   const pkv::RoutePolicyParams params = read_policy(policy);
-  TORCH_CHECK(seq_lens.device().is_cpu() && seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
-                  seq_lens.is_contiguous() && seq_lens.size(0) >= 1,
-              "pkv: seq_lens must be a contiguous int32 CPU tensor [B >= 1], got ", seq_lens.scalar_type(), " ",
-              seq_lens.sizes(), " on ", seq_lens.device());
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  for (int64_t i = 0; i < seq_lens.size(0); ++i) {
-    TORCH_CHECK(lens[i] >= 0, "pkv: seq_lens[", i, "] must be >= 0, got ", lens[i]);
-  }
+  check_seq_lens(seq_lens);
   return choice_lists(checked_choice(seq_lens, params));
 }
 

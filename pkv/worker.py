@@ -539,8 +539,9 @@ class _State:
                 setattr(mod, name, value)
             if contents is not None:
                 _restore_contents(value, contents)
-        # The extension's process settings: a job's merges that dropped their states (an
-        # engine.discard_merged_states run) must not carry into the next job's.
+        # The extension's process settings: a job's merges that dropped their states
+        # (engine.discard_merged_states, on by default on a GPU) must not carry into the next job's,
+        # which sets its own.
         ops = sys.modules.get("pkv.ops")
         if self.device and ops is not None and ops.load.cache_info().currsize:
             try:

@@ -252,51 +252,52 @@ class PersistentKVEngine(Engine):
 
     def plan_route(self, step, route: StepRoute) -> DevicePlan:
         """Plan the step on a PersistentKV route the policy chose."""
-        hkv, g = self.shape.num_kv_heads, self.shape.group_size
-        # A graph replays one layout, so the graphed engine keeps block tables; so does the cluster
-        # merge, whose kernel has been tested over block tables only.
-        lists = not self.cuda_graph and route.merge != MERGE_CLUSTER and page_lists_pay(step)
+        lists = self._page_lists(step, route.merge)
         if route.name == ROUTE_WORKQUEUE:
-            policy = route.split_policy
-            host_meta, layout, schedule = self._pack_workqueue(step, policy, lists)
-            splits = int(policy.num_splits) if policy.kind == "fixed" else int(layout[_ROUTE_FIELDS + 1])
+            host_meta, layout, schedule = self._pack_workqueue(step, route.split_policy, lists)
         elif route.name == ROUTE_BUCKET:
-            splits = route.num_splits
-            host_meta, layout, schedule = self._pack_buckets(step, splits, route.bucket_mode, lists)
+            host_meta, layout, schedule = self._pack_buckets(step, route.num_splits, route.bucket_mode, lists)
         else:
             raise ValueError(f"persistentkv cannot run route {route.name!r}")
         # The native planner packs into pinned memory on a GPU: the upload is a true async copy,
         # and torch's host allocator keeps the block until it has run. A pageable source (the
         # numpy planner's) is staged by cudaMemcpyAsync before it returns. Neither waits for the
         # GPU nor races the release of the host buffer.
-        plan = DevicePlan(route=route.name, step=step, num_splits=splits,
-                          meta=host_meta.to(self.device, non_blocking=True), layout=layout, host_meta=host_meta,
-                          num_kv_heads=hkv, group_size=g, bucket_mode=route.bucket_mode, merge=route.merge,
-                          split_rule=route.split_rule, _schedule=schedule)
-        if plan.widest_split > MAX_MERGE_SPLITS:
-            raise ValueError(f"persistentkv merges at most {MAX_MERGE_SPLITS} splits per (row, KV head), "
-                             f"the plan has {plan.widest_split}")
-        return plan
+        return self._device_plan(step, route, host_meta, host_meta.to(self.device, non_blocking=True), layout,
+                                 schedule)
 
     def plan_chosen(self, step, native) -> tuple:
         """Decide and plan in one C++ call (csrc/host_ops.cpp, adaptive_plan): (the StepRoute the
         native route policy (pkv.policy.native.NativeRoutePolicy) chose, its choice ints and
         estimates, the DevicePlan of that route, uploaded, or None where it leaves the step to
         FlashInfer). The same plan as plan_route(step, route) (tests hold the two together)."""
-        variants = native.policy.variants
-        lists = not self.cuda_graph and variants.merge != MERGE_CLUSTER and page_lists_pay(step)
-        lens, pages, indptr = _step_tensors(step, lists)
+        lens, pages, indptr = _step_tensors(step, self._page_lists(step, native.policy.variants.merge))
         choice, estimates, host_meta, meta, layout = self.ops.adaptive_plan(
             lens, pages, indptr, native.values, self._pinned_plans, self._upload_to)
         route = native.route(choice)
         if meta is None:
             return route, choice, estimates, None
+        return route, choice, estimates, self._device_plan(step, route, host_meta, meta, layout, None)
+
+    def _page_lists(self, step, merge: str) -> bool:
+        """Whether the step's plan carries page lists (page_lists_pay). A graph replays one layout,
+        so the graphed engine keeps block tables; so does the cluster merge, whose kernel has been
+        tested over block tables only."""
+        return not self.cuda_graph and merge != MERGE_CLUSTER and page_lists_pay(step)
+
+    def _device_plan(self, step, route: StepRoute, host_meta, meta, layout: list, schedule) -> DevicePlan:
+        """The DevicePlan of a packed plan of ``route``. Its num_splits is the route's split count,
+        or under the balanced rule the widest row's."""
         balanced = route.name == ROUTE_WORKQUEUE and route.split_kind != "fixed"
         splits = int(layout[_ROUTE_FIELDS + 1]) if balanced else route.num_splits
-        return route, choice, estimates, DevicePlan(
-            route=route.name, step=step, num_splits=splits, meta=meta, layout=layout, host_meta=host_meta,
-            num_kv_heads=self.shape.num_kv_heads, group_size=self.shape.group_size, bucket_mode=route.bucket_mode,
-            merge=route.merge, split_rule=route.split_rule)
+        plan = DevicePlan(route=route.name, step=step, num_splits=splits, meta=meta, layout=layout,
+                          host_meta=host_meta, num_kv_heads=self.shape.num_kv_heads,
+                          group_size=self.shape.group_size, bucket_mode=route.bucket_mode, merge=route.merge,
+                          split_rule=route.split_rule, _schedule=schedule)
+        if plan.widest_split > MAX_MERGE_SPLITS:
+            raise ValueError(f"persistentkv merges at most {MAX_MERGE_SPLITS} splits per (row, KV head), "
+                             f"the plan has {plan.widest_split}")
+        return plan
 
     def _pack_workqueue(self, step, policy: SplitPolicy, lists: bool):
         hkv = self.shape.num_kv_heads

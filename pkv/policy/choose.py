@@ -201,13 +201,21 @@ class RoutePolicy:
     def choose(self, step) -> RouteDecision:
         if not self._group_supported:
             return GATE_GROUP
-        lens, longest = _lengths(step)
-        rules = self._regimes[regime_of(len(lens))]
+        # _lengths, inlined: choose() runs on every decode step, and the call cost it 0.1 us of 2-9.
+        lens = np.asarray(step.seq_lens)
+        batch = len(lens)
+        if batch == 0:
+            raise ValueError("RoutePolicy.choose: StepBatch.seq_lens is empty; a decode step needs a row")
+        if batch < VECTOR_MIN_ROWS:
+            lens = lens.tolist()
+            longest = max(lens)
+        else:
+            longest = int(lens.max())
+        rules = self._regimes[regime_of(batch)]
         gated = _gate_of(rules, longest)
         if gated is not None:
             return gated
         _, candidate, margin, uniform_ctas, skew_route, over_split = rules
-        batch = len(lens)
         tokens = total_tokens(lens)
         if skew_route is not None and (is_skewed(batch, longest, tokens)
                                        or over_split and is_over_split(batch, tokens, candidate.num_splits)):

@@ -250,6 +250,12 @@ class GainFit:
         """Whether the candidate is faster by more than the noise: a gain at the band's edge does not."""
         return self.gain > self.required
 
+    @property
+    def within_band(self) -> bool:
+        """Whether the gain lies inside the band either way (a tie): neither route is measurably
+        faster. False below 2 steps, where the band could not be measured."""
+        return self.steps >= 2 and not self.clears and self.gain > 1.0 / self.required
+
     def verdict(self, candidate: str, default: str) -> str:
         """Why the decision between ``candidate`` and ``default`` came out as it did."""
         band = f"the noise band ({self.noise_band:.1%})" if math.isfinite(self.noise_band) else "the noise band"
@@ -257,7 +263,7 @@ class GainFit:
             return f"{candidate} faster by more than {band}"
         if self.steps < 2:
             return f"fewer than 2 steps, so the noise cannot be measured: {default}"
-        if self.gain > 1.0 / self.required:
+        if self.within_band:
             return f"within {band}: {default}"
         return f"{default} faster by more than {band}"
 
@@ -327,10 +333,9 @@ def fit_regime_route(persistentkv_us: Sequence[float], flashinfer_us: Sequence[f
     fit = measured_gain(persistentkv_us, flashinfer_us)
     if fit.clears:
         return RouteFit(candidate, fit, fit.verdict(candidate, REGIME_ROUTE_DEFAULT))
-    tie = fit.steps >= 2 and fit.gain > 1.0 / fit.required
     cheaper = (candidate_plan_us is not None and default_plan_us is not None
                and candidate_plan_us <= HOST_TIE_FRACTION * default_plan_us)
-    if tie and cheaper:
+    if fit.within_band and cheaper:
         return RouteFit(candidate, fit, f"within the noise band ({fit.noise_band:.1%}) of device time, and its "
                                         f"host plan ({candidate_plan_us:.1f} us) at most {HOST_TIE_FRACTION:g} of "
                                         f"{REGIME_ROUTE_DEFAULT}'s ({default_plan_us:.1f} us): {candidate}")
