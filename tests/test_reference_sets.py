@@ -72,3 +72,16 @@ def test_every_earlier_run_is_in_its_history_index(history):
     index = (history / "README.md").read_text()
     unlisted = [p.name for p in history.iterdir() if p.name != "README.md" and f"`{p.name}" not in index]
     assert not unlisted, f"{history}: not in README.md {unlisted}"
+
+
+@pytest.mark.parametrize("empty", sorted(p for p in REFERENCE.iterdir() if p.is_dir() and p not in SETS),
+                         ids=lambda p: p.name)
+def test_a_gpu_without_a_set_points_at_the_current_ones_by_their_commits(empty):
+    """A GPU folder that holds no set yet says which set to read instead: every current set's
+    commit is named in its README, so a promotion that moves a set cannot leave it pointing at
+    the one it replaced."""
+    readme = (empty / "README.md").read_text()
+    for root in SETS:
+        (commit,) = _commit_of_tables(root)
+        assert f"../{root.name}/" in readme and commit[:7] in readme, \
+            f"{empty.name}/README.md does not name {root.name}'s set at {commit[:7]}"
