@@ -334,9 +334,15 @@ def test_isolated_experiment_runs_every_method_as_the_cli_dispatches_it(tmp_path
         assert methods[method]["rel_err"] < 1e-5, method
 
 
-def test_model_step_experiment_runs_every_engine_and_mode_as_the_cli_dispatches_it(tmp_path):
-    cfg, paths = _run(["experiment=model_step", *SMALL_TRACE], tmp_path / "out")
+def test_model_step_experiment_runs_every_engine_and_mode_as_the_cli_dispatches_it(tmp_path, monkeypatch):
+    from pkv.experiments import model_step
+    orders = []
+    layout = model_step.page_layout
+    monkeypatch.setattr(model_step, "page_layout", lambda *a, **kw: orders.append(kw["page_order"]) or layout(*a, **kw))
+    cfg, paths = _run(["experiment=model_step", "trace.page_order=in_order", *SMALL_TRACE], tmp_path / "out")
     records = {path.stem: json.loads(path.read_text()) for path in paths}
+    assert orders == ["in_order"]
+    assert {r["trace"]["page_order"] for r in records.values()} == {"in_order"}
     assert set(records) == {f"{role}_{mode}" for role in cfg.experiment.engines for mode in cfg.experiment.modes}
     for label, record in records.items():
         if label in ("adaptive_eager", "flashinfer_eager"):

@@ -48,6 +48,28 @@ def test_free_list_is_first_in_first_out_from_a_seeded_permutation():
         pool.take(1)
 
 
+def test_an_in_order_pool_hands_out_ascending_ids_and_each_prompt_gets_neighbours():
+    pool = KVPool(KVPoolSpec(10, 16, 3, "in_order"))
+    assert pool.take(4) == [0, 1, 2, 3]
+    requests = [Request(i, 0, 40 + 7 * i, 3) for i in range(4)]
+    spec, steps = _replay(requests, pool_pages=200, page_size=4, max_active=4)
+    ordered = KVPoolSpec(200, 4, 5, "in_order")
+    first = next(ContinuousDecoder(requests, ordered, 4).steps())
+    for row in range(first.batch_size):  # admitted together: each prompt's pages are one run of IDs
+        pages = _pages_of(first, row)
+        assert pages == list(range(pages[0], pages[0] + len(pages)))
+    shuffled = next(ContinuousDecoder(requests, spec, 4).steps())
+    assert (shuffled.seq_lens == first.seq_lens).all() and (shuffled.block_table != first.block_table).any()
+    up_front = page_layout(requests, layout="up_front", page_size=4, hole_fraction=0.5, seed=2, max_active=4,
+                           page_order="in_order")
+    assert np.concatenate(up_front.pages).tolist() == list(range(up_front.num_assigned_pages))
+    with pytest.raises(ValueError, match=r"KVPoolSpec.page_order must be one of \('shuffled', 'in_order'\)"):
+        KVPoolSpec(10, 16, 3, "sorted")
+    with pytest.raises(ValueError, match="page order must be one of"):
+        page_layout(requests, layout="up_front", page_size=4, hole_fraction=0.0, seed=2, max_active=4,
+                    page_order="sorted")
+
+
 def test_pages_are_taken_on_growth_kept_in_order_and_never_shared():
     requests = synthetic_trace("zipf", 24, 9, length_scale=1 / 512, arrivals="poisson", arrival_rate=0.7)
     spec, steps = _replay(requests, pool_pages=200)
@@ -171,6 +193,8 @@ def test_harness_replays_many_requests_over_a_small_recycled_pool():
 def test_config_names_the_pool_fields():
     with pytest.raises(ConfigError, match=r"trace.page_layout' = 'paged'.*must be one of \['recycled', 'up_front'\]"):
         compose(["trace.page_layout=paged", "out=x"])
+    with pytest.raises(ConfigError, match=r"trace.page_order' = 'sorted'.*must be one of \['shuffled', 'in_order'\]"):
+        compose(["trace.page_order=sorted", "out=x"])
     with pytest.raises(ConfigError, match=r"trace.kv_pool_tokens' = 100: must be a multiple of trace.page_size=16"):
         compose(["trace.kv_pool_tokens=100", "out=x"])
     with pytest.raises(ConfigError, match=r"trace.kv_pool_tokens' = 1024: sizes the recycled pool"):

@@ -19,6 +19,7 @@ from pkv.config.schema import (
     EngineConfig, ExperimentConfig, PkvConfig, TraceConfig,
 )
 from pkv.pipeline.kv_pool import PAGE_LAYOUTS
+from pkv.pipeline.pages import PAGE_ORDERS
 from pkv.pipeline.schedule import SPLIT_KINDS
 from pkv.pipeline.trace_readers import OVERLONG_POLICIES
 from pkv.pipeline.traces import TRACE_FAMILIES
@@ -71,6 +72,8 @@ def _check_trace(trace: TraceConfig, where: str, families: Sequence[str]) -> Non
         raise bad("page_size", "must be a positive power of two")
     if trace.page_layout not in PAGE_LAYOUTS:
         raise bad("page_layout", f"must be one of {list(PAGE_LAYOUTS)}")
+    if trace.page_order not in PAGE_ORDERS:
+        raise bad("page_order", f"must be one of {list(PAGE_ORDERS)}")
     if trace.kv_pool_tokens is not None:
         if trace.page_layout != "recycled":
             raise bad("kv_pool_tokens", f"sizes the recycled pool; trace.page_layout is {trace.page_layout!r}")

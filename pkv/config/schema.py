@@ -138,6 +138,10 @@ class TraceConfig:
     # serving engine keeps one; "up_front", every request of the trace owns its pages from the
     # start (the paper's section 3.7 layout; the pool grows with the trace).
     page_layout: str = "recycled"
+    # The order page IDs are first handed out in (pkv.pipeline.pages.PAGE_ORDERS): "shuffled", one
+    # seeded permutation, as a server that has run for a while holds its free list; "in_order",
+    # ascending IDs, as a freshly started server's, so each request's prompt pages are neighbours.
+    page_order: str = "shuffled"
     # Token slots of the recycled pool (a multiple of page_size). None: the most the run's admitted
     # requests reserve at once over 1 - hole_fraction, at most what the device holds for it
     # (pkv.experiments.common.kv_pool_pages); a smaller pool makes requests wait for pages.

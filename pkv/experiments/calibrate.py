@@ -156,7 +156,8 @@ class _TimedTrace:
         assignment, self.steps = trace_steps(
             requests, page_size=trace.page_size, hole_fraction=trace.hole_fraction,
             max_active=trace.max_active, num_steps=run_settings.warmup_steps + run_settings.measured_steps,
-            seed=cfg.seed, layout=trace.page_layout, pool_pages=kv_pool_pages(trace, run_settings, requests))
+            seed=cfg.seed, layout=trace.page_layout, pool_pages=kv_pool_pages(trace, run_settings, requests),
+            page_order=trace.page_order)
         dtype = resolve_dtype(settings.dtype)
         k_pages, v_pages = make_kv_pages(assignment.num_physical_pages, shape, trace.page_size, dtype,
                                          settings.device, cfg.seed)

@@ -216,7 +216,7 @@ def trace_record(trace: TraceConfig, seed: int, settings: RunSettings, num_reque
         "num_requests": num_requests, "max_active": trace.max_active,
         "measured_steps": settings.measured_steps, "page_size": trace.page_size,
         "hole_fraction": trace.hole_fraction, "length_scale": settings.length_scale,
-        "page_layout": trace.page_layout,
+        "page_layout": trace.page_layout, "page_order": trace.page_order,
     }
     if pool_pages is not None:
         record["kv_pool_pages"] = int(pool_pages)

@@ -48,7 +48,7 @@ def run_trace_experiment(cfg: PkvConfig) -> list[Path]:
         spec = TraceRunSpec(
             name=trace_name(trace), family=trace.family, seed=cfg.seed, requests=tuple(requests),
             page_size=trace.page_size, hole_fraction=trace.hole_fraction, max_active=trace.max_active,
-            page_layout=trace.page_layout, kv_pool_pages=pool_pages,
+            page_layout=trace.page_layout, page_order=trace.page_order, kv_pool_pages=pool_pages,
             warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps,
             dtype=settings.dtype, device=settings.device, check_every=settings.check_every,
             mlp_tail=exp.mlp_tail, flush_l2=exp.flush_l2,

@@ -153,7 +153,8 @@ def run(cfg: PkvConfig) -> list:
     pool_pages = kv_pool_pages(trace, settings, requests)
     assignment = page_layout(requests, layout=trace.page_layout, page_size=trace.page_size,
                              hole_fraction=trace.hole_fraction, seed=cfg.seed, max_active=trace.max_active,
-                             max_steps=settings.warmup_steps + settings.measured_steps, pool_pages=pool_pages)
+                             max_steps=settings.warmup_steps + settings.measured_steps, pool_pages=pool_pages,
+                             page_order=trace.page_order)
     max_pages = max(-(-r.total_len // trace.page_size) for r in requests)
     element_bytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     layers = layers_that_fit(shape, assignment.num_physical_pages, trace.page_size, element_bytes,

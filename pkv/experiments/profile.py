@@ -173,6 +173,7 @@ def _profiled_trace(cfg: PkvConfig) -> None:
         name=trace_name(trace), family=trace.family, seed=cfg.seed,
         requests=tuple(requests), page_size=trace.page_size,
         hole_fraction=trace.hole_fraction, max_active=trace.max_active, page_layout=trace.page_layout,
+        page_order=trace.page_order,
         kv_pool_pages=kv_pool_pages(trace, settings, requests),
         warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps,
         dtype=settings.dtype, device=settings.device, check_every=settings.check_every,

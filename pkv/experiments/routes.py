@@ -64,7 +64,7 @@ def replay_routes(cfg, *, all_steps: bool = False) -> dict:
     _, decoded = trace_steps(
         requests, page_size=trace.page_size, hole_fraction=trace.hole_fraction, max_active=trace.max_active,
         num_steps=None if all_steps else settings.warmup_steps + settings.measured_steps, seed=cfg.seed,
-        layout=trace.page_layout, pool_pages=kv_pool_pages(trace, settings, requests))
+        layout=trace.page_layout, pool_pages=kv_pool_pages(trace, settings, requests), page_order=trace.page_order)
     steps = []
     for position, step in enumerate(decoded):
         decision = policy.choose(step)

@@ -89,12 +89,13 @@ def time_steps(engine, route: StepRoute, steps, shape, k_pages, v_pages, *, dtyp
 
 
 def trace_steps(requests, *, page_size: int, hole_fraction: float, max_active: int, num_steps: int,
-                seed: int, layout: str = "recycled", pool_pages: int | None = None):
+                seed: int, layout: str = "recycled", pool_pages: int | None = None, page_order: str = "shuffled"):
     """The page layout (pkv.pipeline.serving.page_layout) and the first num_steps StepBatches of a
     continuous-batching replay."""
 
     assignment = page_layout(requests, layout=layout, page_size=page_size, hole_fraction=hole_fraction,
-                             seed=seed, max_active=max_active, max_steps=num_steps, pool_pages=pool_pages)
+                             seed=seed, max_active=max_active, max_steps=num_steps, pool_pages=pool_pages,
+                             page_order=page_order)
     steps = list(ContinuousDecoder(list(requests), assignment, max_active, max_steps=num_steps).steps())
     if not steps:
         raise ValueError("the calibration trace produced no decode steps")

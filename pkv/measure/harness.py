@@ -67,6 +67,7 @@ class TraceRunSpec:
     hole_fraction: float = 0.0
     # pkv.pipeline.kv_pool.PAGE_LAYOUTS; kv_pool_pages None sizes the recycled pool to the run's peak
     page_layout: str = "recycled"
+    page_order: str = "shuffled"  # pkv.pipeline.pages.PAGE_ORDERS
     kv_pool_pages: int | None = None
     max_active: int = 8
     warmup_steps: int = 4
@@ -349,7 +350,7 @@ def run_trace(spec: TraceRunSpec, shape, engines: dict, baseline: str, *, progre
     total_steps = spec.warmup_steps + spec.measured_steps
     assignment = page_layout(requests, layout=spec.page_layout, page_size=spec.page_size,
                              hole_fraction=spec.hole_fraction, seed=spec.seed, max_active=spec.max_active,
-                             max_steps=total_steps, pool_pages=spec.kv_pool_pages)
+                             max_steps=total_steps, pool_pages=spec.kv_pool_pages, page_order=spec.page_order)
     k_pages, v_pages = make_kv_pages(assignment.num_physical_pages, shape, spec.page_size, dtype,
                                      device, spec.seed)
     decoder = ContinuousDecoder(requests, assignment, spec.max_active, max_steps=total_steps)

@@ -5,8 +5,9 @@ request takes pages when it is admitted (its prompt and the first decoded token)
 each time its length crosses a page boundary; when it finishes, its pages go back to the free
 list and are handed out again. The free list is first-in first-out (vLLM's free block queue:
 allocation pops the front, a freed page joins the back), and it starts as one seeded permutation
-of the pool, so the layout is scattered from the first step, as in a server that has been running
-for a while, and gets more scattered as requests come and go.
+of the pool (page order "shuffled", pkv.pipeline.pages.PAGE_ORDERS), so the layout is scattered
+from the first step, as in a server that has been running for a while, and gets more scattered as
+requests come and go; or in ID order ("in_order"), as a freshly started server's.
 
 Admission control reserves a request's whole length (prompt + decode tokens) before it is
 admitted, and the pages themselves are taken lazily, step by step. A request whose reservation
@@ -28,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pkv.pipeline.pages import universe_size
+from pkv.pipeline.pages import PAGE_ORDERS, first_order, universe_size
 
 PAGE_LAYOUTS = ("recycled", "up_front")
 """How a run's requests get their physical pages: ``recycled`` (this module: a fixed pool whose
@@ -38,6 +39,7 @@ owns its pages from the start and none is reused; the paper's section 3.7 layout
 _INT32_MAX = np.iinfo(np.int32).max
 
 
+
 def pages_for_tokens(tokens, page_size: int):
     """ceil(tokens / page_size), elementwise for arrays."""
     return -(-tokens // page_size)
@@ -45,11 +47,12 @@ def pages_for_tokens(tokens, page_size: int):
 
 @dataclass(frozen=True)
 class KVPoolSpec:
-    """The pool a run decodes over: its size in pages and the seed of its initial free list."""
+    """The pool a run decodes over: its size in pages and its initial free list (seed and order)."""
 
     num_physical_pages: int
     page_size: int
     seed: int
+    page_order: str = "shuffled"
 
     def __post_init__(self) -> None:
         for name in ("num_physical_pages", "page_size"):
@@ -60,6 +63,8 @@ class KVPoolSpec:
             raise ValueError(f"KVPoolSpec.num_physical_pages={self.num_physical_pages} does not fit int32 page IDs")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
             raise ValueError(f"KVPoolSpec.seed must be a non-negative integer, got {self.seed!r}")
+        if self.page_order not in PAGE_ORDERS:
+            raise ValueError(f"KVPoolSpec.page_order must be one of {PAGE_ORDERS}, got {self.page_order!r}")
 
     @property
     def capacity_tokens(self) -> int:
@@ -71,8 +76,7 @@ class KVPool:
 
     def __init__(self, spec: KVPoolSpec):
         self.spec = spec
-        order = np.random.default_rng(int(spec.seed)).permutation(spec.num_physical_pages)
-        self._free = deque(order.tolist())
+        self._free = deque(first_order(spec.num_physical_pages, spec.seed, spec.page_order).tolist())
 
     @property
     def num_free(self) -> int:

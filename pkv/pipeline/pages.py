@@ -5,7 +5,8 @@ bucket length in bucketed experiments, and so owns ``L_i = ceil(reserved_i / P)`
 With ``L = sum L_i`` and hole fraction ``rho``, the physical universe has ``ceil(L / (1 - rho))``
 page IDs. One seeded permutation of the universe is cut into consecutive slices, request after
 request: logical order is kept inside a block table while physical IDs are scattered, and the
-``U - L`` IDs past the last slice are the holes no request owns.
+``U - L`` IDs past the last slice are the holes no request owns. With page order "in_order"
+(PAGE_ORDERS) the universe is cut in ID order instead, and each request's pages are consecutive.
 
 This is not a production allocator (no eviction or reuse; pkv.pipeline.kv_pool is the recycled
 pool a serving engine keeps, and runs use it unless trace.page_layout is "up_front"); its job is
@@ -22,7 +23,22 @@ from typing import Sequence
 
 import numpy as np
 
+PAGE_ORDERS = ("shuffled", "in_order")
+"""The order in which a run's page IDs are first handed out: ``shuffled``, one seeded permutation
+(a server that has been running for a while, whose free list has long lost its order), or
+``in_order``, ascending IDs (a freshly started server: vLLM's free block queue starts as the
+blocks in ID order), so a request's prompt pages are consecutive IDs, neighbours in memory."""
+
 _INT32_MAX = np.iinfo(np.int32).max
+
+
+def first_order(num_pages: int, seed: int, page_order: str) -> np.ndarray:
+    """The page IDs 0..num_pages-1 in the order PAGE_ORDERS names."""
+    if page_order == "shuffled":
+        return np.random.default_rng(int(seed)).permutation(num_pages)
+    if page_order == "in_order":
+        return np.arange(num_pages)
+    raise ValueError(f"page order must be one of {PAGE_ORDERS}, got {page_order!r}")
 
 
 @dataclass(frozen=True)
@@ -66,10 +82,12 @@ def assign_pages(
     hole_fraction: float,
     seed: int,
     bucket_size: int | None = None,
+    page_order: str = "shuffled",
 ) -> PageAssignment:
     """Assign physical pages to requests whose exact lengths (tokens, >= 1) are ``reserved_lens``.
 
-    Request ``i`` of the result corresponds to ``reserved_lens[i]``.
+    Request ``i`` of the result corresponds to ``reserved_lens[i]``. ``page_order`` (PAGE_ORDERS)
+    orders the universe before it is cut: "in_order" gives each request consecutive IDs.
     """
     page_size = _positive_int("page_size", page_size)
     if isinstance(hole_fraction, bool) or not isinstance(hole_fraction, (int, float)) or not 0 <= hole_fraction < 1:
@@ -100,7 +118,7 @@ def assign_pages(
     if universe > _INT32_MAX:
         raise ValueError(f"page universe of {universe} IDs does not fit int32 page IDs")
 
-    perm = np.random.default_rng(int(seed)).permutation(universe).astype(np.int32)
+    perm = first_order(universe, seed, page_order).astype(np.int32)
     perm.flags.writeable = False
     ends = np.cumsum(num_pages)
     starts = ends - num_pages

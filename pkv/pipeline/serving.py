@@ -254,20 +254,21 @@ def decode_plan_summary(requests: Sequence[Request], max_active: int, max_steps:
 
 def page_layout(requests: Sequence[Request], *, layout: str, page_size: int, hole_fraction: float, seed: int,
                 max_active: int, max_steps: int | None = None, pool_pages: int | None = None,
-                max_pool_pages: int | None = None) -> PageAssignment | KVPoolSpec:
+                max_pool_pages: int | None = None, page_order: str = "shuffled") -> PageAssignment | KVPoolSpec:
     """Where a replay of ``requests`` finds its pages (pkv.pipeline.kv_pool.PAGE_LAYOUTS).
 
     ``recycled``: a fixed pool of ``pool_pages`` pages, or when that is None the pages the replay's
     first ``max_steps`` steps reserve at their peak over ``1 - hole_fraction``, at most
     ``max_pool_pages`` and at least the longest request (pkv.pipeline.kv_pool.pool_pages_for). ``up_front``: assign_pages over every request, which
-    takes ``hole_fraction`` as its share of empty pages and ignores ``pool_pages``.
+    takes ``hole_fraction`` as its share of empty pages and ignores ``pool_pages``. ``page_order``
+    (pkv.pipeline.pages.PAGE_ORDERS) is the order either hands out its first pages in.
     """
     if layout == "up_front":
-        return assign_pages([r.total_len for r in requests], page_size, hole_fraction, seed)
+        return assign_pages([r.total_len for r in requests], page_size, hole_fraction, seed, page_order=page_order)
     if layout != "recycled":
         raise ValueError(f"page layout must be one of {PAGE_LAYOUTS}, got {layout!r}")
     if pool_pages is None:
         peak = decode_plan_summary(requests, max_active, max_steps, page_size=page_size)["peak_reserved_pages"]
         longest = max(pages_for_tokens(r.total_len, page_size) for r in requests)
         pool_pages = pool_pages_for(peak, hole_fraction, longest_pages=longest, max_pages=max_pool_pages)
-    return KVPoolSpec(int(pool_pages), int(page_size), int(seed))
+    return KVPoolSpec(int(pool_pages), int(page_size), int(seed), page_order)

@@ -191,7 +191,8 @@ def step_decisions(calibs, shape: ModelShape = ModelShape()) -> list[dict]:
             _, replayed = trace_steps(requests, page_size=int(conf["page_size"]),
                                       hole_fraction=float(conf["hole_fraction"]), max_active=batch,
                                       num_steps=warmup + measured, seed=seed,
-                                      layout=conf.get("page_layout", "recycled"))
+                                      layout=conf.get("page_layout", "recycled"),
+                                      page_order=conf.get("page_order", "shuffled"))
             for step in replayed[warmup:]:
                 routes = [p.choose(step).route for p in policies]
                 steps += 1
