@@ -30,8 +30,9 @@ for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     echo "r$round.s$s rc=$? at $(( $(date +%s) - start )) s: ${settings[$s]}"
   done
 done
-# Every run's tables as pkv.report.graph_gain renders them, grouped by setting.
-python3 - "$OUT/ab" <<'EOF'
+# Every run's tables as pkv.report.graph_gain renders them, grouped by setting, with the packages
+# kernel_profile.sh installed under /tmp/site (scripts/device_site.sh) on the path.
+PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} python3 - "$OUT/ab" <<'EOF'
 import json, sys
 from pathlib import Path
 
