@@ -39,7 +39,6 @@ owns its pages from the start and none is reused; the paper's section 3.7 layout
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-
 def pages_for_tokens(tokens, page_size: int):
     """ceil(tokens / page_size), elementwise for arrays."""
     return -(-tokens // page_size)
