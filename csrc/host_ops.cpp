@@ -11,6 +11,7 @@
 
 #include <ATen/ATen.h>
 
+#include "host_ops.h"
 #include "route_policy.h"
 #include "step_plan.h"
 
@@ -206,13 +207,14 @@ std::tuple<std::vector<int64_t>, std::vector<double>> choose_route(const Tensor&
   return choice_lists(checked_choice(seq_lens, params));
 }
 
+}  // namespace
+
 // An eager step's host work in one call: the route policy decides, and where it picks a PersistentKV
 // route the step is planned and packed (into pinned memory with `pinned`) and, with `upload_to`,
 // copied to that device asynchronously. A step left to FlashInfer returns no plan.
-std::tuple<std::vector<int64_t>, std::vector<double>, std::optional<Tensor>, std::optional<Tensor>,
-           std::vector<int64_t>>
-adaptive_plan(const Tensor& seq_lens, const Tensor& pages, const std::optional<Tensor>& page_indptr,
-              const Tensor& policy, bool pinned, std::optional<at::Device> upload_to) {
+pkv_host::AdaptivePlan pkv_host::adaptive_plan(const Tensor& seq_lens, const Tensor& pages,
+                                               const std::optional<Tensor>& page_indptr, const Tensor& policy,
+                                               bool pinned, std::optional<at::Device> upload_to) {
   const pkv::RoutePolicyParams params = read_policy(policy);
   check_step(seq_lens, pages, page_indptr, params.num_kv_heads);
   const pkv::RouteChoice choice = checked_choice(seq_lens, params);
@@ -232,8 +234,6 @@ adaptive_plan(const Tensor& seq_lens, const Tensor& pages, const std::optional<T
   return {ints, reals, packed, meta, layout};
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(pkv, m) {
   m.def(
       "plan_workqueue(Tensor seq_lens, Tensor block_table, int num_kv_heads, bool balanced, int num_splits, "
@@ -252,5 +252,5 @@ TORCH_LIBRARY_IMPL(pkv, CPU, m) {
   m.impl("plan_workqueue", &plan_workqueue);
   m.impl("plan_buckets", &plan_buckets);
   m.impl("choose_route", &choose_route);
-  m.impl("adaptive_plan", &adaptive_plan);
+  m.impl("adaptive_plan", &pkv_host::adaptive_plan);
 }

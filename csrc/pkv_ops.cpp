@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include "device_plan.h"
+#include "host_ops.h"
 #include "pkv_launch.h"
 #include "step_executor.h"
 #include "step_plan.h"
@@ -390,6 +391,41 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
   return out;
 }
 
+// Whether a packed plan has a (row, KV head) of more than one split, that is a merge to run: the
+// workqueue's widest split count, or any bucket launch's.
+bool plan_merges(at::IntArrayRef layout) {
+  if (layout[pkv::kLayoutRoute] == pkv::kRouteWorkqueue) return layout[pkv::kLayoutRouteFields + 1] > 1;
+  const int64_t num_launches = layout[pkv::kLayoutRouteFields];
+  for (int64_t j = 0; j < num_launches; ++j) {
+    if (layout[pkv::kLayoutRouteFields + 2 + 2 * j] > 1) return true;
+  }
+  return false;
+}
+
+// An eager adaptive step in one dispatcher call: pkv_host::adaptive_plan decides the route and,
+// where it is PersistentKV's, plans the step into pinned memory and starts its upload; run_plan
+// then issues the route's launches behind that copy on the same stream. A plan without a split to
+// merge runs the plain launch, with no counters. Returns adaptive_plan's five values and the
+// output, or no plan and no output where the step is FlashInfer's.
+using AdaptiveStep = std::tuple<std::vector<int64_t>, std::vector<double>, std::optional<Tensor>,
+                                std::optional<Tensor>, std::vector<int64_t>, std::optional<Tensor>>;
+
+AdaptiveStep adaptive_step(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& seq_lens,
+                           const Tensor& pages, const std::optional<Tensor>& page_indptr, const Tensor& policy,
+                           double sm_scale, int64_t stages, int64_t merge_kind,
+                           const std::optional<Tensor>& pair_counters) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto [ints, reals, host_meta, meta, layout] =
+      pkv_host::adaptive_plan(seq_lens, pages, page_indptr, policy, /*pinned=*/true, q.device());
+  if (!meta.has_value()) return {ints, reals, std::nullopt, std::nullopt, layout, std::nullopt};
+  const bool merges = plan_merges(layout);
+  const int64_t merge = merges ? merge_kind : merge_code(pkv::MergeKind::kLaunch);
+  const bool fused = merge == merge_code(pkv::MergeKind::kFused);
+  Tensor out = run_plan(q, k_pages, v_pages, *meta, layout, sm_scale, stages, merge,
+                        fused ? pair_counters : std::nullopt);
+  return {ints, reals, host_meta, meta, layout, out};
+}
+
 // The workqueue plan made on the GPU from seq_lens (device_plan.h), into caller-owned buffers:
 // no host synchronization, no copy, so a CUDA graph can hold it. With page lists, page_indptr
 // and page_size clamp each row to its own pages. The split rule is the fixed one unless
@@ -509,6 +545,10 @@ TORCH_LIBRARY(pkv, m) {
       "run_plan(Tensor q, Tensor k_pages, Tensor v_pages, Tensor meta, int[] layout, float sm_scale, int stages, "
       "int merge_kind, Tensor(a!)? pair_counters) -> Tensor");
   m.def(
+      "adaptive_step(Tensor q, Tensor k_pages, Tensor v_pages, Tensor seq_lens, Tensor pages, Tensor? page_indptr, "
+      "Tensor policy, float sm_scale, int stages, int merge_kind, Tensor(a!)? pair_counters) "
+      "-> (int[], float[], Tensor?, Tensor?, int[], Tensor?)");
+  m.def(
       "plan_workqueue_on_device(Tensor seq_lens, int num_kv_heads, int num_splits, int max_tokens, "
       "Tensor(a!) tasks, Tensor(b!) split_offsets, Tensor(c!) counts, Tensor? page_indptr=None, "
       "int page_size=0, bool balanced=False, int max_splits=0, int target_ctas=0, "
@@ -525,6 +565,7 @@ TORCH_LIBRARY_IMPL(pkv, CUDA, m) {
   m.impl("workqueue_decode", &workqueue_decode);
   m.impl("merge_states", &merge_states);
   m.impl("run_plan", &run_plan);
+  m.impl("adaptive_step", &adaptive_step);
   m.impl("plan_workqueue_on_device", &plan_workqueue_on_device);
   m.impl("run_workqueue_planned_on_device", &run_workqueue_planned_on_device);
 }

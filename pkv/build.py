@@ -39,7 +39,7 @@ LIBRARY_NAME = "pkv_ext"
 # CPU-only library where there is no GPU (the same torch.ops.pkv ops either way; never load both in
 # one process).
 HOST_SOURCES = ("host_ops.cpp", "step_plan.cpp", "route_policy.cpp")
-HOST_HEADERS = ("step_plan.h", "route_policy.h", "decode_constants.h", "split_rule.h")
+HOST_HEADERS = ("host_ops.h", "step_plan.h", "route_policy.h", "decode_constants.h", "split_rule.h")
 HOST_LIBRARY_NAME = "pkv_host"
 
 

@@ -1,6 +1,8 @@
 """torch.ops.pkv: loads the CUDA extension and registers fake kernels so the ops trace under
 torch.compile. The launch ops mutate their output and scratch arguments and return nothing, so
-their fake kernels are empty; run_plan returns a new output shaped like q."""
+their fake kernels are empty; run_plan returns a new output shaped like q. adaptive_step has none:
+what it returns (a route, a plan of the step's size, an output or not) is decided on the host from
+the step's lengths, which a traced graph does not hold."""
 
 from __future__ import annotations
 

@@ -566,3 +566,52 @@ def test_the_adaptive_steps_one_call_plan_runs_as_the_python_policys_plan(option
         want = persistent.run(q, k, v, persistent.plan_route(step, plan.decision.route))
         torch.testing.assert_close(got, want, atol=0, rtol=0)
         _check(got, _dense(step, q, k, v), torch.float16)
+
+
+@pytest.mark.parametrize("options", [{}, {"schedule": "bucket_masked"}, {"split_kind": "balanced"}, {"merge": "fused"}])
+def test_the_one_op_step_runs_as_the_adaptive_steps_two_calls(options):
+    """An eager step decided, planned, uploaded and launched in one op call (adaptive_step) gives the
+    two-call step's output bit for bit and matches float64, on the bucket, the fixed and balanced
+    workqueue routes and with the fused merge; a second run of its plan replays that plan; a step
+    the policy leaves to FlashInfer runs the fallback's own plan."""
+    from pkv.engines.adaptive import AdaptiveEngine, AdaptivePlan, OneOpPlan
+    from pkv.engines.persistentkv import PersistentKVEngine
+    from pkv.engines.sdpa import SdpaEngine
+    from pkv.policy import Calibration, RoutePolicy
+    from pkv.policy.overrides import apply_engine_options, kernel_variants
+    from pkv.shape import ModelShape
+
+    shape = ModelShape()
+    options = dict(options)
+    variants = kernel_variants(options.pop("schedule", "workqueue"), options.pop("merge", "launch"))
+    calib = Calibration.from_mapping({"gpu": "test", "num_sms": 132, "beta_gbps": 3000.0, "lambda_us": 5.0,
+                                      "c_min": 0.25, "supported_group_sizes": [4]}, "test")
+    for regime in ("single_row", "few_rows", "many_rows"):
+        calib = calib.with_regime(regime, min_context_tokens=0, margin=0.01)
+    calib = calib.with_regime("single_row", route="persistentkv_bucket", num_splits=16)
+    calib = calib.with_regime("few_rows", route="flashinfer")
+    calib = calib.with_regime("many_rows", route="persistentkv_workqueue", num_splits=20, skew_target_ctas=396)
+    policy = RoutePolicy(apply_engine_options(calib, **options), num_kv_heads=shape.num_kv_heads,
+                         group_size=shape.group_size, head_dim=shape.head_dim, variants=variants)
+    persistent = PersistentKVEngine(shape, policy=policy)
+    fallback = SdpaEngine(shape, "cuda")
+    two_calls = AdaptiveEngine(policy, persistent, fallback)
+    one_op = AdaptiveEngine(policy, persistent, fallback, one_op_step=True)
+    cases = ([8192], [4097], [3000, 5000], [4000, 9000, 100, 30000, 17, 65000, 2048, 4097], [131072] + [100] * 63)
+    for seed, lengths in enumerate(cases):
+        step, q, k, v = _case(lengths, shape, torch.float16, seed=seed)
+        want = two_calls.run(q, k, v, two_calls.plan(step))
+        plan = one_op.plan(step)
+        assert isinstance(plan, OneOpPlan)
+        got = one_op.run(q, k, v, plan)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        _check(got, _dense(step, q, k, v), torch.float16)
+        decided = plan.resolved()
+        if policy.choose(step).route.name == "flashinfer":
+            assert not isinstance(decided, AdaptivePlan), lengths
+        else:
+            assert isinstance(decided, AdaptivePlan) and decided.decision == policy.choose(step), lengths
+        torch.testing.assert_close(one_op.run(q, k, v, plan), want, atol=0, rtol=0)
+        read_first = one_op.plan(step)  # read before its run: planned then, launched by the run
+        assert read_first.route == plan.route
+        torch.testing.assert_close(one_op.run(q, k, v, read_first), want, atol=0, rtol=0)

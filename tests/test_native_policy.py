@@ -271,3 +271,99 @@ def test_a_gated_step_goes_to_flashinfer_without_the_one_call(monkeypatch):
 
     monkeypatch.setattr(persistent, "plan_chosen", no_call)
     assert not isinstance(engine.plan(short), AdaptivePlan)
+
+
+class _OneOpPersistent:
+    """An eager persistent engine on a GPU as the adaptive engine sees it, its launches recorded:
+    the one op call decides and plans as plan_chosen does (CPU planner) and "launches" nothing."""
+
+    planner, cuda_graph, device, implementation = "native", False, "cuda", "stand-in"
+
+    def __init__(self, real, flashinfer_steps=()):
+        self.real, self.ops, self.calls = real, real.ops, []
+        self.flashinfer_steps = flashinfer_steps  # steps whose one call answers "FlashInfer's"
+
+    def plan_route(self, step, route):
+        return self.real.plan_route(step, route)
+
+    def plan_chosen(self, step, native):
+        self.calls.append("plan_chosen")
+        return self.real.plan_chosen(step, native)
+
+    def step_chosen(self, step, native, q, k, v):
+        self.calls.append("step_chosen")
+        _, choice, estimates, inner = self.real.plan_chosen(step, native)
+        if step in self.flashinfer_steps:
+            return choice, estimates, None, None
+        packed = (inner.host_meta, inner.meta, inner.layout)
+        return choice, estimates, packed, ("launched", packed)
+
+    def device_plan_of(self, step, route, packed):
+        return self.real.device_plan_of(step, route, packed)
+
+    def run(self, q, k, v, inner):
+        self.calls.append("run")
+        return ("launched", inner)
+
+
+class _Fallback:
+    implementation = "fallback stand-in"
+
+    def plan(self, step):
+        return ("fallback plan", step)
+
+    def run(self, q, k, v, plan):
+        return ("fallback run", plan)
+
+
+def test_a_one_op_step_decides_at_its_first_run_and_replays_its_plan_after():
+    from pkv.engines.adaptive import OneOpPlan
+
+    shape = _shape(4)
+    calib = load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json")
+    policy = _policy(calib, shape, {})
+    step = _engine_inputs([8192])
+    persistent = _OneOpPersistent(PersistentKVEngine(shape, policy=policy, device="cpu"))
+    engine = AdaptiveEngine(policy, persistent, _Fallback(), one_op_step=True)
+    assert engine.implementation.endswith("+one_op")
+    plan = engine.plan(step)
+    assert isinstance(plan, OneOpPlan) and persistent.calls == []  # nothing decided before the run
+    out = engine.run(None, None, None, plan)
+    assert persistent.calls == ["step_chosen"] and out[0] == "launched"
+    decided = plan.resolved()
+    assert isinstance(decided, AdaptivePlan) and decided.decision == policy.choose(step)
+    assert out[1] == (decided.inner.host_meta, decided.inner.meta, decided.inner.layout)
+    assert decided.inner.layout == persistent.real.plan_route(step, decided.step_route).layout
+    assert plan.route == decided.route and plan.num_splits == decided.num_splits
+    assert engine.run(None, None, None, plan) == ("launched", decided.inner)  # the same plan, not decided again
+    assert persistent.calls == ["step_chosen", "run"]
+    # Read before its run: planned then, without a launch, and the run launches that plan.
+    persistent.calls.clear()
+    early = engine.plan(step)
+    assert early.route == decided.route and persistent.calls == ["plan_chosen"]
+    assert engine.run(None, None, None, early)[1] is early.resolved().inner
+    assert persistent.calls == ["plan_chosen", "run"]
+    # A step the one call leaves to FlashInfer runs the fallback's plan, made at that run.
+    persistent.flashinfer_steps = (step,)
+    persistent.calls.clear()
+    left = engine.plan(step)
+    assert engine.run(None, None, None, left) == ("fallback run", ("fallback plan", step))
+    assert persistent.calls == ["step_chosen"] and left.resolved() == ("fallback plan", step)
+    # A gated step goes to FlashInfer at plan(), as without the one op.
+    short = _engine_inputs([512, 1024, 1536, 2048, 2560, 3072, 3584, 4096])
+    assert engine.plan(short) == ("fallback plan", short)
+
+
+def test_the_one_op_step_needs_an_eager_gpu_engine_and_the_native_policy():
+    shape = _shape(4)
+    calib = load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json")
+    policy = _policy(calib, shape, {})
+    real = PersistentKVEngine(shape, policy=policy, device="cpu")
+    with pytest.raises(ValueError, match="one_op_step needs"):
+        AdaptiveEngine(policy, real, _Fallback(), one_op_step=True)  # on the CPU
+    graphed = _OneOpPersistent(real)
+    graphed.cuda_graph = True
+    with pytest.raises(ValueError, match="one_op_step needs"):
+        AdaptiveEngine(policy, graphed, _Fallback(), one_op_step=True)
+    with pytest.raises(ValueError, match="one_op_step needs"):
+        AdaptiveEngine(policy, _OneOpPersistent(real), _Fallback(), native_policy=False, one_op_step=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from pkv.engines.base import Engine
 from pkv.policy.choose import RouteDecision, RoutePolicy
 from pkv.policy.native import NativeRoutePolicy
@@ -58,17 +60,54 @@ class AdaptivePlan:
         return self.step_route.split_rule
 
 
+class OneOpPlan:
+    """An eager adaptive step whose route is decided, planned and launched by one op call
+    (PersistentKVEngine.step_chosen), made by its first run. That run leaves the step's plan here:
+    an AdaptivePlan, or FlashInfer's own plan where the policy picks FlashInfer, planned then. A
+    later run of it replays that plan without deciding again, so a second run times the kernels
+    alone, as for any plan. Reading the plan before it has run plans it then (decided and
+    uploaded, not launched), and the run launches that plan."""
+
+    def __init__(self, engine: "AdaptiveEngine", step) -> None:
+        self.step = step
+        self._engine = engine
+        self._plan = None
+        self._chosen = None  # the one call's (choice, estimates, packed plan), until something reads it
+
+    def resolved(self):
+        """The step's plan: an AdaptivePlan, or FlashInfer's."""
+        if self._plan is None:
+            engine = self._engine
+            if self._chosen is None:
+                self._plan = engine.plan_in_calls(self.step)
+            else:
+                choice, estimates, packed = self._chosen
+                route = engine._native.route(choice)
+                self._plan = AdaptivePlan(step_route=route, _decision=(engine._native, choice, estimates),
+                                          inner=engine.persistent.device_plan_of(self.step, route, packed),
+                                          step=self.step)
+        return self._plan
+
+    def __getattr__(self, name):  # route, num_splits, decision, schedule, ... of the step's plan
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.resolved(), name)
+
+
 class AdaptiveEngine(Engine):
     """Asks the route policy per step, then plans and runs the route it chose.
 
     With a calibrated RoutePolicy and a persistent engine that plans in C++ (``plan_chosen``), the
     policy's C++ form decides and plans each step in one call (pkv.policy.native); otherwise the
-    Python policy decides and the persistent engine plans the route.
+    Python policy decides and the persistent engine plans the route. With ``one_op_step`` as well
+    (an eager persistent engine on a GPU), plan() defers the step to its run, which decides, plans
+    and launches it in one op call (OneOpPlan).
     """
 
     held_to_paper_bound = True
 
-    def __init__(self, policy, persistent: Engine, fallback: Engine, *, native_policy: bool = True) -> None:
+    def __init__(self, policy, persistent: Engine, fallback: Engine, *, native_policy: bool = True,
+                 one_op_step: bool = False) -> None:
         if not hasattr(persistent, "plan_route"):
             raise ValueError(
                 f"AdaptiveEngine needs a persistent engine with plan_route(step, route), "
@@ -82,9 +121,22 @@ class AdaptiveEngine(Engine):
         if (native_policy and isinstance(policy, RoutePolicy) and hasattr(persistent, "plan_chosen")
                 and getattr(persistent, "planner", None) == "native"):
             self._native = NativeRoutePolicy(policy, persistent.ops)
-        self.implementation = f"adaptive({persistent.implementation}|{fallback.implementation})"
+        self.one_op_step = bool(one_op_step)
+        if self.one_op_step and (self._native is None or getattr(persistent, "cuda_graph", True)
+                                 or torch.device(persistent.device).type != "cuda"):
+            raise ValueError("AdaptiveEngine: one_op_step needs the native route policy (a calibrated RoutePolicy, "
+                             "the native planner) and an eager persistent engine on a CUDA device")
+        self.implementation = f"adaptive({persistent.implementation}|{fallback.implementation})" + (
+            "+one_op" if self.one_op_step else "")
 
     def plan(self, step):
+        if self.one_op_step:
+            # As plan_in_calls, a gated step goes to FlashInfer at once.
+            return self.fallback.plan(step) if self.policy.gate(step) is not None else OneOpPlan(self, step)
+        return self.plan_in_calls(step)
+
+    def plan_in_calls(self, step):
+        """The step's plan, decided and planned without launching: an AdaptivePlan, or FlashInfer's."""
         native = self._native
         if native is not None:
             # A gated step goes to FlashInfer without the one call, whose step tensors and checks
@@ -119,6 +171,17 @@ class AdaptiveEngine(Engine):
         return self.fallback.path_record()
 
     def run(self, q, k_pages, v_pages, plan):
+        if isinstance(plan, OneOpPlan):
+            if plan._plan is None and plan._chosen is None:
+                # The first run: one call decides, plans, uploads and launches. Its plan objects are
+                # built when something reads them (a later run, the harness's records).
+                choice, estimates, packed, out = self.persistent.step_chosen(plan.step, self._native, q, k_pages,
+                                                                             v_pages)
+                if packed is not None:
+                    plan._chosen = (choice, estimates, packed)
+                    return out
+                plan._plan = self.fallback.plan(plan.step)
+            plan = plan.resolved()
         if not isinstance(plan, AdaptivePlan):  # a FlashInfer step runs the fallback's own plan
             return self.fallback.run(q, k_pages, v_pages, plan)
         return self.persistent.run(q, k_pages, v_pages, plan.inner)

@@ -279,6 +279,30 @@ class PersistentKVEngine(Engine):
             return route, choice, estimates, None
         return route, choice, estimates, self._device_plan(step, route, host_meta, meta, layout, None)
 
+    def step_chosen(self, step, native, q, k_pages, v_pages) -> tuple:
+        """plan_chosen and run in one op call (csrc/pkv_ops.cpp, adaptive_step): decide, plan,
+        upload and launch. (choice ints, estimates, the packed plan, its output): the packed plan
+        (host_meta, meta, layout) is what device_plan_of makes a DevicePlan of, off this path; no
+        plan and no output where the step is FlashInfer's. Eager only: a CUDA graph replays
+        launches captured from separate ops."""
+        if self.cuda_graph:
+            raise ValueError("persistentkv: step_chosen issues an eager step; this engine replays CUDA graphs")
+        self._check(q, k_pages, v_pages, step)
+        merge = native.policy.variants.merge
+        lens, pages, indptr = _step_tensors(step, self._page_lists(step, merge))
+        counters = self._pair_counters(step.batch_size * self.shape.num_kv_heads) if merge == MERGE_FUSED else None
+        choice, estimates, host_meta, meta, layout, out = self.ops.adaptive_step(
+            q, k_pages, v_pages, lens, pages, indptr, native.values, self.shape.sm_scale, self.stages,
+            _MERGE_CODES[merge], counters)
+        if meta is None:
+            return choice, estimates, None, None
+        return choice, estimates, (host_meta, meta, layout), out
+
+    def device_plan_of(self, step, route: StepRoute, packed: tuple) -> DevicePlan:
+        """The DevicePlan of a plan step_chosen packed and uploaded for ``route``."""
+        host_meta, meta, layout = packed
+        return self._device_plan(step, route, host_meta, meta, layout, None)
+
     def _page_lists(self, step, merge: str) -> bool:
         """Whether the step's plan carries page lists (page_lists_pay). A graph replays one layout,
         so the graphed engine keeps block tables; so does the cluster merge, whose kernel has been
@@ -327,14 +351,14 @@ class PersistentKVEngine(Engine):
         return _pack([*_page_table_arrays(step, lists), step.seq_lens, *rows]), layout, host
 
     # ---- execution (device) ----------------------------------------------------------------
-    def _check(self, q, k_pages, v_pages, plan: DevicePlan) -> None:
+    def _check(self, q, k_pages, v_pages, step) -> None:
         """Refuse bad inputs here, with the field named, before any kernel sees them. A serving
         loop passes the same tensors step after step, so an accepted signature is remembered."""
         key = (q.shape, q.dtype, q.device, k_pages.shape, k_pages.dtype, k_pages.device, v_pages.shape,
-               v_pages.dtype, v_pages.device, plan.step.page_size, plan.batch_size)
+               v_pages.dtype, v_pages.device, step.page_size, step.batch_size)
         if key in self._checked:
             return
-        check_decode_inputs(q, k_pages, v_pages, self.shape, plan.step.page_size)
+        check_decode_inputs(q, k_pages, v_pages, self.shape, step.page_size)
         for label, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
             if t.dtype not in (torch.float16, torch.bfloat16):
                 raise ValueError(f"persistentkv: {label} must be float16 or bfloat16, got {t.dtype}")
@@ -342,12 +366,12 @@ class PersistentKVEngine(Engine):
                 raise ValueError(f"persistentkv: {label} must be on a CUDA device, got {t.device}")
         if q.dtype != k_pages.dtype:
             raise ValueError(f"persistentkv: q is {q.dtype} but the pages are {k_pages.dtype}")
-        if q.shape[0] != plan.batch_size:
-            raise ValueError(f"persistentkv: q has {q.shape[0]} rows, the plan's step has {plan.batch_size}")
+        if q.shape[0] != step.batch_size:
+            raise ValueError(f"persistentkv: q has {q.shape[0]} rows, the plan's step has {step.batch_size}")
         self._checked.add(key)
 
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DevicePlan) -> torch.Tensor:
-        self._check(q, k_pages, v_pages, plan)
+        self._check(q, k_pages, v_pages, plan.step)
         if self.cuda_graph:
             return self._run_graphed(q, k_pages, v_pages, plan)
         # A plan without a split to merge runs the plain launch, with no counters to hand over.
@@ -374,7 +398,7 @@ class PersistentKVEngine(Engine):
 
     def run_into(self, q, k_pages, v_pages, plan: DevicePlan, out, part_m, part_l, part_acc) -> None:
         """run() with caller-owned output and scratch (tests poison them first)."""
-        self._check(q, k_pages, v_pages, plan)
+        self._check(q, k_pages, v_pages, plan.step)
         self._launch(q, k_pages, v_pages, plan, out, part_m, part_l, part_acc)
 
     def scratch(self, plan: DevicePlan, device, fill: float | None = None):

@@ -60,15 +60,18 @@ PLANNERS = ("native", "numpy")
 COLUMNS = ("plan_us", "issue_us", "wait_us", "wall_us")
 
 
-def engine_specs() -> dict[str, tuple[str, dict]]:
+def engine_specs(device="cuda") -> dict[str, tuple[str, dict]]:
     """label -> (engine role, build_engine options; "python_policy": the adaptive engine's Python
-    policy instead of its C++ form, pkv.policy.native)."""
+    policy instead of its C++ form, pkv.policy.native; "one_op": its eager step decided, planned
+    and launched in one op call, on a GPU only)."""
     specs = {"flashinfer": ("flashinfer", {})}
     for planner in PLANNERS:
         specs[f"adaptive/{planner}"] = ("adaptive", {"planner": planner})
         if planner == "native":
             # The route decided in Python, then planned by the C++ planner: what the one call saves.
             specs["adaptive/native, Python policy"] = ("adaptive", {"planner": planner, "python_policy": True})
+            if torch.device(device).type == "cuda":  # and the run folded into the same call
+                specs["adaptive/native, one op"] = ("adaptive", {"planner": planner, "one_op": True})
         for route in ("bucket_exact", "workqueue"):
             specs[f"persistentkv_{route}/{planner}"] = ("persistentkv", {"route": route, "planner": planner})
     return specs
@@ -100,12 +103,14 @@ def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log, *, dtype="f
     k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, dtype, device, seed)
     q = make_queries(len(seq_lens), shape, dtype, device, seed + 1)
     rows = {}
-    for label, (role, options) in engine_specs().items():
+    for label, (role, options) in engine_specs(device).items():
         policy = role_policy(role, options, shape, calib)
         engine = build_engine(role, shape=shape, device=device, policy=policy,
                               options={k: v for k, v in options.items() if k in OPTION_NAMES})
         if options.get("python_policy"):
             engine = AdaptiveEngine(engine.policy, engine.persistent, engine.fallback, native_policy=False)
+        if options.get("one_op"):
+            engine = AdaptiveEngine(engine.policy, engine.persistent, engine.fallback, one_op_step=True)
         engine.prepare(step, q, k, v)
         for _ in range(5):
             engine.run(q, k, v, engine.plan(step))
