@@ -27,7 +27,9 @@ def _bench_root(tmp_path: Path) -> Path:
                                                 "persistentkv": {"median_us": 50.5}}}}}
     host = {"schema": "pkv.host_bench/1", "performance_result": True, "provenance": PROV, "cases": {
         "b1_8k": {"engines": {"flashinfer": {"tight": {"plan_us": 200.0, "issue_us": 60.0, "wait_us": 40.0},
-                                             "device_us": 21.0, "route": "flashinfer"}}}}}
+                                             "device_us": 21.0, "route": "flashinfer"},
+                              "persistentkv_adaptive_route/native": {"skipped": "left to FlashInfer",
+                                                                     "route": "flashinfer"}}}}}
     write_json_atomic(root / "kernel_bench" / "decode.json", kernel)
     write_json_atomic(root / "host_bench" / "host.json", host)
     return root
@@ -78,7 +80,7 @@ def test_benchmark_figures_from_their_files(tmp_path):
     assert kernel.empty is None
     assert kernel.series["engines"]["persistentkv"] == pytest.approx([0.5, 50.0 / 50.5])
     host = figure_data.host_device(root)
-    engine = host.series["cases"][0]["engines"][0]
+    (engine,) = host.series["cases"][0]["engines"]  # the skipped row draws nothing
     assert engine["parts"] == {"plan()": 200.0, "run() issue": 60.0, "wait for the device": 40.0}
     assert engine["device_us"] == 21.0
     for name in ("kernel_floor", "host_device"):

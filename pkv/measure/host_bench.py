@@ -38,7 +38,9 @@ from pkv.measure.kv_data import make_kv_pages, make_queries
 from pkv.measure.timing import L2Flusher, WallTimer, time_device_us
 from pkv.pipeline.pages import assign_pages
 from pkv.pipeline.step import build_step
+from pkv.policy import PinnedRoutePolicy
 from pkv.policy.calibration import Calibration, load_calibration
+from pkv.policy.route import ROUTE_FLASHINFER
 from pkv.provenance import collect_provenance
 from pkv.refusal import exit_on_refusal
 from pkv.shape import ModelShape
@@ -72,6 +74,10 @@ def engine_specs(device="cuda") -> dict[str, tuple[str, dict]]:
             specs["adaptive/native, Python policy"] = ("adaptive", {"planner": planner, "python_policy": True})
             if torch.device(device).type == "cuda":  # and the run folded into the same call
                 specs["adaptive/native, one op"] = ("adaptive", {"planner": planner, "one_op": True})
+            # The route the adaptive policy picks for the case, pinned: planning it without deciding,
+            # so adaptive/native less this row is what deciding costs, in the same process.
+            specs["persistentkv_adaptive_route/native"] = ("persistentkv", {"planner": planner,
+                                                                            "adaptive_route": True})
         for route in ("bucket_exact", "workqueue"):
             specs[f"persistentkv_{route}/{planner}"] = ("persistentkv", {"route": route, "planner": planner})
     return specs
@@ -103,8 +109,15 @@ def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log, *, dtype="f
     k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, dtype, device, seed)
     q = make_queries(len(seq_lens), shape, dtype, device, seed + 1)
     rows = {}
+    chosen = role_policy("adaptive", {}, shape, calib).choose(step).route
     for label, (role, options) in engine_specs(device).items():
-        policy = role_policy(role, options, shape, calib)
+        if options.get("adaptive_route"):
+            if chosen.name == ROUTE_FLASHINFER:
+                rows[label] = {"skipped": "the adaptive policy leaves this case to FlashInfer", "route": chosen.name}
+                continue
+            policy = PinnedRoutePolicy(chosen)
+        else:
+            policy = role_policy(role, options, shape, calib)
         engine = build_engine(role, shape=shape, device=device, policy=policy,
                               options={k: v for k, v in options.items() if k in OPTION_NAMES})
         if options.get("python_policy"):
