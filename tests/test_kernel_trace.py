@@ -125,6 +125,31 @@ def test_a_model_step_asked_for_kernel_traces_on_the_cpu_says_why_it_has_none():
         assert traced[label]["max_rel_err_vs_baseline"] == pytest.approx(plain[label]["max_rel_err_vs_baseline"])
 
 
+def test_a_model_step_traced_from_outside_runs_each_profiled_step_in_its_nvtx_range(monkeypatch):
+    """kernel_profiler "external": each profiled step runs once more per rest and path inside its
+    NVTX range, for a profiler around the run (ncu) to filter on, and the record says where."""
+    from test_model_step_wrong_baseline import BASELINE, SHAPE, _eager, _paths, _run, _studied_engine
+
+    from pkv.engines.sdpa import SdpaEngine
+    from pkv.measure import model_step_run
+
+    ranges = []
+    real = model_step_run.nvtx_range
+    monkeypatch.setattr(model_step_run, "nvtx_range", lambda name: ranges.append(name) or real(name))
+    make = _paths(_eager(BASELINE, SdpaEngine(SHAPE.attention, "cpu")), _eager("adaptive_eager", _studied_engine()))
+    plain = _run(make)
+    marked = _run(make, kernel_profile_steps=2, kernel_profiler="external")
+    assert ranges == ["trace_rest_eager", f"trace_{BASELINE}", "trace_adaptive_eager"] * 2
+    for label in plain:
+        assert marked[label]["kernel_profile"] == {
+            "skipped": f"traced by a profiler around the run, in NVTX ranges trace_{label} and trace_rest_eager "
+                       "(domain pkv)"}
+        assert [s["step"] for s in marked[label]["per_step"]] == [s["step"] for s in plain[label]["per_step"]]
+        assert marked[label]["max_rel_err_vs_baseline"] == pytest.approx(plain[label]["max_rel_err_vs_baseline"])
+    with pytest.raises(ValueError, match="kernel_profiler must be one of"):
+        _run(make, kernel_profile_steps=1, kernel_profiler="nsys")
+
+
 @pytest.mark.gpu
 def test_a_graph_replay_is_traced_kernel_by_kernel():
     if not torch.cuda.is_available():

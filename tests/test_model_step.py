@@ -150,6 +150,12 @@ def test_bad_model_step_config_names_the_field(tmp_path, override, field):
     assert f"field '{field}' = " in str(err.value)
 
 
+def test_a_kernel_profiler_that_is_not_one_is_refused_naming_the_field():
+    with pytest.raises(ConfigError,
+                       match=r"experiment.kernel_profiler' = 'nsys'.*must be one of \['torch', 'external'\]"):
+        compose(["experiment=model_step", "experiment.kernel_profiler=nsys", "out=x"])
+
+
 def test_clock_probe_needs_a_cuda_device_and_writes_nothing(tmp_path):
     from pkv.experiments.model_step import run
 

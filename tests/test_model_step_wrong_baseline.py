@@ -75,7 +75,7 @@ def _studied_engine(**kwargs):
     return WrongReference(SHAPE.attention, policy=PinnedRoutePolicy(StepRoute(ROUTE_WORKQUEUE, 4)), **kwargs)
 
 
-def _run(make_paths, baseline=BASELINE, rest=None, progress=False, kernel_profile_steps=0):
+def _run(make_paths, baseline=BASELINE, rest=None, progress=False, kernel_profile_steps=0, kernel_profiler="torch"):
     """The tiny trace's model step over the paths ``make_paths(model)`` builds, float32 on the CPU;
     ``rest(model)`` makes the eager rest-of-step path where given."""
     lens = [(0, 30, 6), (0, 9, 4), (1, 61, 8), (2, 5, 5), (3, 22, 6)]
@@ -87,7 +87,7 @@ def _run(make_paths, baseline=BASELINE, rest=None, progress=False, kernel_profil
                       dtype=torch.float32, device="cpu", seed=11)
     spec = ModelStepSpec(name="tiny_b3", seed=11, warmup_steps=WARMUP, measured_steps=MEASURED,
                          check_every=CHECK_EVERY, beta_gbps=100.0, baseline=baseline, flush_l2=False,
-                         kernel_profile_steps=kernel_profile_steps)
+                         kernel_profile_steps=kernel_profile_steps, kernel_profiler=kernel_profiler)
     decoder = ContinuousDecoder(requests, assignment, 3, max_steps=total)
     rests = {"eager": (rest or (lambda m: EagerPath("rest_eager", None, m)))(model)}
     return run_model_step(spec, model, decoder, make_paths(model), rests, layers_model=2, progress=progress)

@@ -18,6 +18,7 @@ from pkv.config.schema import (
     CALIBRATION_FITS, CONF_DIR, DEVICES, DRIVERS, DTYPES, EXTERNAL_FAMILY, PLANNERS, PROFILES, ConfigError,
     EngineConfig, ExperimentConfig, PkvConfig, TraceConfig,
 )
+from pkv.measure.kernel_trace import KERNEL_PROFILERS
 from pkv.pipeline.kv_pool import PAGE_LAYOUTS
 from pkv.pipeline.pages import PAGE_ORDERS
 from pkv.pipeline.schedule import SPLIT_KINDS
@@ -118,6 +119,8 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
         if exp.baseline not in exp.engines:
             raise bad("baseline", f"must be one of experiment.engines {list(exp.engines)}")
     _check_bounds(exp, "experiment.", where)
+    if exp.kernel_profiler not in KERNEL_PROFILERS:
+        raise bad("kernel_profiler", f"must be one of {list(KERNEL_PROFILERS)}")
     if exp.driver == "isolated":
         if exp.context_len is None:
             raise bad("context_len", "the isolated experiment needs experiment.context_len")

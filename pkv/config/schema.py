@@ -276,6 +276,11 @@ class ExperimentConfig:
     # model_step: the first this many measured steps run once more per path under the CUDA profiler,
     # untimed, for each path's kernels and attention's share of them (pkv.measure.kernel_trace); 0: none
     kernel_profile_steps: int = bounded(0, bound=PROFILED)
+    # model_step: who traces those steps (pkv.measure.kernel_trace.KERNEL_PROFILERS): "torch", the
+    # CUDA profiler inside the run; "external", nothing inside it: each path's run sits in an NVTX
+    # range trace_<path> (domain pkv) for a profiler started around the run, such as ncu
+    # (scripts/gemm_counters.sh), which cannot share the device's profiling interface with torch's
+    kernel_profiler: str = "torch"
     # model_step: a spin of this many SM clock cycles (torch.cuda._sleep) right after each layer's
     # attention and after its gate/up GEMM, in every path and in the step without attention, so a
     # kernel trace times the SM clock there (a spin's time is its cycles over the clock); 0: none.

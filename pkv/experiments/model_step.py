@@ -180,7 +180,7 @@ def run(cfg: PkvConfig) -> list:
         spec = ModelStepSpec(name=trace_name(trace), seed=cfg.seed, warmup_steps=settings.warmup_steps,
                              measured_steps=settings.measured_steps, check_every=settings.check_every,
                              beta_gbps=float(calib.beta_gbps), baseline=baseline, flush_l2=exp.flush_l2,
-                             kernel_profile_steps=exp.kernel_profile_steps)
+                             kernel_profile_steps=exp.kernel_profile_steps, kernel_profiler=exp.kernel_profiler)
         metrics = run_model_step(spec, model, decoder, paths, rests, layers_model=layers_model,
                                  progress=cfg.progress)
         for label, path in paths.items():

@@ -23,6 +23,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# Who traces a model step's profiled steps: the CUDA profiler inside the run (trace_kernels), or a
+# profiler started around the run (ncu, nsys), which shares no process with torch's and filters on
+# each run's NVTX range instead (trace_range).
+EXTERNAL_PROFILER = "external"
+KERNEL_PROFILERS = ("torch", EXTERNAL_PROFILER)
+
+
+def trace_range(label: str) -> str:
+    """The NVTX range (domain pkv) a profiled step's run of path or rest ``label`` sits in when a
+    profiler around the run traces it."""
+    return f"trace_{label}"
+
 
 class KernelTraceUnavailable(RuntimeError):
     """This device or build has no kernel trace (not a CUDA device, or no CUPTI)."""

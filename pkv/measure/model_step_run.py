@@ -52,9 +52,18 @@ from pkv.measure.harness import (
     query_seed,
     step_where,
 )
-from pkv.measure.kernel_trace import KernelTally, KernelTraceUnavailable, attention_profile, trace_kernels
+from pkv.measure.kernel_trace import (
+    EXTERNAL_PROFILER,
+    KERNEL_PROFILERS,
+    KernelTally,
+    KernelTraceUnavailable,
+    attention_profile,
+    trace_kernels,
+    trace_range,
+)
 from pkv.measure.model_step import ModelStep
 from pkv.measure.model_step_paths import EagerPath
+from pkv.measure.nvtx_ranges import nvtx_range
 from pkv.measure.timing import DeviceTimer, L2Flusher, WallTimer
 
 # A path's final hidden state against the baseline's: the attention outputs differ by the dtype's
@@ -83,6 +92,12 @@ class ModelStepSpec:
     # The first this many measured steps are run once more per path and rest under the CUDA
     # profiler, untimed, for each path's kernels (pkv.measure.kernel_trace); 0: none.
     kernel_profile_steps: int = 0
+    kernel_profiler: str = "torch"  # KERNEL_PROFILERS
+
+    def __post_init__(self) -> None:
+        if self.kernel_profiler not in KERNEL_PROFILERS:
+            raise ValueError(f"ModelStepSpec.kernel_profiler must be one of {KERNEL_PROFILERS}, "
+                             f"got {self.kernel_profiler!r}")
 
 
 class _Record(Float64Checks):
@@ -262,7 +277,10 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
         mark = time.perf_counter()
         if measured and measured_index < spec.kernel_profile_steps and untraced is None:
             # Before the checks: their float64 pass must stay the last to append the step's token.
-            untraced = _trace_step(rests, paths, step, x, tallies, device)
+            if spec.kernel_profiler == EXTERNAL_PROFILER:
+                _mark_step(rests, paths, step, x, device)
+            else:
+                untraced = _trace_step(rests, paths, step, x, tallies, device)
         spent["profile"] += time.perf_counter() - mark
         mark = time.perf_counter()
         check = measured and measured_index % spec.check_every == 0
@@ -288,14 +306,32 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
                                              paths[label].implementation) for label in labels}
     if spec.kernel_profile_steps:
         for label, path in paths.items():
-            metrics[label]["kernel_profile"] = (
-                {"skipped": f"not available: {untraced}"} if untraced is not None
-                else attention_profile(tallies[label], tallies.get(_rest_label(path.mode))))
+            if spec.kernel_profiler == EXTERNAL_PROFILER:
+                metrics[label]["kernel_profile"] = {
+                    "skipped": f"traced by a profiler around the run, in NVTX ranges {trace_range(label)} and "
+                               f"{trace_range(_rest_label(path.mode))} (domain pkv)"}
+            else:
+                metrics[label]["kernel_profile"] = (
+                    {"skipped": f"not available: {untraced}"} if untraced is not None
+                    else attention_profile(tallies[label], tallies.get(_rest_label(path.mode))))
     return metrics
 
 
 def _rest_label(mode: str) -> str:
     return f"rest_{mode}"
+
+
+def _mark_step(rests: dict, paths: dict, step, x, device) -> None:
+    """One more untimed run of the step on every rest and path, each in its NVTX range and
+    synchronized, for a profiler started around the run to filter on."""
+    import torch
+
+    for label, path in [(_rest_label(mode), rest) for mode, rest in rests.items()] + list(paths.items()):
+        path.plan(step, x)
+        with nvtx_range(trace_range(label)):
+            path.issue()
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
 
 
 def _trace_step(rests: dict, paths: dict, step, x, tallies: dict, device) -> str | None:
