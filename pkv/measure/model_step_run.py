@@ -37,6 +37,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
+
 from pkv.engines.base import upload_block_table
 from pkv.engines.dense import dense_decode
 from pkv.gpu_state import hold_device
@@ -321,12 +323,15 @@ def _rest_label(mode: str) -> str:
     return f"rest_{mode}"
 
 
+def _profiled_runs(rests: dict, paths: dict) -> list:
+    """(label, path) of every rest and path a profiled step runs once more, rests first."""
+    return [(_rest_label(mode), rest) for mode, rest in rests.items()] + list(paths.items())
+
+
 def _mark_step(rests: dict, paths: dict, step, x, device) -> None:
     """One more untimed run of the step on every rest and path, each in its NVTX range and
     synchronized, for a profiler started around the run to filter on."""
-    import torch
-
-    for label, path in [(_rest_label(mode), rest) for mode, rest in rests.items()] + list(paths.items()):
+    for label, path in _profiled_runs(rests, paths):
         path.plan(step, x)
         with nvtx_range(trace_range(label)):
             path.issue()
@@ -337,8 +342,7 @@ def _mark_step(rests: dict, paths: dict, step, x, device) -> None:
 def _trace_step(rests: dict, paths: dict, step, x, tallies: dict, device) -> str | None:
     """One more untimed run of the step on every rest and path under the CUDA profiler, into
     ``tallies``; why not, where this device has no kernel trace (None when traced)."""
-    runs = [(_rest_label(mode), rest) for mode, rest in rests.items()] + list(paths.items())
-    for label, path in runs:
+    for label, path in _profiled_runs(rests, paths):
         path.plan(step, x)
         try:
             spans = trace_kernels(path.issue, device)
