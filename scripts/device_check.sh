@@ -16,11 +16,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 source scripts/device_site.sh || exit 1
-export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
-restore_builds
+prepare_run
 # The builds, for the next run (scripts/device_site.sh): after the build and on exit.
 trap save_builds EXIT
-[ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 # vLLM's kernels (minutes of nvcc) build beside the project's extension, not after it.
 if [ -d third_party/vllm ]; then

@@ -83,3 +83,14 @@ save_builds() {
     _save_tarball flashinfer_jit_cache.tgz "$PKV_CACHE_DIR" --exclude='*/tmp/*.lock' flashinfer
   fi
 }
+
+# What every device script does after sourcing this file: the build cache at the working tree's
+# .cache/pkv (unless set), the carried builds unpacked (restore_builds), and the source stamp the
+# results name where one was carried (pkv.provenance reads PKV_SOURCE_STAMP).
+prepare_run() {
+  export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
+  restore_builds
+  if [ -f .device/source_stamp.json ]; then
+    export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
+  fi
+}

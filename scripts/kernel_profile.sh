@@ -17,9 +17,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 source scripts/device_site.sh || exit 1
-export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
-restore_builds
-[ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
+prepare_run
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 GPU_NAME=$(grep -q H200 "$OUT/gpu.txt" && echo h200 || echo h100)
 CALIBRATION=${PROFILE_CALIBRATION:-artifacts/reference/$GPU_NAME/calibration/calibration.json}

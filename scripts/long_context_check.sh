@@ -12,10 +12,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/pkv-out}; mkdir -p "$OUT"
 source scripts/device_site.sh || exit 1
-export PKV_CACHE_DIR=${PKV_CACHE_DIR:-$PWD/.cache/pkv} PYTHONUNBUFFERED=1
-restore_builds
+prepare_run
 trap save_builds EXIT
-[ -f .device/source_stamp.json ] && export PKV_SOURCE_STAMP=${PKV_SOURCE_STAMP:-$PWD/.device/source_stamp.json}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m pkv.build --record "$OUT/build.json" 2>&1 | tail -2 || exit 1
 save_builds  # now too: a run stopped at its time limit runs no exit trap
