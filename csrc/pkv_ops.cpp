@@ -273,6 +273,17 @@ void merge_states(const Tensor& part_m, const Tensor& part_l, const Tensor& part
 
 int64_t merge_code(pkv::MergeKind merge) { return static_cast<int64_t>(merge); }
 
+// Whether a packed plan has a (row, KV head) of more than one split, that is a merge to run: the
+// workqueue's widest split count, or any bucket launch's.
+bool plan_merges(at::IntArrayRef layout) {
+  if (layout[pkv::kLayoutRoute] == pkv::kRouteWorkqueue) return layout[pkv::kLayoutRouteFields + 1] > 1;
+  const int64_t num_launches = layout[pkv::kLayoutRouteFields];
+  for (int64_t j = 0; j < num_launches; ++j) {
+    if (layout[pkv::kLayoutRouteFields + 2 + 2 * j] > 1) return true;
+  }
+  return false;
+}
+
 // What the step executor assumes of a plan, checked here so that a bad plan fails with the field
 // named before any launch: split bounds and what the merge kind needs (counters for the fused
 // merge, bucket launches of at most one cluster's splits for the cluster merge). Returns the fused
@@ -291,20 +302,17 @@ int32_t* check_plan(at::IntArrayRef layout, int64_t hkv, int64_t merge_kind,
   // Counters with another merge kind would mean the caller expects the fused merge it did not ask for.
   TORCH_CHECK(!pair_counters.has_value() || merge == MergeKind::kFused, "pkv: pair_counters belong to the fused "
               "merge (merge_kind ", merge_code(MergeKind::kFused), "); merge_kind ", merge_kind, " takes none");
-  bool needs_merge;
   if (route == pkv::kRouteWorkqueue) {
     TORCH_CHECK(merge != MergeKind::kCluster, "pkv: the cluster merge (merge_kind ", merge_kind,
                 ") is a bucket-route option; workqueue tasks of one pair are not one cluster");
     const int64_t max_splits = layout[pkv::kLayoutRouteFields + 1];
     TORCH_CHECK(max_splits <= pkv::kMaxMergeSlots, "pkv: the plan has ", max_splits,
                 " splits for one (row, KV head); the merge takes at most ", pkv::kMaxMergeSlots);
-    needs_merge = max_splits > 1;
   } else {
     const int64_t num_launches = layout[pkv::kLayoutRouteFields];
     TORCH_CHECK(static_cast<int64_t>(layout.size()) == pkv::kLayoutRouteFields + 1 + 2 * num_launches,
                 "pkv: bucket plan layout must list (rows, splits) for each of its ", num_launches, " launches");
     int64_t row_offset = 0, slot_offset = 0;
-    needs_merge = false;
     for (int64_t j = 0; j < num_launches; ++j) {
       const int64_t rows = layout[pkv::kLayoutRouteFields + 1 + 2 * j];
       const int64_t splits = layout[pkv::kLayoutRouteFields + 2 + 2 * j];
@@ -314,13 +322,12 @@ int32_t* check_plan(at::IntArrayRef layout, int64_t hkv, int64_t merge_kind,
       TORCH_CHECK(merge != MergeKind::kCluster || splits <= pkv::kMaxClusterSplits,
                   "pkv: the cluster merge takes at most ", pkv::kMaxClusterSplits,
                   " splits (one cluster per (row, KV head)), got num_splits=", splits, " in bucket launch ", j);
-      needs_merge = needs_merge || splits > 1;
       row_offset += rows;
       slot_offset += rows * hkv * splits;
     }
   }
   // A plan whose every launch has one split writes `out` directly: only a merge needs counters.
-  if (merge != MergeKind::kFused || !needs_merge) return nullptr;
+  if (merge != MergeKind::kFused || !plan_merges(layout)) return nullptr;
   TORCH_CHECK(pair_counters.has_value(), "pkv: the fused merge (merge_kind ", merge_kind, ") needs pair_counters "
               "for a plan with more than one split per (row, KV head)");
   return pair_counters_of(pair_counters, batch * hkv);
@@ -389,17 +396,6 @@ Tensor run_plan(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, c
                                   c10::cuda::getCurrentCUDAStream().stream(), &failed),
                failed);
   return out;
-}
-
-// Whether a packed plan has a (row, KV head) of more than one split, that is a merge to run: the
-// workqueue's widest split count, or any bucket launch's.
-bool plan_merges(at::IntArrayRef layout) {
-  if (layout[pkv::kLayoutRoute] == pkv::kRouteWorkqueue) return layout[pkv::kLayoutRouteFields + 1] > 1;
-  const int64_t num_launches = layout[pkv::kLayoutRouteFields];
-  for (int64_t j = 0; j < num_launches; ++j) {
-    if (layout[pkv::kLayoutRouteFields + 2 + 2 * j] > 1) return true;
-  }
-  return false;
 }
 
 // An eager adaptive step in one dispatcher call: pkv_host::adaptive_plan decides the route and,

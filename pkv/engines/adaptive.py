@@ -79,13 +79,12 @@ class OneOpPlan:
         if self._plan is None:
             engine = self._engine
             if self._chosen is None:
-                self._plan = engine.plan_in_calls(self.step)
+                self._plan = engine._plan_chosen(self.step)
             else:
                 choice, estimates, packed = self._chosen
                 route = engine._native.route(choice)
-                self._plan = AdaptivePlan(step_route=route, _decision=(engine._native, choice, estimates),
-                                          inner=engine.persistent.device_plan_of(self.step, route, packed),
-                                          step=self.step)
+                self._plan = engine._native_plan(self.step, route, choice, estimates,
+                                                 engine.persistent.device_plan_of(self.step, route, packed))
         return self._plan
 
     def __getattr__(self, name):  # route, num_splits, decision, schedule, ... of the step's plan
@@ -130,23 +129,12 @@ class AdaptiveEngine(Engine):
             "+one_op" if self.one_op_step else "")
 
     def plan(self, step):
-        if self.one_op_step:
-            # As plan_in_calls, a gated step goes to FlashInfer at once.
-            return self.fallback.plan(step) if self.policy.gate(step) is not None else OneOpPlan(self, step)
-        return self.plan_in_calls(step)
-
-    def plan_in_calls(self, step):
-        """The step's plan, decided and planned without launching: an AdaptivePlan, or FlashInfer's."""
-        native = self._native
-        if native is not None:
-            # A gated step goes to FlashInfer without the one call, whose step tensors and checks
+        if self._native is not None:
+            # A gated step goes to FlashInfer without the C++ call, whose step tensors and checks
             # would cost it more than the Python gates do.
             if self.policy.gate(step) is not None:
                 return self.fallback.plan(step)
-            route, choice, estimates, inner = self.persistent.plan_chosen(step, native)
-            if inner is None:
-                return self.fallback.plan(step)
-            return AdaptivePlan(step_route=route, _decision=(native, choice, estimates), inner=inner, step=step)
+            return OneOpPlan(self, step) if self.one_op_step else self._plan_chosen(step)
         decision = self.policy.choose(step)
         if decision.route.name == ROUTE_FLASHINFER:
             # The fallback's plan as it is: on a step that ends on FlashInfer, everything the
@@ -156,6 +144,18 @@ class AdaptiveEngine(Engine):
             return self.fallback.plan(step)
         inner = self.persistent.plan_route(step, decision.route)
         return AdaptivePlan(step_route=decision.route, _decision=decision, inner=inner, step=step)
+
+    def _plan_chosen(self, step):
+        """A step past the gates, decided and planned in one C++ call and not launched: an
+        AdaptivePlan, or FlashInfer's plan where the estimate leaves the step to it."""
+        route, choice, estimates, inner = self.persistent.plan_chosen(step, self._native)
+        if inner is None:
+            return self.fallback.plan(step)
+        return self._native_plan(step, route, choice, estimates, inner)
+
+    def _native_plan(self, step, route, choice, estimates, inner) -> AdaptivePlan:
+        """The AdaptivePlan of a C++ decision; its RouteDecision is built when something reads it."""
+        return AdaptivePlan(step_route=route, _decision=(self._native, choice, estimates), inner=inner, step=step)
 
     def prepare(self, step, q, k_pages, v_pages) -> None:
         # Either engine may be chosen for this step; both get their one-off work untimed: the

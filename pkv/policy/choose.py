@@ -231,6 +231,7 @@ class RoutePolicy:
         chosen = candidate if speedup >= margin else FLASHINFER_ROUTE
         return RouteDecision(chosen, "estimate", {ROUTE_FLASHINFER: flashinfer_us, candidate.name: candidate_us},
                              speedup, margin)
+
     def gate(self, step) -> RouteDecision | None:
         """The gate that sends ``step`` to FlashInfer (choose()'s first tests), or None where its
         route is estimated. Cheaper than choose() on a gated step, and it needs nothing but the
