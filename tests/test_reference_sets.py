@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pkv.report import headline
 from pkv.report import reference_set as rs
 
 REFERENCE = Path(__file__).resolve().parents[1] / "artifacts" / "reference"
@@ -85,3 +86,15 @@ def test_a_gpu_without_a_set_points_at_the_current_ones_by_their_commits(empty):
         (commit,) = _commit_of_tables(root)
         assert f"../{root.name}/" in readme and commit[:7] in readme, \
             f"{empty.name}/README.md does not name {root.name}'s set at {commit[:7]}"
+
+
+@pytest.mark.parametrize("root", SETS, ids=[p.name for p in SETS])
+def test_the_readme_quotes_each_set_as_the_headline_computes_it(root):
+    """The README's figures of a set are pkv.report.headline's, between the set's two markers: a
+    promoted set cannot leave the previous set's numbers in the README."""
+    readme = REFERENCE.parents[1] / "README.md"
+    name = headline.set_name_of(root)
+    span = headline.readme_block(readme, name)
+    assert span is not None, f"README.md has no headline block for {name}: {headline.markers(name)[0]}"
+    assert readme.read_text()[span[0]:span[1]] == headline.headline(root), (
+        f"README.md's headline of {name} is stale: python -m pkv.report.headline {name} --write README.md")

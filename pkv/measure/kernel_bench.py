@@ -67,6 +67,24 @@ CASES: dict[str, list[int]] = {
     # the fixed rule ran it, at 0.97-1.00x FlashInfer on the H200 against 1.15x for the skewed steps.
     "two_long_b64": [128 * K, 128 * K] + [128 + 16 * i for i in range(62)],
 }
+# What a reader calls the cases whose rows differ in length (the others: "B<rows> <length>").
+CASE_LABELS = {
+    "b4_bimodal": "B4 bimodal (64K + 3 x 8K)",
+    "b8_bimodal": "B8 bimodal (2 x 64K + 6 of 4K-12K)",
+    "skewed_b64": "skewed B64 (128K + 63 x 100)",
+    "short_b64": "64 short rows (128-1136)",
+    "two_long_b64": "two long rows among 62 short",
+}
+
+
+def case_label(name: str, seq_lens) -> str:
+    """A case's name for tables: CASE_LABELS', or "B8 32K" for rows of one length."""
+    if name in CASE_LABELS:
+        return CASE_LABELS[name]
+    lengths = set(seq_lens)
+    if len(lengths) == 1 and next(iter(lengths)) % K == 0:
+        return f"B{len(seq_lens)} {next(iter(lengths)) // K}K"
+    return name
 B1_SPLITS = (16, 24, 32, 48, 64, 96)
 # The cluster merge holds a (row, KV head)'s splits in one cluster of at most 16 CTAs.
 B1_CLUSTER_SPLITS = (8, 12, 16)
