@@ -580,3 +580,55 @@ def test_a_gpus_gates_are_read_in_the_cpu_profiles_tokens(tmp_path):
     assert gates_of("profile=cpu", f"calibration={written}") == scaled
     cpu = yaml.safe_load(open("conf/gpu/cpu.yaml"))["regimes"]
     assert gates_of("profile=cpu", "gpu=cpu") == {r: cpu[r]["min_context_tokens"] for r in REGIMES}
+
+
+def test_a_gate_probe_times_each_step_on_the_route_the_policy_would_run_there(monkeypatch):
+    """A probe places a regime's context gate by the steps it would open: each step timed on the
+    regime's candidate as the step rules leave it (the balanced rule on an over-split or skewed
+    step where the regime takes it), not on the candidate's fixed split count."""
+    from pkv.experiments import calibrate
+    from pkv.policy.choose import RuledRoutePolicy
+    from pkv.shape import ModelShape
+
+    over_split = types.SimpleNamespace(step=0, batch_size=8, seq_lens=[600] * 8)  # 4,800 tokens < 2 x 64 x 20 x 8
+    skewed = types.SimpleNamespace(step=1, batch_size=8, seq_lens=[60000] + [500] * 7)
+    ragged = types.SimpleNamespace(step=2, batch_size=8, seq_lens=[30000, 20000] + [4000] * 6)
+    few = types.SimpleNamespace(step=0, batch_size=4, seq_lens=[600] * 4)
+    seen = []
+
+    class FakeTrace:
+        def __init__(self, cfg, settings, shape, trace):
+            self.steps = [over_split, skewed, ragged] if trace.max_active == 8 else [few]
+            self.flashinfer_paths = None
+
+        def persistentkv_ruled(self, policy):
+            seen.append(policy)
+            ruled = RuledRoutePolicy(policy)
+            samples = [types.SimpleNamespace(step=s, route=ruled.choose(s).route,
+                                             measured_us=10.0 if ruled.choose(s).route.split_kind == "balanced"
+                                             else 12.0) for s in self.steps]
+            return types.SimpleNamespace(samples=samples, total_us=sum(x.measured_us for x in samples))
+
+        def flashinfer(self):
+            samples = [types.SimpleNamespace(step=s, measured_us=11.0) for s in self.steps]
+            return types.SimpleNamespace(samples=samples, total_us=11.0 * len(samples))
+
+    monkeypatch.setattr(calibrate, "_TimedTrace", FakeTrace)
+    fitted = dataclasses.replace(START, num_sms=132).with_regime(MANY_ROWS, skew_target_ctas=264,
+                                                                over_split_balanced=True)
+    probes = _GateProbes(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=ModelShape(),
+                         fitted=fitted, gate_steps={}, tolerance=0.02)
+    probes.run(types.SimpleNamespace(trace="bimodal", max_active=8, length_scale=1 / 64, num_requests=None,
+                                     group_size=None))
+    (record,) = probes.records
+    assert record["route"] == "persistentkv_workqueue" and record["num_splits"] == 20
+    assert record["steps_by_route"] == {"persistentkv_workqueue balanced (264 CTAs)": 2,
+                                        "persistentkv_workqueue S=20": 1}
+    (rows,) = probes.gate_steps[MANY_ROWS]
+    assert rows["persistentkv_us"] == [10.0, 10.0, 12.0] and rows["contexts"] == [600, 60000, 30000]
+    # A regime the calibration closed is opened for its probe, with its own rules.
+    probes.run(types.SimpleNamespace(trace="bimodal", max_active=4, length_scale=1 / 64, num_requests=None,
+                                     group_size=None))
+    assert seen[-1].candidate(4).name == "persistentkv_workqueue" and seen[-1].candidate(4).num_splits == 32
+    # START's few-rows regime has no skew budget: its over-split step keeps the fixed count.
+    assert probes.records[-1]["steps_by_route"] == {"persistentkv_workqueue S=32": 1}

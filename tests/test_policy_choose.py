@@ -244,3 +244,30 @@ def test_over_split_steps_take_the_balanced_rule_where_the_calibration_opened_it
         calib.with_regime("many_rows", skew_target_ctas=0)
     with pytest.raises(CalibrationError, match="over_split_balanced='yes'"):
         calib.with_regime("many_rows", over_split_balanced="yes")
+
+
+def test_the_ruled_route_is_what_choose_estimates_whatever_the_gates_and_margins(make_step):
+    """RoutePolicy.ruled_route (what a calibration probe times) is the route choose() weighs against
+    FlashInfer on every step past the gates, and it is given for steps the gates or the estimate
+    send to FlashInfer too; a regime whose route is FlashInfer has none, and RuledRoutePolicy
+    refuses to probe it closed."""
+    from pkv.policy.choose import RuledRoutePolicy
+
+    calib = dataclasses.replace(PAPER, uniform_target_ctas=256).with_all_regimes(skew_target_ctas=264,
+                                                                                 over_split_balanced=True)
+    calib = calib.with_regime("few_rows", route="persistentkv_workqueue")
+    opened = RoutePolicy(calib.with_all_regimes(margin=0.1, min_context_tokens=0), **SHAPE)
+    gated = RoutePolicy(calib.with_all_regimes(margin=100.0, min_context_tokens=1 << 20), **SHAPE)
+    rng = np.random.default_rng(7)
+    steps = [make_step([131072] + [100] * 63), make_step([500] * 8), make_step([32768] * 8),
+             make_step([32768] * 4 + [4096] * 4), make_step([65536, 1000, 2000]), make_step([131072]),
+             make_step(rng.integers(64, 70000, size=24).tolist())]
+    for step in steps:
+        assert opened.ruled_route(step) == opened.choose(step).route
+        assert gated.choose(step).route.name == FLASHINFER_ROUTE.name
+        assert gated.ruled_route(step) == opened.ruled_route(step)
+        assert RuledRoutePolicy(gated).choose(step).route == opened.ruled_route(step)
+    closed = RoutePolicy(calib.with_regime("few_rows", route=FLASHINFER_ROUTE.name), **SHAPE)
+    assert closed.ruled_route(make_step([65536, 1000, 2000])) is None
+    with pytest.raises(ValueError, match="B3 regime's route is FlashInfer"):
+        RuledRoutePolicy(closed).choose(make_step([65536, 1000, 2000]))

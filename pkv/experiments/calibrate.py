@@ -14,6 +14,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from pkv.config import ConfigError, PkvConfig, load_trace_option
@@ -30,7 +31,7 @@ from pkv.experiments.common import (
 from pkv.measure.calibration_probe import measure_launch_us, measure_read_gbps, time_steps, trace_steps
 from pkv.measure.kv_data import make_kv_pages, resolve_dtype
 from pkv.policy.calibration import Calibration, regime_field, save_calibration
-from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, is_over_split, is_skewed
+from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, RuledRoutePolicy, is_over_split, is_skewed
 from pkv.policy.estimator import Estimator, total_tokens
 from pkv.policy.fits import (
     REGIME_ROUTE_DEFAULT,
@@ -78,24 +79,26 @@ def run(cfg: PkvConfig) -> list[Path]:
     uniform_ctas = sweep.uniform_target_ctas(operating_points)
     balanced_fits = sweep.balanced_rule_fits(operating_points)
     clock.lap("skewed steps on each rule (balanced rule fits)")
-    # The probes run the operating points just fitted, as the route policy will.
-    probes = _GateProbes(cfg, settings, shape, _apply(calib, operating_points),
-                         sweep.gate_steps(operating_points), exp.gate_tolerance)
+    calib = _apply(calib, operating_points)
+    if settings.performance_result:
+        # CPU timings say nothing about a GPU: there the fits are recorded and the configured
+        # rules and gates kept (in the profile's tokens, gates_for_profile).
+        if uniform_ctas is not None:
+            calib = dataclasses.replace(calib, uniform_target_ctas=uniform_ctas)
+        calib = _apply(calib, balanced_fits)
+    # The probes run the operating points and step rules just fitted, as the route policy will:
+    # a short step of a regime whose over-split rule holds runs the balanced rule there, and the
+    # gate is placed by what that step would run.
+    probes = _GateProbes(cfg, settings, shape, calib, sweep.gate_steps(operating_points), exp.gate_tolerance)
     for probe in exp.gate_probes:
         probes.run(probe)
     clock.lap(f"{len(exp.gate_probes)} gate probes")
     context_gates = probes.fit_context_gates(start)
     group_fit = probes.fit_group_sizes(start)
-    calib = _apply(calib, operating_points)
     if settings.performance_result:
-        # CPU timings say nothing about a GPU: there the fits are recorded and the configured
-        # gates kept (in the profile's tokens, gates_for_profile).
         for fit in context_gates.values():
             calib = calib.with_regime(fit["regime"], min_context_tokens=fit["fitted"])
         calib = dataclasses.replace(calib, supported_group_sizes=tuple(group_fit["fitted"]))
-        if uniform_ctas is not None:
-            calib = dataclasses.replace(calib, uniform_target_ctas=uniform_ctas)
-        calib = _apply(calib, balanced_fits)
     calib = dataclasses.replace(calib, flashinfer_plan_us=statistics.median(sweep.flashinfer_plan_us),
                                 persistentkv_plan_us=statistics.median(sweep.persistentkv_plan_us))
     estimator = Estimator(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
@@ -171,6 +174,11 @@ class _TimedTrace:
     def persistentkv(self, route: StepRoute):
         engine = build_engine("persistentkv", shape=self.shape, device=self.device, policy=PinnedRoutePolicy(route))
         return time_steps(engine, route, self.steps, **self.timing)
+
+    def persistentkv_ruled(self, policy: RoutePolicy):
+        """Each step on the route the policy's step rules give it (RuledRoutePolicy)."""
+        engine = build_engine("persistentkv", shape=self.shape, device=self.device, policy=RuledRoutePolicy(policy))
+        return time_steps(engine, None, self.steps, **self.timing)
 
     def flashinfer(self):
         baseline = build_engine("flashinfer", shape=self.shape, device=self.device)
@@ -451,6 +459,13 @@ class _SplitSweep:
         return steps
 
 
+def _rule_key(route: StepRoute) -> str:
+    """A probe step's route as its record counts it: the split count, or the balanced rule's budget."""
+    if route.split_kind == "balanced":
+        return f"{route.name} balanced ({route.target_ctas} CTAs)"
+    return f"{route.name} S={route.num_splits}"
+
+
 def _is_skewed_step(step) -> bool:
     return is_skewed(step.batch_size, int(max(step.seq_lens)), total_tokens(step.seq_lens))
 
@@ -519,20 +534,23 @@ class _GateProbes:
             num_qo_heads=self.shape.num_qo_heads, num_kv_heads=self.shape.num_qo_heads // group,
             head_dim=self.shape.head_dim)
         regime = regime_of(probe.max_active)
-        # The route the policy would estimate this regime's steps on, opened where the
-        # calibration closed it: a probe measures the candidate, not the gate.
+        # The routes the policy would estimate this regime's steps on, opened where the calibration
+        # closed it: a probe measures the candidate under its step rules, not the gate.
         params = self.fitted.regime(regime)
-        route = RoutePolicy(self.fitted.with_regime(regime, route=params.route if params.route != "flashinfer"
-                                                    else ROUTE_WORKQUEUE),
-                            num_kv_heads=shape.num_kv_heads, group_size=group,
-                            head_dim=shape.head_dim).candidate(probe.max_active)
+        policy = RoutePolicy(self.fitted.with_regime(regime, route=params.route if params.route != "flashinfer"
+                                                     else ROUTE_WORKQUEUE),
+                             num_kv_heads=shape.num_kv_heads, group_size=group, head_dim=shape.head_dim)
+        route = policy.candidate(probe.max_active)
         timed_trace = _TimedTrace(self.cfg, self.settings, shape, trace)
-        timed = timed_trace.persistentkv(route)
+        timed = timed_trace.persistentkv_ruled(policy)
         timed_fi = timed_trace.flashinfer()
         name = f"{trace_name(trace)} x{probe.length_scale:g} G={group}"
         record = {"probe": name, "route": route.name, "num_splits": route.num_splits, "group_size": group,
                   "steps": len(timed_trace.steps), "persistentkv_device_us_total": timed.total_us,
-                  "flashinfer_device_us_total": timed_fi.total_us}
+                  "flashinfer_device_us_total": timed_fi.total_us,
+                  # How many of its steps each rule's route ran (the regime's candidate, the balanced
+                  # rule of a skewed or over-split step, the uniform cap's count).
+                  "steps_by_route": dict(Counter(_rule_key(sample.route) for sample in timed.samples))}
         self.records.append(record)
         if group == self.shape.group_size:
             record["fits"] = regime_field(regime, "min_context_tokens")

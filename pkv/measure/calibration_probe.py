@@ -66,10 +66,11 @@ class TimedSteps:
     plan_us: list
 
 
-def time_steps(engine, route: StepRoute, steps, shape, k_pages, v_pages, *, dtype, device, seed: int,
+def time_steps(engine, route: StepRoute | None, steps, shape, k_pages, v_pages, *, dtype, device, seed: int,
                reps: int, flush_l2: bool = True) -> TimedSteps:
-    """Median device time of engine.run on each step (the engine runs ``route`` on every step),
-    as pkv.policy.fits.CostSample rows."""
+    """Median device time of engine.run on each step, as pkv.policy.fits.CostSample rows: the
+    engine runs ``route`` on every step, or with None the route its policy picks for each step
+    (each sample records that one)."""
 
     flusher = L2Flusher(device) if flush_l2 else None
     samples, plan_us, total = [], [], 0.0
@@ -83,7 +84,8 @@ def time_steps(engine, route: StepRoute, steps, shape, k_pages, v_pages, *, dtyp
         plan_us.append((time.perf_counter() - t0) * 1e6)
         stats = time_device_us(lambda: engine.run(q, k_pages, v_pages, plan), reps=reps, warmup=1,
                                flusher=flusher, device=device)
-        samples.append(CostSample(route, step, stats.median_us))
+        samples.append(CostSample(route if route is not None else engine.policy.choose(step).route, step,
+                                  stats.median_us))
         total += stats.median_us
     return TimedSteps(samples=samples, total_us=total, plan_us=plan_us)
 

@@ -215,15 +215,9 @@ class RoutePolicy:
         gated = _gate_of(rules, longest)
         if gated is not None:
             return gated
-        _, candidate, margin, uniform_ctas, skew_route, over_split = rules
+        margin = rules[2]
         tokens = total_tokens(lens)
-        if skew_route is not None and (is_skewed(batch, longest, tokens)
-                                       or over_split and is_over_split(batch, tokens, candidate.num_splits)):
-            candidate = skew_route
-        elif uniform_ctas:
-            splits = uniform_split_count(lens, longest, self._num_kv_heads, candidate.num_splits, uniform_ctas)
-            if splits != candidate.num_splits:
-                candidate = self._capped_route(candidate, splits)
+        candidate = self._ruled(rules, lens, batch, longest, tokens)
         estimator = self._estimator
         flashinfer_us = estimator.total_us(lens, FLASHINFER_ROUTE, tokens)
         candidate_us = estimator.total_us(lens, candidate, tokens)
@@ -231,6 +225,28 @@ class RoutePolicy:
         chosen = candidate if speedup >= margin else FLASHINFER_ROUTE
         return RouteDecision(chosen, "estimate", {ROUTE_FLASHINFER: flashinfer_us, candidate.name: candidate_us},
                              speedup, margin)
+
+    def _ruled(self, rules: tuple, lens, batch: int, longest: int, tokens: int) -> StepRoute:
+        """The regime's candidate as its step rules leave it for these lengths: the balanced rule
+        on a skewed or over-split step where the regime takes it, else the uniform cap's count."""
+        _, candidate, _, uniform_ctas, skew_route, over_split = rules
+        if skew_route is not None and (is_skewed(batch, longest, tokens)
+                                       or over_split and is_over_split(batch, tokens, candidate.num_splits)):
+            return skew_route
+        if uniform_ctas:
+            splits = uniform_split_count(lens, longest, self._num_kv_heads, candidate.num_splits, uniform_ctas)
+            if splits != candidate.num_splits:
+                return self._capped_route(candidate, splits)
+        return candidate
+
+    def ruled_route(self, step) -> StepRoute | None:
+        """The route choose() estimates ``step`` on, gates and estimate aside: the regime's candidate
+        under its step rules. None where the regime's route is FlashInfer."""
+        lens, longest = _lengths(step)
+        rules = self._regimes[regime_of(len(lens))]
+        if rules[1] is None:
+            return None
+        return self._ruled(rules, lens, len(lens), longest, total_tokens(lens))
 
     def gate(self, step) -> RouteDecision | None:
         """The gate that sends ``step`` to FlashInfer (choose()'s first tests), or None where its
@@ -278,6 +294,25 @@ class PinnedRoutePolicy:
 
     def choose(self, step) -> RouteDecision:
         return self._decision
+
+
+class RuledRoutePolicy:
+    """Every step on the route its regime's step rules give it (RoutePolicy.ruled_route), with the
+    gates and the estimate left out: what a calibration probe times against FlashInfer to place a
+    gate, so the probe measures the route the policy would run on each step it would open."""
+
+    def __init__(self, policy: RoutePolicy):
+        self.policy = policy
+
+    def candidate(self, batch_size: int) -> StepRoute | None:
+        return self.policy.candidate(batch_size)
+
+    def choose(self, step) -> RouteDecision:
+        route = self.policy.ruled_route(step)
+        if route is None:
+            raise ValueError(f"RuledRoutePolicy: the B{len(step.seq_lens)} regime's route is FlashInfer; "
+                             "open it (Calibration.with_regime(..., route=...)) to probe it")
+        return RouteDecision(route, "rules", _NO_ESTIMATES)
 
 
 def describe_policy(policy) -> str:
