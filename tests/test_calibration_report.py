@@ -30,7 +30,12 @@ MEASURED = {
         "reason": "PersistentKV faster in every class measured from 4096", "classes": GATE_CLASSES}},
     "gate_probes": [{"probe": "bimodal_b8 x0.25 G=4", "route": "persistentkv_workqueue", "num_splits": 24,
                      "persistentkv_device_us_total": 50.0, "flashinfer_device_us_total": 60.0,
-                     "fits": "regimes.many_rows.min_context_tokens"}],
+                     "fits": "regimes.many_rows.min_context_tokens",
+                     "steps_by_route": {"persistentkv_workqueue S=24": 5,
+                                        "persistentkv_workqueue balanced (396 CTAs)": 3}},
+                    {"probe": "bimodal_b8 x1 G=1", "route": "persistentkv_workqueue", "num_splits": 24,
+                     "persistentkv_device_us_total": 50.0, "flashinfer_device_us_total": 50.0,
+                     "fits": "supported_group_sizes", "steps_by_route": {"persistentkv_workqueue S=24": 8}}],
     "group_sizes": {"probed": [1, 8], "opened": [1], "fitted": [1, 4], "applied": True},
 }
 
@@ -47,6 +52,10 @@ def test_report_names_each_choice_and_the_timings_behind_it(tmp_path):
     assert "B8+   fitted 4096, in use 4096 (applied)" in text
     assert "1024- 0.833, 4096+ 1.100" in text
     assert "bimodal_b8 x0.25 G=4" in text and "1.200" in text and "-> regimes.many_rows.min_context_tokens" in text
+    # How many of a probe's steps each rule ran, where the rules split them.
+    assert ("-> regimes.many_rows.min_context_tokens  (persistentkv_workqueue S=24: 5, "
+            "persistentkv_workqueue balanced (396 CTAs): 3)") in text
+    assert "-> supported_group_sizes\n" in text + "\n"
     assert "opened [1]" in text
 
 

@@ -217,7 +217,7 @@ def report(path: Path) -> str:
         for probe in measured["gate_probes"]:
             lines.append(f"{probe['probe']:<32}{probe['route']:<24}S={probe['num_splits']:<4}"
                          f"{_ratio(float(probe['flashinfer_device_us_total']), float(probe['persistentkv_device_us_total']))}"
-                         f"  -> {probe['fits']}")
+                         f"  -> {probe['fits']}" + _steps_by_route(probe))
     if measured.get("group_sizes"):
         groups = measured["group_sizes"]
         lines.append(f"group sizes probed {groups['probed']}, opened {groups['opened']}, "
@@ -225,6 +225,15 @@ def report(path: Path) -> str:
     if not measured:
         lines.append("(no measurements recorded: a configured, not a calibrated, file)")
     return "\n".join(lines)
+
+
+def _steps_by_route(probe: dict) -> str:
+    """How many of a probe's steps each rule's route ran, where more than one did (calibrations
+    before the probes followed the step rules record none)."""
+    routes = probe.get("steps_by_route") or {}
+    if len(routes) < 2:
+        return ""
+    return "  (" + ", ".join(f"{route}: {steps}" for route, steps in routes.items()) + ")"
 
 
 def main(argv=None) -> int:
