@@ -13,12 +13,21 @@ from pkv.experiments.calibrate import _GateProbes, _SplitSweep
 from pkv.policy import Calibration, CalibrationError, RegimeParams, load_calibration, regime_of, save_calibration
 from pkv.policy.calibration import LEGACY_SCHEMA, regime_field
 from pkv.policy.regime import FEW_ROWS, MANY_ROWS, REGIME_BATCH, REGIMES, SINGLE_ROW
+from pkv.shape import ModelShape
 
 HARDWARE = dict(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0)
 START = Calibration(**HARDWARE,
                     single_row=RegimeParams("persistentkv_bucket", 32, 8192, 1.05),
                     few_rows=RegimeParams("flashinfer", 32, 8192, 1.50),
                     many_rows=RegimeParams("persistentkv_workqueue", 20, 8192, 1.05))
+
+
+def _fitted(points: dict) -> Calibration:
+    """START with the split counts of ``points`` (the sweep's split_points)."""
+    calib = START
+    for regime, params in points.items():
+        calib = calib.with_regime(regime, **params)
+    return calib
 
 
 def _probes(gate_steps=None, performance_result=True, tolerance=0.0) -> _GateProbes:
@@ -90,16 +99,17 @@ def _swept(name, max_active, regime, totals, fi_total, route="persistentkv_workq
 
 
 def test_traces_of_one_operating_point_are_decided_by_their_summed_time():
-    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=None, calib=START)
+    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=ModelShape(),
+                        calib=START)
     sweep._swept = [
         # The ragged batch ranks 28 a hair ahead of 24; rows of one length separate them clearly.
         _swept("bimodal_b8", 8, MANY_ROWS, {24: 100.2, 28: 100.0, 32: 101.0}, 105.0),
         _swept("homogeneous_b8", 8, MANY_ROWS, {24: 200.0, 28: 204.0, 32: 203.0}, 201.0),
         _swept("bimodal_b4", 4, FEW_ROWS, {32: 90.0, 36: 88.0}, 89.0),
     ]
-    points = sweep.operating_points()
-    assert points == {MANY_ROWS: {"num_splits": 24},
-                      FEW_ROWS: {"num_splits": 36, "route": "persistentkv_workqueue"}}
+    points = sweep.split_points()
+    assert points == {MANY_ROWS: {"num_splits": 24}, FEW_ROWS: {"num_splits": 36}}
+    assert sweep.regime_routes(points, _fitted(points)) == {FEW_ROWS: {"route": "persistentkv_workqueue"}}
     assert sweep.records["homogeneous_b8"]["fitted_with"] == ["bimodal_b8", "homogeneous_b8"]
     assert sweep.records["bimodal_b8"]["selected_splits"] == 24
     assert sweep.records["bimodal_b8"]["fits"] == "regimes.many_rows.num_splits"
@@ -121,7 +131,7 @@ def test_traces_of_one_operating_point_are_decided_by_their_summed_time():
     splits = sweep.decisions["regimes.few_rows.num_splits"]
     assert (splits["value"], splits["fastest"], splits["tied"]) == (36, 36, [36]) and splits["noise_band"] == 0.01
     # Each regime's steps at its fitted split count are the long end of its context gate.
-    assert set(sweep.gate_steps(points)) == {MANY_ROWS, FEW_ROWS}
+    assert set(sweep.gate_steps(points, _fitted(points))) == {MANY_ROWS, FEW_ROWS}
 
 
 def test_a_uniform_trace_fits_the_cap_in_ctas_and_only_below_the_regimes_split_count():
@@ -195,10 +205,10 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
     timed_routes = []
     skewed_us_by_waves = {1: 90.0, 2: 80.0, 3: 80.5, 4: 85.0}
     # Two steps of each kind: a decision needs at least two paired steps to measure their noise.
-    skewed = [types.SimpleNamespace(batch_size=4, seq_lens=[9000, 100, 100, 100]) for _ in range(2)]
+    skewed = [types.SimpleNamespace(step=i, batch_size=4, seq_lens=[9000, 100, 100, 100]) for i in (0, 3)]
     # Two long rows: neither skewed nor over-split (18,200 tokens >= 2 tiles x 20 splits x 4 rows).
-    neither = types.SimpleNamespace(batch_size=4, seq_lens=[9000, 9000, 100, 100])
-    over_split = [types.SimpleNamespace(batch_size=4, seq_lens=[500, 400, 300, 600]) for _ in range(2)]
+    neither = types.SimpleNamespace(step=1, batch_size=4, seq_lens=[9000, 9000, 100, 100])
+    over_split = [types.SimpleNamespace(step=i, batch_size=4, seq_lens=[500, 400, 300, 600]) for i in (2, 4)]
 
     def step_us(route, step):
         if step in over_split:
@@ -296,9 +306,11 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
 
 
 def test_a_closed_regime_stays_closed_when_the_timings_are_not_a_performance_result():
-    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=False), shape=None, calib=START)
+    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=False), shape=ModelShape(),
+                        calib=START)
     sweep._swept = [_swept("bimodal_b4", 4, FEW_ROWS, {32: 90.0, 36: 88.0}, 89.0)]
-    assert sweep.operating_points() == {FEW_ROWS: {"num_splits": 36}}
+    points = sweep.split_points()
+    assert points == {FEW_ROWS: {"num_splits": 36}} and sweep.regime_routes(points, _fitted(points)) == {}
     assert sweep.records["bimodal_b4"]["regime_route"]["applied"] is False
 
 
@@ -386,10 +398,11 @@ def test_the_few_rows_route_records_its_margin_and_band_and_two_noisy_runs_agree
                  "timed_fi": types.SimpleNamespace(total_us=sum(fi), samples=[types.SimpleNamespace(step=step,
                                                                                                     measured_us=us)
                                                                               for us in fi])}
-        sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=None,
+        sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=ModelShape(),
                             calib=START)
         sweep._swept = [trace]
-        points = sweep.operating_points()
+        points = sweep.split_points()
+        points[FEW_ROWS].update(sweep.regime_routes(points, _fitted(points))[FEW_ROWS])
         route = sweep.records["bimodal_b4"]["regime_route"]
         decision = sweep.decisions["regimes.few_rows.route"]
         assert points[FEW_ROWS]["route"] == route["fitted"] == decision["value"]
@@ -413,11 +426,12 @@ def test_a_device_tie_of_the_few_rows_route_goes_to_the_cheaper_host_plan_in_bot
         trace = {"name": "bimodal_b4", "max_active": 4, "route": "persistentkv_workqueue", "regime": FEW_ROWS,
                  "steps": 64, "timed_by_splits": {36: types.SimpleNamespace(total_us=sum(pkv), samples=samples(pkv))},
                  "timed_fi": types.SimpleNamespace(total_us=sum(fi), samples=samples(fi))}
-        sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=None,
+        sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=ModelShape(),
                             calib=START)
         sweep._swept = [trace]
         sweep.persistentkv_plan_us, sweep.flashinfer_plan_us = [40.0, 43.0, 50.0], [400.0, 436.0, 600.0]
-        points = sweep.operating_points()
+        points = sweep.split_points()
+        points[FEW_ROWS].update(sweep.regime_routes(points, _fitted(points))[FEW_ROWS])
         decision = sweep.decisions["regimes.few_rows.route"]
         assert points[FEW_ROWS]["route"] == decision["value"] == "persistentkv_workqueue"
         assert "within the noise band" in decision["basis"] and "host plan (43.0 us)" in decision["basis"]
@@ -632,3 +646,50 @@ def test_a_gate_probe_times_each_step_on_the_route_the_policy_would_run_there(mo
     assert seen[-1].candidate(4).name == "persistentkv_workqueue" and seen[-1].candidate(4).num_splits == 32
     # START's few-rows regime has no skew budget: its over-split step keeps the fixed count.
     assert probes.records[-1]["steps_by_route"] == {"persistentkv_workqueue S=32": 1}
+
+
+def test_the_few_rows_route_and_gates_read_each_step_on_the_route_the_policy_runs_it_on():
+    """The B2-7 route decision and the gates' long end read each sweep step at the fitted split
+    count as the policy would run it: a skewed step on the balanced rule at the fitted budget,
+    from the skew fit's run of the same step (matched by index and lengths); a step of fewer rows
+    (another regime's route) and a step the skew fit did not time keep the sweep's own time."""
+    skewed = types.SimpleNamespace(step=0, batch_size=4, seq_lens=[9000, 100, 100, 100])
+    ragged = types.SimpleNamespace(step=1, batch_size=4, seq_lens=[9000, 9000, 100, 100])
+    single = types.SimpleNamespace(step=2, batch_size=1, seq_lens=[5000])
+    skewed_untimed = types.SimpleNamespace(step=3, batch_size=4, seq_lens=[8000, 100, 100, 100])
+    steps = [skewed, ragged, single, skewed_untimed]
+
+    def timed(us):
+        samples = [types.SimpleNamespace(step=s, measured_us=us) for s in steps]
+        return types.SimpleNamespace(samples=samples, total_us=us * len(steps))
+
+    trace = {"name": "bimodal_b4", "max_active": 4, "route": "persistentkv_workqueue", "regime": FEW_ROWS,
+             "steps": 4, "timed_by_splits": {28: timed(110.0), 32: timed(100.0)}, "timed_fi": timed(96.0)}
+    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=ModelShape(),
+                        calib=START)
+    sweep._swept = [trace]
+    # The skew fit's run: step 0 on the balanced rule at 264 CTAs; step 3 there under other lengths.
+    sweep._balanced_by_step = {"bimodal_b4": {264: {0: ((9000, 100, 100, 100), 80.0),
+                                                    3: ((7000, 100, 100, 100), 10.0)}}}
+    points = sweep.split_points()
+    assert points == {FEW_ROWS: {"num_splits": 32}}
+    fitted = dataclasses.replace(_fitted(points), num_sms=132).with_regime(FEW_ROWS, skew_target_ctas=264)
+    times, counts = sweep.ruled_samples(trace, 32, fitted)
+    assert times == [80.0, 100.0, 100.0, 100.0]
+    assert counts == {"persistentkv_workqueue balanced (264 CTAs)": 1, "persistentkv_workqueue S=32": 1,
+                      "persistentkv_bucket S=32 (not timed: S=32's time)": 1,
+                      "persistentkv_workqueue balanced (264 CTAs) (not timed: S=32's time)": 1}
+    # On the fixed rule at S = 32 the workqueue loses to FlashInfer (400 against 384 us); on the
+    # routes the policy runs it still does (380), and the record says which steps ran what.
+    assert sweep.regime_routes(points, fitted) == {FEW_ROWS: {"route": "flashinfer"}}
+    record = sweep.records["bimodal_b4"]["regime_route"]
+    assert record["candidate_device_us_total"] == 380.0 and record["steps_by_route"] == dict(counts)
+    sweep._balanced_by_step["bimodal_b4"][264][3] = ((8000, 100, 100, 100), 60.0)
+    assert sweep.ruled_samples(trace, 32, fitted)[0] == [80.0, 100.0, 100.0, 60.0]
+    sweep.regime_routes(points, fitted)
+    record = sweep.records["bimodal_b4"]["regime_route"]
+    assert record["candidate_device_us_total"] == 340.0
+    assert record["measured_margin"] == pytest.approx(384.0 / 340.0)
+    # Without a skew budget every B4 step keeps the fixed rule's time; the gate rows say so too.
+    (rows,) = sweep.gate_steps(points, _fitted(points))[FEW_ROWS]
+    assert rows["persistentkv_us"] == [100.0] * 4 and rows["contexts"] == [9000, 9000, 5000, 8000]

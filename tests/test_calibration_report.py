@@ -24,7 +24,9 @@ MEASURED = {
         "bimodal_b4": {"fits": "regimes.few_rows.num_splits", "selected_splits": 32,
                        "device_us_total_by_splits": {"32": 100.0}, "flashinfer_device_us_total": 90.0,
                        "regime_route": {"fits": "regimes.few_rows.route", "fitted": "flashinfer",
-                                        "applied": True, "speedup": 0.9}}},
+                                        "applied": True, "speedup": 0.9,
+                                        "steps_by_route": {"persistentkv_workqueue S=32": 46,
+                                                           "persistentkv_workqueue balanced (132 CTAs)": 20}}}},
     "context_gates": {"regimes.many_rows.min_context_tokens": {
         "regime": "many_rows", "fitted": 4096, "applied": True,
         "reason": "PersistentKV faster in every class measured from 4096", "classes": GATE_CLASSES}},
@@ -48,7 +50,8 @@ def test_report_names_each_choice_and_the_timings_behind_it(tmp_path):
     assert "B1 bucket S=32 from 512 tokens" in text and "B2-7 FlashInfer\n" in text
     assert "G routed: 1, 4" in text
     assert "bimodal_b8 -> regimes.many_rows.num_splits: 20: 0.955, 24*: 1.050" in text
-    assert "  B2-7 route flashinfer (0.900x, applied)" in text
+    assert ("  B2-7 route flashinfer (0.900x, applied)  (persistentkv_workqueue S=32: 46, "
+            "persistentkv_workqueue balanced (132 CTAs): 20)") in text
     assert "B8+   fitted 4096, in use 4096 (applied)" in text
     assert "1024- 0.833, 4096+ 1.100" in text
     assert "bimodal_b8 x0.25 G=4" in text and "1.200" in text and "-> regimes.many_rows.min_context_tokens" in text
@@ -131,7 +134,7 @@ def test_report_of_a_file_written_before_the_regimes(tmp_path):
     assert "B8+ workqueue S=24 from 4096 tokens" in text
     assert "B1 bucket S=32 from 512 tokens" in text and "B2-7 FlashInfer\n" in text
     assert "bimodal_b8 -> workqueue_num_splits: 20: 0.955, 24*: 1.050" in text
-    assert "  B2-7 route flashinfer (0.900x, applied)" in text
+    assert "  B2-7 route flashinfer (0.900x, applied)\n" in text
     assert "B8+   fitted 4096, in use 4096 (applied)" in text and "1024- 0.833, 4096+ 1.100" in text
 
 

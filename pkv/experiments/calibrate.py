@@ -44,7 +44,7 @@ from pkv.policy.fits import (
     measured_gain,
 )
 from pkv.policy.regime import FEW_ROWS, SINGLE_ROW, regime_of
-from pkv.policy.route import FLASHINFER_ROUTE, ROUTE_BUCKET, ROUTE_WORKQUEUE, SCHEDULES, StepRoute
+from pkv.policy.route import FLASHINFER_ROUTE, ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, SCHEDULES, StepRoute
 from pkv.shape import ModelShape
 
 
@@ -75,21 +75,22 @@ def run(cfg: PkvConfig) -> list[Path]:
     for ct in exp.calibration_traces:
         sweep.run(ct)
         clock.lap(f"{ct.trace} B{ct.max_active} ({ct.fits})")
-    operating_points = sweep.operating_points()
-    uniform_ctas = sweep.uniform_target_ctas(operating_points)
-    balanced_fits = sweep.balanced_rule_fits(operating_points)
+    split_points = sweep.split_points()
+    uniform_ctas = sweep.uniform_target_ctas(split_points)
+    balanced_fits = sweep.balanced_rule_fits(split_points)
     clock.lap("skewed steps on each rule (balanced rule fits)")
-    calib = _apply(calib, operating_points)
+    calib = _apply(calib, split_points)
     if settings.performance_result:
         # CPU timings say nothing about a GPU: there the fits are recorded and the configured
-        # rules and gates kept (in the profile's tokens, gates_for_profile).
+        # rules, routes and gates kept (in the profile's tokens, gates_for_profile).
         if uniform_ctas is not None:
             calib = dataclasses.replace(calib, uniform_target_ctas=uniform_ctas)
         calib = _apply(calib, balanced_fits)
-    # The probes run the operating points and step rules just fitted, as the route policy will:
-    # a short step of a regime whose over-split rule holds runs the balanced rule there, and the
-    # gate is placed by what that step would run.
-    probes = _GateProbes(cfg, settings, shape, calib, sweep.gate_steps(operating_points), exp.gate_tolerance)
+    # The B2-7 route and every gate are decided on the route each step would run under the split
+    # counts and step rules just fitted: a skewed B4 step on the balanced rule, a short step of a
+    # regime whose over-split rule holds on that rule too.
+    calib = _apply(calib, sweep.regime_routes(split_points, calib))
+    probes = _GateProbes(cfg, settings, shape, calib, sweep.gate_steps(split_points, calib), exp.gate_tolerance)
     for probe in exp.gate_probes:
         probes.run(probe)
     clock.lap(f"{len(exp.gate_probes)} gate probes")
@@ -228,6 +229,8 @@ class _SplitSweep:
         self._uniform: list[dict] = []  # traces that fit Calibration.uniform_target_ctas
         self._skewed: list[dict] = []  # traces that fit Calibration.skew_target_ctas
         self.decisions: dict[str, dict] = {}  # decision path -> its margin, band and value (measurements.decisions)
+        # trace name -> balanced rule's target CTAs -> step index -> (lengths, device us): the skew fit's runs
+        self._balanced_by_step: dict[str, dict[int, dict]] = {}
 
     def run(self, ct) -> None:
         trace = dataclasses.replace(load_trace_option(ct.trace), max_active=ct.max_active)
@@ -289,8 +292,8 @@ class _SplitSweep:
             }
         return summed, split_fit
 
-    def operating_points(self) -> dict:
-        """{regime: {"num_splits": S (, "route": R)}} of each swept regime, recording every trace's sweep."""
+    def split_points(self) -> dict:
+        """{regime: {"num_splits": S}} of each swept regime, recording every trace's sweep."""
         points = {}
         for regime in dict.fromkeys(t["regime"] for t in self._swept):
             field = regime_field(regime, "num_splits")
@@ -300,36 +303,79 @@ class _SplitSweep:
             if split_fit.at_edge:
                 print(f"pkv calibrate: {field}: the fastest split count, {split_fit.num_splits}, is at the edge of "
                       f"the candidates {sorted(summed)}; widening them may find a faster one", file=sys.stderr)
-            if regime == FEW_ROWS:
-                # Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at break-even
-                # on its GPU). Here the calibration seed's steps decide, in device time, each step
-                # timed on both routes; the workqueue where its gain clears the noise band of
-                # those paired steps, and on a tie the route with the much cheaper host plan
-                # (fit_regime_route), by the plan times of the same sweep. As for the context
-                # gates, CPU timings are recorded and the configured route kept.
-                splits = split_fit.num_splits
-                candidate_us = [s.measured_us for t in traces for s in t["timed_by_splits"][splits].samples]
-                flashinfer_us = [s.measured_us for t in traces for s in t["timed_fi"].samples]
-                plan_us = {"candidate_plan_us": _median_or_none(self.persistentkv_plan_us),
-                           "default_plan_us": _median_or_none(self.flashinfer_plan_us)}
-                fit = fit_regime_route(candidate_us, flashinfer_us, ROUTE_WORKQUEUE, **plan_us)
-                if self.settings.performance_result:
-                    points[regime]["route"] = fit.route
-                field = regime_field(regime, "route")
-                measured = fit.gain.record()
-                record = {"fits": field, "fitted": fit.route, "applied": self.settings.performance_result,
-                          "speedup": measured["measured_margin"], **measured, "default": REGIME_ROUTE_DEFAULT,
-                          "basis": fit.basis, "num_splits": splits,
-                          # Both sides' sums: where repeated calibrations disagree, which one moved.
-                          "candidate_device_us_total": sum(candidate_us),
-                          "default_device_us_total": sum(flashinfer_us), **plan_us}
-                for t in traces:
-                    self.records[t["name"]]["regime_route"] = record
-                self.decisions[field] = {"value": fit.route, **_decision_fields(record)}
         return points
 
+    def regime_routes(self, points: dict, fitted: Calibration) -> dict:
+        """{FEW_ROWS: {"route": R}} where the B2-7 traces were swept and the timings are a
+        performance result, recording the decision either way.
+
+        Paper 4.4 keeps batches 2..7 on FlashInfer (merge and launch costs at break-even on its
+        GPU). Here the calibration seed's steps decide, in device time, each step timed on both
+        routes and on the route the policy would run it on under ``fitted`` (the split counts of
+        ``points`` and the fitted step rules: a skewed step on the balanced rule, from the skew
+        fit's run of the same step, ruled_samples); the workqueue where its gain clears the noise
+        band of those paired steps, and on a tie the route with the much cheaper host plan
+        (fit_regime_route), by the plan times of the same sweep. As for the context gates, CPU
+        timings are recorded and the configured route kept."""
+        traces = [t for t in self._swept if t["regime"] == FEW_ROWS]
+        if not traces:
+            return {}
+        splits = points[FEW_ROWS]["num_splits"]
+        ruled = [self.ruled_samples(t, splits, fitted) for t in traces]
+        candidate_us = [us for samples, _ in ruled for us in samples]
+        flashinfer_us = [s.measured_us for t in traces for s in t["timed_fi"].samples]
+        plan_us = {"candidate_plan_us": _median_or_none(self.persistentkv_plan_us),
+                   "default_plan_us": _median_or_none(self.flashinfer_plan_us)}
+        fit = fit_regime_route(candidate_us, flashinfer_us, ROUTE_WORKQUEUE, **plan_us)
+        field = regime_field(FEW_ROWS, "route")
+        measured = fit.gain.record()
+        record = {"fits": field, "fitted": fit.route, "applied": self.settings.performance_result,
+                  "speedup": measured["measured_margin"], **measured, "default": REGIME_ROUTE_DEFAULT,
+                  "basis": fit.basis, "num_splits": splits,
+                  # How many steps ran on another rule than the fixed one at that count.
+                  "steps_by_route": dict(sum((counts for _, counts in ruled), Counter())),
+                  # Both sides' sums: where repeated calibrations disagree, which one moved.
+                  "candidate_device_us_total": sum(candidate_us),
+                  "default_device_us_total": sum(flashinfer_us), **plan_us}
+        for t in traces:
+            self.records[t["name"]]["regime_route"] = record
+        self.decisions[field] = {"value": fit.route, **_decision_fields(record)}
+        return {FEW_ROWS: {"route": fit.route}} if self.settings.performance_result else {}
+
+    def ruled_samples(self, t: dict, splits: int, fitted: Calibration) -> tuple[list[float], Counter]:
+        """Each step's device time of the swept trace ``t`` at ``splits``, on the route the policy's
+        step rules give it under ``fitted`` (its regime opened): the skew fit's time of the same
+        step on the balanced rule at the fitted budget where the rules take that rule and the skew
+        fit timed it, else the sweep's own (the fixed rule at ``splits``). With the count of steps
+        on each route (_rule_key)."""
+        regime = t["regime"]
+        params = fitted.regime(regime)
+        policy = RoutePolicy(fitted.with_regime(regime, num_splits=splits, route=params.route
+                                                if params.route != ROUTE_FLASHINFER else ROUTE_WORKQUEUE),
+                             num_kv_heads=self.shape.num_kv_heads, group_size=self.shape.group_size,
+                             head_dim=self.shape.head_dim)
+        balanced = self._balanced_by_step.get(t["name"], {})
+        timed_by_splits = t["timed_by_splits"]
+        times, counts = [], Counter()
+        for i, sample in enumerate(timed_by_splits[splits].samples):
+            route = policy.ruled_route(sample.step)
+            key, us = _rule_key(route), None
+            if route.name != t["route"]:
+                pass  # a step of fewer rows, another regime's route: not timed here
+            elif route.split_kind == "balanced":
+                timed = balanced.get(route.target_ctas, {}).get(sample.step.step)
+                if timed is not None and timed[0] == tuple(sample.step.seq_lens):
+                    us = timed[1]
+            elif route.num_splits in timed_by_splits:  # the fixed rule, or the uniform cap's count
+                us = timed_by_splits[route.num_splits].samples[i].measured_us
+            if us is None:
+                key, us = f"{key} (not timed: S={splits}'s time)", sample.measured_us
+            times.append(us)
+            counts[key] += 1
+        return times, counts
+
     def _regime_splits(self, points: dict, regime: str) -> int:
-        """The regime's split count as fitted in ``points`` (operating_points), else the calibration's."""
+        """The regime's split count as fitted in ``points`` (split_points), else the calibration's."""
         return points.get(regime, {}).get("num_splits", self.calib.regime(regime).num_splits)
 
     def uniform_target_ctas(self, points: dict) -> int | None:
@@ -400,6 +446,9 @@ class _SplitSweep:
             for w in shared:
                 timed[w] = timed_trace.persistentkv(dataclasses.replace(fixed, split_kind="balanced",
                                                                         target_ctas=w * num_sms))
+                # Each step's time by budget, for the route decision on the routes the policy runs.
+                self._balanced_by_step.setdefault(t["name"], {})[w * num_sms] = {
+                    s.step.step: (tuple(s.step.seq_lens), s.measured_us) for s in timed[w].samples}
             # The steps kept that are not skewed are the over-split ones.
             mine_skewed, mine_over_split = skewed.add(timed, _is_skewed_step), over_split.add(timed, _not_skewed)
             # Under its name, or beside the split sweep of the same trace (listed for both fits).
@@ -447,15 +496,20 @@ class _SplitSweep:
                                                                        **_decision_fields(over_record)}
         return {field: target, "over_split_balanced": over_split_fitted}
 
-    def gate_steps(self, points: dict) -> dict[str, list[dict]]:
+    def gate_steps(self, points: dict, fitted: Calibration) -> dict[str, list[dict]]:
         """The steps of each regime timed on the route the policy takes there (length buckets at
-        B1, else the workqueue) at the fitted split count: the long end of its context gate."""
+        B1, else the workqueue) at the fitted split count, each on the route its step rules give
+        it under ``fitted`` where the calibration timed that (ruled_samples): the long end of its
+        context gate."""
         steps: dict[str, list[dict]] = {}
         for t in self._swept:
             if (t["route"] == ROUTE_BUCKET) == (t["max_active"] == 1):
-                rows = _gate_rows(t["timed_by_splits"][points[t["regime"]]["num_splits"]], t["timed_fi"])
+                splits = points[t["regime"]]["num_splits"]
+                ruled, counts = self.ruled_samples(t, splits, fitted)
+                rows = _gate_rows(t["timed_by_splits"][splits], t["timed_fi"])
+                rows["persistentkv_us"] = ruled
                 steps.setdefault(regime_of(t["max_active"]), []).append(
-                    {"source": f"split sweep {t['name']}", **rows})
+                    {"source": f"split sweep {t['name']}", **rows, "steps_by_route": dict(counts)})
         return steps
 
 

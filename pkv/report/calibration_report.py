@@ -94,7 +94,7 @@ def split_sweeps(sweeps: dict) -> list[str]:
         route = sweep.get("regime_route", sweep.get("boundary_route"))  # the latter in files before the regimes
         if route:
             lines.append(f"  B2-7 route {route['fitted']} ({float(route['speedup']):.3f}x{_band(route)}, "
-                         f"{'applied' if route['applied'] else 'not applied'})")
+                         f"{'applied' if route['applied'] else 'not applied'})" + _steps_by_route(route))
     return lines
 
 
@@ -227,10 +227,10 @@ def report(path: Path) -> str:
     return "\n".join(lines)
 
 
-def _steps_by_route(probe: dict) -> str:
-    """How many of a probe's steps each rule's route ran, where more than one did (calibrations
-    before the probes followed the step rules record none)."""
-    routes = probe.get("steps_by_route") or {}
+def _steps_by_route(record: dict) -> str:
+    """How many of a probe's (or the B2-7 route decision's) steps each rule's route ran, where
+    more than one did (calibrations before the step rules were followed record none)."""
+    routes = record.get("steps_by_route") or {}
     if len(routes) < 2:
         return ""
     return "  (" + ", ".join(f"{route}: {steps}" for route, steps in routes.items()) + ")"
