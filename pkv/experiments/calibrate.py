@@ -332,7 +332,7 @@ class _SplitSweep:
         record = {"fits": field, "fitted": fit.route, "applied": self.settings.performance_result,
                   "speedup": measured["measured_margin"], **measured, "default": REGIME_ROUTE_DEFAULT,
                   "basis": fit.basis, "num_splits": splits,
-                  # How many steps ran on another rule than the fixed one at that count.
+                  # The steps by the route the policy runs them on, and those not timed on it.
                   "steps_by_route": dict(sum((counts for _, counts in ruled), Counter())),
                   # Both sides' sums: where repeated calibrations disagree, which one moved.
                   "candidate_device_us_total": sum(candidate_us),
@@ -348,25 +348,19 @@ class _SplitSweep:
         step on the balanced rule at the fitted budget where the rules take that rule and the skew
         fit timed it, else the sweep's own (the fixed rule at ``splits``). With the count of steps
         on each route (_rule_key)."""
-        regime = t["regime"]
-        params = fitted.regime(regime)
-        policy = RoutePolicy(fitted.with_regime(regime, num_splits=splits, route=params.route
-                                                if params.route != ROUTE_FLASHINFER else ROUTE_WORKQUEUE),
-                             num_kv_heads=self.shape.num_kv_heads, group_size=self.shape.group_size,
-                             head_dim=self.shape.head_dim)
+        policy = _opened_policy(fitted.with_regime(t["regime"], num_splits=splits), t["regime"], self.shape)
         balanced = self._balanced_by_step.get(t["name"], {})
         timed_by_splits = t["timed_by_splits"]
         times, counts = [], Counter()
         for i, sample in enumerate(timed_by_splits[splits].samples):
             route = policy.ruled_route(sample.step)
             key, us = _rule_key(route), None
-            if route.name != t["route"]:
-                pass  # a step of fewer rows, another regime's route: not timed here
-            elif route.split_kind == "balanced":
+            # A step of fewer rows than the trace's regime may take another regime's route: not timed here.
+            if route.name == t["route"] and route.split_kind == "balanced":
                 timed = balanced.get(route.target_ctas, {}).get(sample.step.step)
                 if timed is not None and timed[0] == tuple(sample.step.seq_lens):
                     us = timed[1]
-            elif route.num_splits in timed_by_splits:  # the fixed rule, or the uniform cap's count
+            elif route.name == t["route"] and route.num_splits in timed_by_splits:  # fixed, or the uniform cap's
                 us = timed_by_splits[route.num_splits].samples[i].measured_us
             if us is None:
                 key, us = f"{key} (not timed: S={splits}'s time)", sample.measured_us
@@ -513,8 +507,16 @@ class _SplitSweep:
         return steps
 
 
+def _opened_policy(calib: Calibration, regime: str, shape: ModelShape) -> RoutePolicy:
+    """``calib``'s policy for ``shape`` with ``regime`` opened to the workqueue where it is closed:
+    the routes a calibration times the regime's steps on, to decide whether to open it."""
+    if calib.regime(regime).route == ROUTE_FLASHINFER:
+        calib = calib.with_regime(regime, route=ROUTE_WORKQUEUE)
+    return RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size, head_dim=shape.head_dim)
+
+
 def _rule_key(route: StepRoute) -> str:
-    """A probe step's route as its record counts it: the split count, or the balanced rule's budget."""
+    """A step's route as a record counts it: the split count, or the balanced rule's budget."""
     if route.split_kind == "balanced":
         return f"{route.name} balanced ({route.target_ctas} CTAs)"
     return f"{route.name} S={route.num_splits}"
@@ -590,10 +592,7 @@ class _GateProbes:
         regime = regime_of(probe.max_active)
         # The routes the policy would estimate this regime's steps on, opened where the calibration
         # closed it: a probe measures the candidate under its step rules, not the gate.
-        params = self.fitted.regime(regime)
-        policy = RoutePolicy(self.fitted.with_regime(regime, route=params.route if params.route != "flashinfer"
-                                                     else ROUTE_WORKQUEUE),
-                             num_kv_heads=shape.num_kv_heads, group_size=group, head_dim=shape.head_dim)
+        policy = _opened_policy(self.fitted, regime, shape)
         route = policy.candidate(probe.max_active)
         timed_trace = _TimedTrace(self.cfg, self.settings, shape, trace)
         timed = timed_trace.persistentkv_ruled(policy)
