@@ -78,13 +78,15 @@ CASE_LABELS = {
 
 
 def case_label(name: str, seq_lens) -> str:
-    """A case's name for tables: CASE_LABELS', or "B8 32K" for rows of one length."""
+    """A case's name for tables: its CASE_LABELS entry, or "B8 32K" for rows of one length."""
     if name in CASE_LABELS:
         return CASE_LABELS[name]
     lengths = set(seq_lens)
     if len(lengths) == 1 and next(iter(lengths)) % K == 0:
         return f"B{len(seq_lens)} {next(iter(lengths)) // K}K"
     return name
+
+
 B1_SPLITS = (16, 24, 32, 48, 64, 96)
 # The cluster merge holds a (row, KV head)'s splits in one cluster of at most 16 CTAs.
 B1_CLUSTER_SPLITS = (8, 12, 16)
