@@ -603,8 +603,10 @@ def test_the_one_op_step_runs_as_the_adaptive_steps_two_calls(options):
         want = two_calls.run(q, k, v, two_calls.plan(step))
         plan = one_op.plan(step)
         if policy.gate(step) is not None:  # the few-rows regime, closed here: FlashInfer's plan at once
+            # The fallback's own plan and run (a stand-in here, whose kernels need not repeat to the
+            # bit from run to run: held to float64).
             assert not isinstance(plan, OneOpPlan), lengths
-            torch.testing.assert_close(one_op.run(q, k, v, plan), want, atol=0, rtol=0)
+            _check(one_op.run(q, k, v, plan), _dense(step, q, k, v), torch.float16)
             continue
         assert isinstance(plan, OneOpPlan)
         got = one_op.run(q, k, v, plan)
