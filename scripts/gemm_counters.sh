@@ -53,11 +53,13 @@ rows = list(csv.reader(io.StringIO("\n".join(lines))))
 if len(rows) < 3:
     sys.exit("gemm.csv holds no kernel: did the NVTX ranges or the kernel name match nothing?")
 header, units = rows[0], rows[1]
-metrics = [name for name in header if re.fullmatch(r"\w+__\w+\.\w+(\.\w+)*", name)]
-scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
-         "byte": 1e-6, "kbyte": 1e-3, "mbyte": 1.0, "gbyte": 1e3, "%": 1.0, "": 1.0}
-shown = {"nsecond": "us", "usecond": "us", "msecond": "us", "second": "us",
-         "byte": "MB", "kbyte": "MB", "mbyte": "MB", "gbyte": "MB", "%": "%", "": ""}
+# A metric's .sum is its total over the kernel's units (a launch's DRAM bytes, its duration); the
+# .avg, .min and .max ncu exports beside it are over those units (one FBPA, one SM), not launches.
+metrics = [name for name in header if re.fullmatch(r"\w+__\w+(\.\w+)*\.sum", name)]
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6,
+         "second": 1e6, "byte": 1e-6, "kbyte": 1e-3, "mbyte": 1.0, "gbyte": 1e3, "%": 1.0, "": 1.0}
+shown = {"ns": "us", "nsecond": "us", "us": "us", "usecond": "us", "ms": "us", "msecond": "us", "s": "us",
+         "second": "us", "byte": "MB", "kbyte": "MB", "mbyte": "MB", "gbyte": "MB", "%": "%", "": ""}
 samples = {}
 for cells in rows[2:]:
     row = dict(zip(header, cells))
@@ -68,10 +70,12 @@ for cells in rows[2:]:
     for m in metrics:
         unit = units[header.index(m)].strip().lower()
         per[m].append(float(row[m].replace(",", "")) * scale.get(unit, 1.0))
-print("| path | kernels | " + " | ".join(
-    f"{m} ({shown.get(units[header.index(m)].strip().lower(), '?')})" for m in metrics) + " |")
+# Per path, each counter's mean and median over the kernel's launches.
+print("| path | launches | " + " | ".join(
+    f"{m} ({shown.get(units[header.index(m)].strip().lower(), '?')}), mean / median" for m in metrics) + " |")
 print("|---|---:|" + "---:|" * len(metrics))
 for path in sorted(samples):
     per = samples[path]
-    print(f"| {path} | {len(per[metrics[0]])} | " + " | ".join(f"{statistics.fmean(per[m]):.3f}" for m in metrics) + " |")
+    print(f"| {path} | {len(per[metrics[0]])} | " + " | ".join(
+        f"{statistics.fmean(per[m]):.3f} / {statistics.median(per[m]):.3f}" for m in metrics) + " |")
 EOF
