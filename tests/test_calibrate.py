@@ -693,3 +693,20 @@ def test_the_few_rows_route_and_gates_read_each_step_on_the_route_the_policy_run
     # Without a skew budget every B4 step keeps the fixed rule's time; the gate rows say so too.
     (rows,) = sweep.gate_steps(points, _fitted(points))[FEW_ROWS]
     assert rows["persistentkv_us"] == [100.0] * 4 and rows["contexts"] == [9000, 9000, 5000, 8000]
+
+
+def test_a_split_count_tie_goes_to_the_configured_count_and_the_record_says_so():
+    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=ModelShape(),
+                        calib=START)
+    # B2-7 counts within 1% of the fastest (36): 24, 32 and 36; START configures 32.
+    sweep._swept = [_swept("bimodal_b4", 4, FEW_ROWS, {24: 100.5, 32: 100.8, 36: 100.0, 40: 102.0}, 101.0)]
+    assert sweep.split_points() == {FEW_ROWS: {"num_splits": 32}}
+    decision = sweep.decisions["regimes.few_rows.num_splits"]
+    assert decision["basis"] == "the configured count, within the band of the fastest"
+    assert (decision["preferred"], decision["fastest"], decision["tied"]) == (32, 36, [24, 32, 36])
+    assert sweep.records["bimodal_b4"]["preferred_splits"] == 32
+    # Configured outside the tie (START's B8+ count, 20): the fewest tied count, as before.
+    sweep._swept = [_swept("bimodal_b8", 8, MANY_ROWS, {20: 103.0, 24: 100.5, 28: 100.0}, 101.0)]
+    assert sweep.split_points() == {MANY_ROWS: {"num_splits": 24}}
+    basis = sweep.decisions["regimes.many_rows.num_splits"]["basis"]
+    assert basis == "the fewest splits within the band of the fastest"

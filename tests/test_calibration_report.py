@@ -185,6 +185,10 @@ def test_a_tie_of_split_counts_is_shown_with_the_fastest_alone():
     lines = split_sweeps({"bimodal_b8": sweep})
     assert "  tied within noise: 24, 28; the fewest splits taken (fastest alone: 28)" in lines
     assert not any("tied" in line for line in split_sweeps(MEASURED["split_sweeps"]))
+    # The configured count taken from a tie, where the calibration records one.
+    held = {**sweep, "selected_splits": 28, "tied_splits": [20, 24, 28], "preferred_splits": 28}
+    assert ("  tied within noise: 20, 24, 28; the configured count taken (fastest alone: 28)"
+            in split_sweeps({"bimodal_b8": held}))
 
 
 def test_report_names_the_noise_band_a_route_decision_had_to_clear(tmp_path):

@@ -176,6 +176,22 @@ def test_split_counts_within_noise_resolve_to_the_fewest_splits_whatever_their_o
         fit_split_count({})
 
 
+def test_a_tie_goes_to_the_configured_count_where_it_is_tied_so_a_flat_optimum_decides_alike():
+    """The H100 calibration and its repeat of one commit (dd7a23e; FlashInfer over PersistentKV per
+    count, as summed device-time ratios): the fewest within 1% of the fastest took 24, then 32, at
+    B2-7, since 24 sat on the band's edge; the configured 32 is tied in both and taken in both."""
+    runs = ({16: 0.988, 20: 0.990, 24: 0.995, 28: 0.990, 32: 1.003, 36: 1.004, 40: 1.002, 44: 0.997, 48: 1.001},
+            {16: 0.990, 20: 0.995, 24: 0.998, 28: 0.995, 32: 1.008, 36: 1.008, 40: 1.005, 44: 1.000, 48: 1.004})
+    summed = [{s: 1000.0 / ratio for s, ratio in run.items()} for run in runs]
+    assert [fit_split_count(run).num_splits for run in summed] == [24, 32]
+    fits = [fit_split_count(run, preferred=32) for run in summed]
+    assert [f.num_splits for f in fits] == [32, 32] and fits[0].preferred == 32 and fits[0].fastest == 36
+    # Outside the band the preference does nothing: the fastest's band decides, fewest first.
+    assert fit_split_count({24: 100.0, 28: 100.5, 32: 103.0}, preferred=32).num_splits == 24
+    assert fit_split_count({24: 100.6, 28: 100.0}, preferred=20).num_splits == 24  # not a candidate
+    assert fit_split_count({24: 100.6, 28: 100.0}, preferred=28) == SplitFit(28, True, 28, (24, 28), 28)
+
+
 def test_regime_route_fit_needs_a_device_time_win():
     fit = fit_regime_route([45.0, 45.0], [50.0, 50.0], "persistentkv_workqueue")
     assert fit.route == "persistentkv_workqueue" and fit.gain.gain == pytest.approx(100 / 90)

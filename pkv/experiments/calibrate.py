@@ -264,28 +264,34 @@ class _SplitSweep:
                  "steps": len(timed_trace.steps), "timed_by_splits": timed_by_splits, "timed_fi": timed_fi}
         (self._uniform if fits_cap else self._swept).append(swept)
 
-    def _fit_splits(self, traces: list[dict], field: str, problem: str) -> tuple[dict, object]:
-        """(summed device us by shared split count, fit_split_count's fit) of traces decided
-        together, each trace's sweep recorded under its name as fitting ``field``."""
+    def _fit_splits(self, traces: list[dict], field: str, problem: str,
+                    preferred: int | None = None) -> tuple[dict, object]:
+        """(summed device us by shared split count, fit_split_count's fit, a tie going to
+        ``preferred`` where it is tied) of traces decided together, each trace's sweep recorded
+        under its name as fitting ``field``."""
         shared = set.intersection(*(set(t["timed_by_splits"]) for t in traces))
         if not shared:
             raise ConfigError(f"conf/experiment/calibrate.yaml: field 'experiment.calibration_traces' = "
                               f"{[t['name'] for t in traces]}: {problem}")
         summed = {s: sum(t["timed_by_splits"][s].total_us for t in traces) for s in sorted(shared)}
-        split_fit = fit_split_count(summed)
+        split_fit = fit_split_count(summed, preferred=preferred)
         # A split count's margin: the fastest candidate's time over the chosen one's (1 where the
-        # fastest is chosen); candidates within SPLIT_TIE_FRACTION are tied and go to the fewest.
+        # fastest is chosen); candidates within SPLIT_TIE_FRACTION are tied and go to the
+        # configured count where it is one of them, else to the fewest.
+        held = split_fit.num_splits == preferred and len(split_fit.tied) > 1
         self.decisions[field] = {
             "value": split_fit.num_splits,
             "measured_margin": summed[split_fit.fastest] / summed[split_fit.num_splits],
             "noise_band": SPLIT_TIE_FRACTION, "required_margin": 1.0 / (1.0 + SPLIT_TIE_FRACTION),
-            "fastest": split_fit.fastest, "tied": list(split_fit.tied),
-            "basis": "the fewest splits within the band of the fastest"}
+            "fastest": split_fit.fastest, "tied": list(split_fit.tied), "preferred": preferred,
+            "basis": ("the configured count, within the band of the fastest" if held
+                      else "the fewest splits within the band of the fastest")}
         for t in traces:
             self.records[t["name"]] = {
                 "route": t["route"], "fits": field, "steps": t["steps"],
                 "selected_splits": split_fit.num_splits, "selected_at_edge": split_fit.at_edge,
                 "fastest_splits": split_fit.fastest, "tied_splits": list(split_fit.tied),
+                "preferred_splits": preferred,
                 "fitted_with": [u["name"] for u in traces],
                 "device_us_total_by_splits": {str(s): timed.total_us for s, timed in t["timed_by_splits"].items()},
                 "flashinfer_device_us_total": t["timed_fi"].total_us,
@@ -298,7 +304,9 @@ class _SplitSweep:
         for regime in dict.fromkeys(t["regime"] for t in self._swept):
             field = regime_field(regime, "num_splits")
             traces = [t for t in self._swept if t["regime"] == regime]
-            summed, split_fit = self._fit_splits(traces, field, f"traces that fit {field} share no split candidate")
+            # A tie goes to the count the GPU's conf file starts from, where it is tied.
+            summed, split_fit = self._fit_splits(traces, field, f"traces that fit {field} share no split candidate",
+                                                 preferred=self.calib.regime(regime).num_splits)
             points[regime] = {"num_splits": split_fit.num_splits}
             if split_fit.at_edge:
                 print(f"pkv calibrate: {field}: the fastest split count, {split_fit.num_splits}, is at the edge of "

@@ -171,8 +171,12 @@ def fit_context_gate(contexts: Sequence[int], persistentkv_us: Sequence[float], 
 
 # Split candidates whose summed device time lies within this fraction of the fastest are tied:
 # repeated calibrations on one H200 and one commit ranked neighbouring counts (24 and 28 on B8)
-# in either order, with the fastest ahead by about 1%. A tie goes to the fewest splits, which
-# writes and merges the fewest partial states, so a repeated calibration resolves it the same way.
+# in either order, with the fastest ahead by about 1%. A tie goes to the count the GPU's conf file
+# starts from where that count is tied, else to the fewest splits, which write and merge the
+# fewest partial states. The fewest alone is not enough: on a flat optimum several counts sit near
+# the band's edge, and an H100 calibration and its repeat at one commit took 16 then 32 at B1 and
+# 24 then 32 at B2-7, each within 1% of the fastest in both runs (docs/performance.md, "The
+# reference set of dd7a23e"). One count held fixed has one edge to cross, not several.
 SPLIT_TIE_FRACTION = 0.01
 
 
@@ -182,12 +186,14 @@ class SplitFit:
     at_edge: bool  # the fastest or the chosen count is the first or last candidate: one outside may do better
     fastest: int = 0  # the candidate with the least time, which a tie may have passed over
     tied: tuple = ()  # the candidates within tie_fraction of the fastest
+    preferred: int | None = None  # the count a tie goes to where it is tied (the configured one), if any
 
 
-def fit_split_count(device_us_by_splits: Mapping[int, float], tie_fraction: float = SPLIT_TIE_FRACTION) -> SplitFit:
-    """A regime's split count: the fewest splits among the candidates whose device time, summed
-    over the traces that fit it (one trace alone can rank two neighbouring counts by noise), is
-    within ``tie_fraction`` of the least."""
+def fit_split_count(device_us_by_splits: Mapping[int, float], tie_fraction: float = SPLIT_TIE_FRACTION,
+                    preferred: int | None = None) -> SplitFit:
+    """A regime's split count among the candidates whose device time, summed over the traces that
+    fit it (one trace alone can rank two neighbouring counts by noise), is within ``tie_fraction``
+    of the least: ``preferred`` where it is one of them, else the fewest splits."""
     if not device_us_by_splits:
         raise ValueError("fit_split_count: no split candidate was timed")
     if not (math.isfinite(tie_fraction) and tie_fraction >= 0):
@@ -195,10 +201,10 @@ def fit_split_count(device_us_by_splits: Mapping[int, float], tie_fraction: floa
     fastest = min(device_us_by_splits, key=device_us_by_splits.get)
     limit = device_us_by_splits[fastest] * (1.0 + tie_fraction)
     tied = tuple(sorted(int(s) for s, us in device_us_by_splits.items() if us <= limit))
-    best = tied[0]
+    best = preferred if preferred in tied else tied[0]
     edges = (min(device_us_by_splits), max(device_us_by_splits))
     at_edge = len(device_us_by_splits) > 1 and (fastest in edges or best in edges)
-    return SplitFit(best, at_edge, int(fastest), tied)
+    return SplitFit(int(best), at_edge, int(fastest), tied, preferred)
 
 
 # --------------------------------------------------------------------------------------

@@ -85,7 +85,10 @@ def split_sweeps(sweeps: dict) -> list[str]:
         lines.append(f"{name} -> {fits}{with_others}: " + ", ".join(cells))
         tied = sweep.get("tied_splits") or []
         if len(tied) > 1:  # files written before the tie rule hold no tied set
-            lines.append(f"  tied within noise: {', '.join(map(str, tied))}; the fewest splits taken "
+            preferred = sweep.get("preferred_splits")  # files before it took the fewest always
+            taken = ("the configured count taken" if preferred in tied and preferred == int(sweep["selected_splits"])
+                     else "the fewest splits taken")
+            lines.append(f"  tied within noise: {', '.join(map(str, tied))}; {taken} "
                          f"(fastest alone: {sweep['fastest_splits']})")
         cap = sweep.get("uniform_target_ctas")
         if cap:
