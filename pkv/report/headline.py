@@ -24,6 +24,7 @@ from pathlib import Path
 from pkv.atomic_io import read_json, write_text_atomic
 from pkv.config import ConfigError
 from pkv.measure.kernel_bench import case_label
+from pkv.policy.route import ROUTE_FLASHINFER
 from pkv.refusal import exit_on_refusal
 from pkv.report.reference_set import COMMIT_LINE
 from pkv.report.table_data.labels import ENGINE_LABELS, METHOD_LABELS
@@ -41,9 +42,8 @@ AIM_SKEWED_TRACE = "Skewed B64"
 # One long request in the kernel benchmark: case -> the lead over FlashInfer's best path aimed at.
 AIM_B1 = {"b1_32k": 1.4, "b1_64k": 1.15}
 # The adaptive engine's eager modes in host_bench (the default, and its step in one op call where
-# the run has it), and the route label a case left to FlashInfer records.
+# the run has it); a case it leaves to FlashInfer records the route ROUTE_FLASHINFER.
 HOST_ENGINES = ("adaptive/native", "adaptive/native, one op")
-FLASHINFER_ROUTE = "flashinfer"
 
 ADAPTIVE = ENGINE_LABELS["adaptive"]
 XQA = ENGINE_LABELS["xqa"]
@@ -271,7 +271,7 @@ def shortfalls(kernels, isolated, serving, steps, host) -> list[str]:
         if row["trace"] == AIM_GRAPH_B1_TRACE and row["graph"] is not None and row["graph"].mean < AIM_GRAPH_B1:
             lines.append(f"Table 9, graph mode, {row['trace']}: {row['graph']} against an aim of {AIM_GRAPH_B1:.2f}x.")
     for row in host:
-        if row["route"] == FLASHINFER_ROUTE or not row["modes"]:
+        if row["route"] == ROUTE_FLASHINFER or not row["modes"]:
             continue
         mode, best = min(row["modes"].items(), key=lambda item: item[1])
         if best > AIM_EAGER_HOST_US:
@@ -322,7 +322,7 @@ def headline(root: Path) -> str:
     out += [f"| {row['trace']} | {row['route']} | {_r(row['graph'])} | {_r(row['graph_wall'])} | "
             f"{_r(row['ceiling'])} | {_share(row['captured'])} | {_r(row['eager'])} | {_r(row['eager_wall'])} | "
             f"{_r(row['xqa_graph'])} |" for row in steps]
-    routed = [row for row in host if row["route"] != FLASHINFER_ROUTE and row["modes"]]
+    routed = [row for row in host if row["route"] != ROUTE_FLASHINFER and row["modes"]]
     if routed:
         out += ["", "Eager host time a step (host_bench, plan plus issue in a tight loop, us):", "",
                 "| case | " + " | ".join(HOST_ENGINES) + " | FlashInfer |", "|---|" + "---:|" * (len(HOST_ENGINES) + 1)]
