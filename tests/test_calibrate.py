@@ -710,3 +710,20 @@ def test_a_split_count_tie_goes_to_the_configured_count_and_the_record_says_so()
     assert sweep.split_points() == {MANY_ROWS: {"num_splits": 24}}
     basis = sweep.decisions["regimes.many_rows.num_splits"]["basis"]
     assert basis == "the fewest splits within the band of the fastest"
+
+
+def test_a_sweep_step_of_a_closed_regime_keeps_the_sweeps_own_time():
+    """A B8 trace's step of three rows falls in the B2-7 regime; closed there (START's B2-7 route is
+    FlashInfer), the policy would not run PersistentKV on it, and the sweep's time stands, counted
+    as not timed on its route."""
+    steps = [types.SimpleNamespace(step=0, batch_size=8, seq_lens=[30000, 20000] + [4000] * 6),
+             types.SimpleNamespace(step=1, batch_size=3, seq_lens=[30000, 20000, 4000])]
+    samples = [types.SimpleNamespace(step=s, measured_us=100.0) for s in steps]
+    trace = {"name": "bimodal_b8", "max_active": 8, "route": "persistentkv_workqueue", "regime": MANY_ROWS,
+             "steps": 2, "timed_by_splits": {20: types.SimpleNamespace(samples=samples, total_us=200.0)},
+             "timed_fi": types.SimpleNamespace(samples=samples, total_us=200.0)}
+    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=ModelShape(),
+                        calib=START)
+    times, counts = sweep.ruled_samples(trace, 20, START)
+    assert times == [100.0, 100.0]
+    assert counts == {"persistentkv_workqueue S=20": 1, "flashinfer (not timed: S=20's time)": 1}

@@ -362,14 +362,16 @@ class _SplitSweep:
         times, counts = [], Counter()
         for i, sample in enumerate(timed_by_splits[splits].samples):
             route = policy.ruled_route(sample.step)
-            key, us = _rule_key(route), None
-            # A step of fewer rows than the trace's regime may take another regime's route: not timed here.
-            if route.name == t["route"] and route.split_kind == "balanced":
-                timed = balanced.get(route.target_ctas, {}).get(sample.step.step)
-                if timed is not None and timed[0] == tuple(sample.step.seq_lens):
-                    us = timed[1]
-            elif route.name == t["route"] and route.num_splits in timed_by_splits:  # fixed, or the uniform cap's
-                us = timed_by_splits[route.num_splits].samples[i].measured_us
+            # A step of fewer rows than the trace's regime falls in another regime, whose route (or
+            # FlashInfer, where that regime is closed: None) this sweep did not time.
+            key, us = (_rule_key(route) if route is not None else ROUTE_FLASHINFER), None
+            if route is not None and route.name == t["route"]:
+                if route.split_kind == "balanced":
+                    timed = balanced.get(route.target_ctas, {}).get(sample.step.step)
+                    if timed is not None and timed[0] == tuple(sample.step.seq_lens):
+                        us = timed[1]
+                elif route.num_splits in timed_by_splits:  # the fixed rule, or the uniform cap's count
+                    us = timed_by_splits[route.num_splits].samples[i].measured_us
             if us is None:
                 key, us = f"{key} (not timed: S={splits}'s time)", sample.measured_us
             times.append(us)
