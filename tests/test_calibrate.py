@@ -615,9 +615,9 @@ def test_a_gate_probe_times_each_step_on_the_route_the_policy_would_run_there(mo
             self.steps = [over_split, skewed, ragged] if trace.max_active == 8 else [few]
             self.flashinfer_paths = None
 
-        def persistentkv_ruled(self, policy):
+        def persistentkv_ruled(self, policy, fallback):
             seen.append(policy)
-            ruled = RuledRoutePolicy(policy)
+            ruled = RuledRoutePolicy(policy, fallback)
             samples = [types.SimpleNamespace(step=s, route=ruled.choose(s).route,
                                              measured_us=10.0 if ruled.choose(s).route.split_kind == "balanced"
                                              else 12.0) for s in self.steps]

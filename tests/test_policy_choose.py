@@ -271,3 +271,6 @@ def test_the_ruled_route_is_what_choose_estimates_whatever_the_gates_and_margins
     assert closed.ruled_route(make_step([65536, 1000, 2000])) is None
     with pytest.raises(ValueError, match="B3 regime's route is FlashInfer"):
         RuledRoutePolicy(closed).choose(make_step([65536, 1000, 2000]))
+    # A probe of another regime runs such a step on its own candidate.
+    probed = closed.candidate(8)
+    assert RuledRoutePolicy(closed, probed).choose(make_step([65536, 1000, 2000])).route is probed

@@ -176,9 +176,11 @@ class _TimedTrace:
         engine = build_engine("persistentkv", shape=self.shape, device=self.device, policy=PinnedRoutePolicy(route))
         return time_steps(engine, route, self.steps, **self.timing)
 
-    def persistentkv_ruled(self, policy: RoutePolicy):
-        """Each step on the route the policy's step rules give it (RuledRoutePolicy)."""
-        engine = build_engine("persistentkv", shape=self.shape, device=self.device, policy=RuledRoutePolicy(policy))
+    def persistentkv_ruled(self, policy: RoutePolicy, fallback: StepRoute):
+        """Each step on the route the policy's step rules give it, ``fallback`` where its regime is
+        closed (RuledRoutePolicy)."""
+        engine = build_engine("persistentkv", shape=self.shape, device=self.device,
+                              policy=RuledRoutePolicy(policy, fallback))
         return time_steps(engine, None, self.steps, **self.timing)
 
     def flashinfer(self):
@@ -605,7 +607,7 @@ class _GateProbes:
         policy = _opened_policy(self.fitted, regime, shape)
         route = policy.candidate(probe.max_active)
         timed_trace = _TimedTrace(self.cfg, self.settings, shape, trace)
-        timed = timed_trace.persistentkv_ruled(policy)
+        timed = timed_trace.persistentkv_ruled(policy, route)
         timed_fi = timed_trace.flashinfer()
         name = f"{trace_name(trace)} x{probe.length_scale:g} G={group}"
         record = {"probe": name, "route": route.name, "num_splits": route.num_splits, "group_size": group,

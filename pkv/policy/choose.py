@@ -299,16 +299,19 @@ class PinnedRoutePolicy:
 class RuledRoutePolicy:
     """Every step on the route its regime's step rules give it (RoutePolicy.ruled_route), with the
     gates and the estimate left out: what a calibration probe times against FlashInfer to place a
-    gate, so the probe measures the route the policy would run on each step it would open."""
+    gate, so the probe measures the route the policy would run on each step it would open. A step
+    of fewer rows can fall in a regime the policy keeps on FlashInfer; it runs ``fallback`` (the
+    probed regime's candidate) where one is given."""
 
-    def __init__(self, policy: RoutePolicy):
+    def __init__(self, policy: RoutePolicy, fallback: StepRoute | None = None):
         self.policy = policy
+        self.fallback = fallback
 
     def candidate(self, batch_size: int) -> StepRoute | None:
         return self.policy.candidate(batch_size)
 
     def choose(self, step) -> RouteDecision:
-        route = self.policy.ruled_route(step)
+        route = self.policy.ruled_route(step) or self.fallback
         if route is None:
             raise ValueError(f"RuledRoutePolicy: the B{len(step.seq_lens)} regime's route is FlashInfer; "
                              "open it (Calibration.with_regime(..., route=...)) to probe it")
