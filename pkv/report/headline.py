@@ -353,10 +353,11 @@ def readme_block(readme: Path, set_name: str) -> tuple[int, int] | None:
 
 
 def set_name_of(root: Path) -> str:
-    """How the README's markers name a set: its path from the repository root."""
+    """How the README's markers name a set: its path from the repository root (from the last
+    "artifacts" folder, which a checkout's own path may contain too)."""
     parts = root.resolve().parts
     if "artifacts" in parts:
-        return "/".join(parts[parts.index("artifacts"):])
+        return "/".join(parts[len(parts) - 1 - parts[::-1].index("artifacts"):])
     return root.as_posix()
 
 
