@@ -24,6 +24,7 @@ from pkv.pipeline.traces import synthetic_trace
 from pkv.policy import Calibration, RoutePolicy, load_calibration
 from pkv.policy.native import NativeRoutePolicy, policy_values
 from pkv.policy.overrides import apply_engine_options, kernel_variants
+from pkv.policy.regime import MANY_ROWS
 from pkv.shape import ModelShape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -262,7 +263,10 @@ def test_a_gated_step_goes_to_flashinfer_without_the_one_call(monkeypatch):
     policy = _policy(calib, shape, {})
     persistent = PersistentKVEngine(shape, policy=policy, device="cpu")
     engine = AdaptiveEngine(policy, persistent, SdpaEngine(shape, "cpu"))
-    short = _engine_inputs([512, 1024, 1536, 2048, 2560, 3072, 3584, 4096])  # below the B8 context gate
+    # Eight rows all below the B8 context gate the reference calibration fitted, whatever it is.
+    gate = calib.regime(MANY_ROWS).min_context_tokens
+    assert gate >= 16
+    short = _engine_inputs([gate * (i + 1) // 9 for i in range(8)])
     assert policy.gate(short).basis == "gate: context" and policy.choose(short).basis == "gate: context"
     assert policy.gate(_engine_inputs([64 * 1024] * 8)) is None
 
@@ -350,7 +354,8 @@ def test_a_one_op_step_decides_at_its_first_run_and_replays_its_plan_after():
     assert engine.run(None, None, None, left) == ("fallback run", ("fallback plan", step))
     assert persistent.calls == ["step_chosen"] and left.resolved() == ("fallback plan", step)
     # A gated step goes to FlashInfer at plan(), as without the one op.
-    short = _engine_inputs([512, 1024, 1536, 2048, 2560, 3072, 3584, 4096])
+    gate = calib.regime(MANY_ROWS).min_context_tokens
+    short = _engine_inputs([gate * (i + 1) // 9 for i in range(8)])  # every row below the B8 context gate
     assert engine.plan(short) == ("fallback plan", short)
 
 
