@@ -12,8 +12,24 @@ import pytest
 from pkv.experiments.calibrate import _GateProbes, _SplitSweep
 from pkv.policy import Calibration, CalibrationError, RegimeParams, load_calibration, regime_of, save_calibration
 from pkv.policy.calibration import LEGACY_SCHEMA, regime_field
+from pkv.policy.choose import RuledRoutePolicy
 from pkv.policy.regime import FEW_ROWS, MANY_ROWS, REGIME_BATCH, REGIMES, SINGLE_ROW
+from pkv.policy.route import FLASHINFER_ROUTE
 from pkv.shape import ModelShape
+
+
+def _timed_one_by_one(trace, runs: dict) -> dict:
+    """A fake _TimedTrace.timed from a fake trace's one-run methods (persistentkv(route),
+    persistentkv_ruled(policy, fallback), flashinfer()), called in the runs' order."""
+    timed = {}
+    for key, run in runs.items():
+        if isinstance(run, RuledRoutePolicy):
+            timed[key] = trace.persistentkv_ruled(run.policy, run.fallback)
+        elif run == FLASHINFER_ROUTE:
+            timed[key] = trace.flashinfer()
+        else:
+            timed[key] = trace.persistentkv(run)
+    return timed
 
 HARDWARE = dict(gpu="fake", num_sms=4, beta_gbps=100.0, lambda_us=5.0, c_min=1.0)
 START = Calibration(**HARDWARE,
@@ -167,6 +183,8 @@ def test_the_uniform_traces_steps_stay_out_of_c_min_and_the_plan_times(monkeypat
     from pkv.experiments import calibrate
 
     class FakeTrace:
+        timed = _timed_one_by_one
+
         def __init__(self, cfg, settings, shape, trace):
             self.kv_dtype_bytes, self.steps, self.name = 2, [], trace.family
 
@@ -216,6 +234,8 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
         return fixed_us if route.split_kind == "fixed" else skewed_us_by_waves[route.target_ctas // 132]
 
     class FakeTrace:
+        timed = _timed_one_by_one
+
         def __init__(self, cfg, settings, shape, trace):
             self.kv_dtype_bytes = 2
             self.steps = [skewed[0], neither, over_split[0], skewed[1], over_split[1]]
@@ -611,6 +631,8 @@ def test_a_gate_probe_times_each_step_on_the_route_the_policy_would_run_there(mo
     seen = []
 
     class FakeTrace:
+        timed = _timed_one_by_one
+
         def __init__(self, cfg, settings, shape, trace):
             self.steps = [over_split, skewed, ragged] if trace.max_active == 8 else [few]
             self.flashinfer_paths = None
@@ -727,3 +749,50 @@ def test_a_sweep_step_of_a_closed_regime_keeps_the_sweeps_own_time():
     times, counts = sweep.ruled_samples(trace, 20, START)
     assert times == [100.0, 100.0]
     assert counts == {"persistentkv_workqueue S=20": 1, "flashinfer (not timed: S=20's time)": 1}
+
+
+def test_the_runs_of_a_trace_are_timed_step_by_step_in_turn():
+    """time_steps_in_turn: every run times each step, the runs of one step one after another and
+    the first of them moving on by one each step, so no run always goes first or last; each run
+    keeps its own samples, totals and plan times, on the route it was pinned to."""
+    import time
+
+    from pkv.measure.calibration_probe import time_steps_in_turn
+    from pkv.policy.route import ROUTE_WORKQUEUE, StepRoute
+
+    order = []
+
+    class Engine:
+        def __init__(self, name, us):
+            self.name, self.us = name, us
+
+        def prepare(self, step, q, k_pages, v_pages):
+            pass
+
+        def plan(self, step):
+            return step
+
+        def run(self, q, k_pages, v_pages, plan):
+            order.append((plan.step, self.name))
+            # Wall time on the CPU: a run long enough to rank the two above perf_counter's noise.
+            deadline = time.perf_counter() + self.us * 1e-6
+            while time.perf_counter() < deadline:
+                pass
+
+    steps = [types.SimpleNamespace(step=i, batch_size=1, seq_lens=[100]) for i in range(4)]
+    route = StepRoute(ROUTE_WORKQUEUE, 8)
+    runs = {"a": (Engine("a", 200.0), route), "b": (Engine("b", 2000.0), FLASHINFER_ROUTE),
+            "c": (Engine("c", 200.0), route)}
+    timed = time_steps_in_turn(runs, steps, ModelShape(), None, None, dtype="float32", device="cpu", seed=0,
+                               reps=2, flush_l2=False)
+    # One warm-up and two timed repetitions per (step, run), the step's runs contiguous.
+    firsts = [order[i * 9][1] for i in range(4)]
+    assert firsts == ["a", "b", "c", "a"]
+    assert [name for s, name in order[9:18:3]] == ["b", "c", "a"]
+    assert all({s for s, _ in order[i * 9:(i + 1) * 9]} == {i} for i in range(4))
+    for key in runs:
+        assert [sample.step.step for sample in timed[key].samples] == [0, 1, 2, 3]
+        assert len(timed[key].plan_us) == 4
+        assert timed[key].total_us == pytest.approx(sum(s.measured_us for s in timed[key].samples))
+    assert {s.route for s in timed["b"].samples} == {FLASHINFER_ROUTE} and timed["a"].samples[0].route == route
+    assert timed["b"].total_us > timed["a"].total_us

@@ -28,7 +28,7 @@ from pkv.experiments.common import (
     resolve_settings,
     trace_name,
 )
-from pkv.measure.calibration_probe import measure_launch_us, measure_read_gbps, time_steps, trace_steps
+from pkv.measure.calibration_probe import measure_launch_us, measure_read_gbps, time_steps_in_turn, trace_steps
 from pkv.measure.kv_data import make_kv_pages, resolve_dtype
 from pkv.policy.calibration import Calibration, regime_field, save_calibration
 from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, RuledRoutePolicy, is_over_split, is_skewed
@@ -167,29 +167,31 @@ class _TimedTrace:
                                          settings.device, cfg.seed)
         self.kv_dtype_bytes = k_pages.element_size()
         self.shape, self.device = shape, settings.device
-        self.flashinfer_paths = None  # set by flashinfer(): the paths FlashInfer's best-of engine picked
+        self.flashinfer_paths = None  # set by timed() where FlashInfer ran: the paths its best-of engine picked
         self.timing = dict(shape=shape, k_pages=k_pages, v_pages=v_pages, dtype=dtype,
                            device=settings.device, seed=cfg.seed, reps=run_settings.reps,
                            flush_l2=cfg.experiment.flush_l2)
 
-    def persistentkv(self, route: StepRoute):
-        engine = build_engine("persistentkv", shape=self.shape, device=self.device, policy=PinnedRoutePolicy(route))
-        return time_steps(engine, route, self.steps, **self.timing)
-
-    def persistentkv_ruled(self, policy: RoutePolicy, fallback: StepRoute):
-        """Each step on the route the policy's step rules give it, ``fallback`` where its regime is
-        closed (RuledRoutePolicy)."""
-        engine = build_engine("persistentkv", shape=self.shape, device=self.device,
-                              policy=RuledRoutePolicy(policy, fallback))
-        return time_steps(engine, None, self.steps, **self.timing)
-
-    def flashinfer(self):
-        baseline = build_engine("flashinfer", shape=self.shape, device=self.device)
-        timed = time_steps(baseline, FLASHINFER_ROUTE, self.steps, **self.timing)
-        # Which of FlashInfer's paths each batch class ran (its probe's pick, shared by the engines
-        # of the process): the baseline's side of every route decision taken on these steps.
-        self.flashinfer_paths = baseline.path_record()
+    def timed(self, runs: dict) -> dict:
+        """Each run over the trace's steps, the runs of one step in turn (time_steps_in_turn): key ->
+        TimedSteps. A run is a StepRoute, pinned on PersistentKV or FLASHINFER_ROUTE for FlashInfer's
+        best path, or a RuledRoutePolicy: each step on the route its regime's step rules give it."""
+        engines = {key: self._engine(run) for key, run in runs.items()}
+        timed = time_steps_in_turn(engines, self.steps, **self.timing)
+        for engine, route in engines.values():
+            if route == FLASHINFER_ROUTE:
+                # Which of FlashInfer's paths each batch class ran (its probe's pick, shared by the
+                # engines of the process): the baseline's side of every route decision taken here.
+                self.flashinfer_paths = engine.path_record()
         return timed
+
+    def _engine(self, run) -> tuple:
+        """(engine, the route it is pinned to, or None where its policy picks each step's)."""
+        if isinstance(run, RuledRoutePolicy):
+            return build_engine("persistentkv", shape=self.shape, device=self.device, policy=run), None
+        if run == FLASHINFER_ROUTE:
+            return build_engine("flashinfer", shape=self.shape, device=self.device), run
+        return build_engine("persistentkv", shape=self.shape, device=self.device, policy=PinnedRoutePolicy(run)), run
 
 
 # What measurements.decisions keeps of a decision's record: the measured margin (the default's
@@ -246,15 +248,16 @@ class _SplitSweep:
         # the cap changes no other decision (their few-CTA steps carry the wave loss that the
         # roofline's C_min does not model).
         fits_cap = ct.fits == "uniform_target_ctas"
-        timed_by_splits = {}
-        for splits in ct.split_candidates:
-            route = StepRoute(route_name, int(splits), self.calib.workqueue_split_kind, bucket_mode)
-            timed = timed_by_splits[splits] = timed_trace.persistentkv(route)
-            if not fits_cap:
+        # Every split count and FlashInfer timed step by step in turn (the key "flashinfer" beside the counts).
+        timed_by_splits = timed_trace.timed(
+            {**{splits: StepRoute(route_name, int(splits), self.calib.workqueue_split_kind, bucket_mode)
+                for splits in ct.split_candidates}, "flashinfer": FLASHINFER_ROUTE})
+        # FlashInfer-role steps at low occupancy are what pins C_min down; its plan() time is a constant too.
+        timed_fi = timed_by_splits.pop("flashinfer")
+        if not fits_cap:
+            for timed in timed_by_splits.values():
                 self.samples += timed.samples
                 self.persistentkv_plan_us += timed.plan_us
-        # FlashInfer-role steps at low occupancy are what pins C_min down; its plan() time is a constant too.
-        timed_fi = timed_trace.flashinfer()
         if timed_trace.flashinfer_paths is not None:
             self.flashinfer_paths = timed_trace.flashinfer_paths  # the process's picks so far, every class
         if not fits_cap:
@@ -448,10 +451,9 @@ class _SplitSweep:
                                  if _is_skewed_step(s) or is_over_split(s.batch_size, total_tokens(s.seq_lens),
                                                                         regime_splits)]
             fixed = StepRoute(ROUTE_WORKQUEUE, regime_splits, "fixed")
-            timed = {"fixed": timed_trace.persistentkv(fixed), "flashinfer": timed_trace.flashinfer()}
+            timed = timed_trace.timed({"fixed": fixed, "flashinfer": FLASHINFER_ROUTE, **{
+                w: dataclasses.replace(fixed, split_kind="balanced", target_ctas=w * num_sms) for w in shared}})
             for w in shared:
-                timed[w] = timed_trace.persistentkv(dataclasses.replace(fixed, split_kind="balanced",
-                                                                        target_ctas=w * num_sms))
                 # Each step's time by budget, for the route decision on the routes the policy runs.
                 self._balanced_by_step.setdefault(t["name"], {})[w * num_sms] = {
                     s.step.step: (tuple(s.step.seq_lens), s.measured_us) for s in timed[w].samples}
@@ -607,8 +609,8 @@ class _GateProbes:
         policy = _opened_policy(self.fitted, regime, shape)
         route = policy.candidate(probe.max_active)
         timed_trace = _TimedTrace(self.cfg, self.settings, shape, trace)
-        timed = timed_trace.persistentkv_ruled(policy, route)
-        timed_fi = timed_trace.flashinfer()
+        timed = timed_trace.timed({"ruled": RuledRoutePolicy(policy, route), "flashinfer": FLASHINFER_ROUTE})
+        timed, timed_fi = timed["ruled"], timed["flashinfer"]
         name = f"{trace_name(trace)} x{probe.length_scale:g} G={group}"
         record = {"probe": name, "route": route.name, "num_splits": route.num_splits, "group_size": group,
                   "steps": len(timed_trace.steps), "persistentkv_device_us_total": timed.total_us,

@@ -72,22 +72,39 @@ def time_steps(engine, route: StepRoute | None, steps, shape, k_pages, v_pages, 
     engine runs ``route`` on every step, or with None the route its policy picks for each step
     (each sample records that one)."""
 
+    return time_steps_in_turn({None: (engine, route)}, steps, shape, k_pages, v_pages, dtype=dtype, device=device,
+                              seed=seed, reps=reps, flush_l2=flush_l2)[None]
+
+
+def time_steps_in_turn(runs: dict, steps, shape, k_pages, v_pages, *, dtype, device, seed: int, reps: int,
+                       flush_l2: bool = True) -> dict:
+    """time_steps of several runs over the same steps (``runs``: key -> (engine, route)), the runs
+    of one step timed one after another, the first of them moving on by one each step. A drift of
+    the GPU's state over a trace (its clocks, its temperature) then falls on every run alike; timed
+    one run over all steps and then the next, two runs 1% apart could trade places between two
+    calibrations of one GPU, and a split count or a route decision with them."""
+
     flusher = L2Flusher(device) if flush_l2 else None
-    samples, plan_us, total = [], [], 0.0
-    for step in steps:
+    keys = list(runs)
+    samples, plan_us, total = {k: [] for k in keys}, {k: [] for k in keys}, dict.fromkeys(keys, 0.0)
+    for index, step in enumerate(steps):
         q = make_queries(step.batch_size, shape, dtype, device, seed + step.step)
-        engine.prepare(step, q, k_pages, v_pages)
-        synchronize(device)
-        t0 = time.perf_counter()
-        plan = engine.plan(step)
-        synchronize(device)
-        plan_us.append((time.perf_counter() - t0) * 1e6)
-        stats = time_device_us(lambda: engine.run(q, k_pages, v_pages, plan), reps=reps, warmup=1,
-                               flusher=flusher, device=device)
-        samples.append(CostSample(route if route is not None else engine.policy.choose(step).route, step,
-                                  stats.median_us))
-        total += stats.median_us
-    return TimedSteps(samples=samples, total_us=total, plan_us=plan_us)
+        for key in keys:
+            runs[key][0].prepare(step, q, k_pages, v_pages)
+        start = index % len(keys)
+        for key in keys[start:] + keys[:start]:
+            engine, route = runs[key]
+            synchronize(device)
+            t0 = time.perf_counter()
+            plan = engine.plan(step)
+            synchronize(device)
+            plan_us[key].append((time.perf_counter() - t0) * 1e6)
+            stats = time_device_us(lambda: engine.run(q, k_pages, v_pages, plan), reps=reps, warmup=1,
+                                   flusher=flusher, device=device)
+            samples[key].append(CostSample(route if route is not None else engine.policy.choose(step).route, step,
+                                           stats.median_us))
+            total[key] += stats.median_us
+    return {k: TimedSteps(samples=samples[k], total_us=total[k], plan_us=plan_us[k]) for k in keys}
 
 
 def trace_steps(requests, *, page_size: int, hole_fraction: float, max_active: int, num_steps: int,
