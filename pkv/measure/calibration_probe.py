@@ -20,7 +20,6 @@ from pkv.measure.kv_data import make_queries
 from pkv.measure.timing import L2Flusher, synchronize, time_device_us
 from pkv.pipeline.serving import ContinuousDecoder, page_layout
 from pkv.policy.fits import CostSample
-from pkv.policy.route import StepRoute
 
 _MIB = 1 << 20
 
@@ -66,23 +65,15 @@ class TimedSteps:
     plan_us: list
 
 
-def time_steps(engine, route: StepRoute | None, steps, shape, k_pages, v_pages, *, dtype, device, seed: int,
-               reps: int, flush_l2: bool = True) -> TimedSteps:
-    """Median device time of engine.run on each step, as pkv.policy.fits.CostSample rows: the
-    engine runs ``route`` on every step, or with None the route its policy picks for each step
-    (each sample records that one)."""
-
-    return time_steps_in_turn({None: (engine, route)}, steps, shape, k_pages, v_pages, dtype=dtype, device=device,
-                              seed=seed, reps=reps, flush_l2=flush_l2)[None]
-
-
 def time_steps_in_turn(runs: dict, steps, shape, k_pages, v_pages, *, dtype, device, seed: int, reps: int,
                        flush_l2: bool = True) -> dict:
-    """time_steps of several runs over the same steps (``runs``: key -> (engine, route)), the runs
-    of one step timed one after another, the first of them moving on by one each step. A drift of
-    the GPU's state over a trace (its clocks, its temperature) then falls on every run alike; timed
-    one run over all steps and then the next, two runs 1% apart could trade places between two
-    calibrations of one GPU, and a split count or a route decision with them."""
+    """Median device time of each run on each step (``runs``: key -> (engine, route)), as
+    pkv.policy.fits.CostSample rows: an engine runs ``route`` on every step, or with None the route
+    its policy picks for each step (each sample records that one). The runs of one step are timed
+    one after another, the first of them moving on by one each step. A drift of the GPU's state
+    over a trace (its clocks, its temperature) then falls on every run alike; timed one run over
+    all steps and then the next, two runs 1% apart could trade places between two calibrations of
+    one GPU, and a split count or a route decision with them."""
 
     flusher = L2Flusher(device) if flush_l2 else None
     keys = list(runs)
