@@ -133,6 +133,27 @@ def test_a_flipped_split_count_shows_each_runs_tied_candidates(tmp_path):
             "28: fastest 28; within 1.0% of it: 28 |") in text
 
 
+def test_a_flipped_split_count_shows_each_counts_sums_and_how_far_they_moved(tmp_path):
+    """The sums a split count was decided on, summed over the traces that fit it (a trace fitting
+    another decision left out), over the counts every such trace swept, in each calibration."""
+    paths = []
+    runs = (("a.json", 24, {"24": 100.0, "28": 101.0, "32": 104.0}, {"24": 50.0, "28": 50.5}),
+            ("b.json", 28, {"24": 103.0, "28": 100.0, "32": 104.0}, {"24": 50.0, "28": 50.0}))
+    for name, splits, bimodal, uniform in runs:
+        sweeps = {"bimodal_b8": {"fits": "regimes.many_rows.num_splits", "device_us_total_by_splits": bimodal},
+                  "zipf_b8": {"fits": "regimes.many_rows.num_splits", "device_us_total_by_splits": uniform},
+                  "homogeneous_b8": {"fits": "uniform_target_ctas", "device_us_total_by_splits": {"24": 9e9}}}
+        paths.append(tmp_path / name)
+        save_calibration(paths[-1], load_calibration(REFERENCE).with_regime("many_rows", num_splits=splits),
+                         {"measurements": {"split_sweeps": sweeps}})
+    report = spread(paths)
+    (moved,) = [d for d in report["decisions"] if d["name"] == "regimes.many_rows.num_splits"]
+    assert moved["split_totals"] == [{24: 150.0, 28: 151.5}, {24: 153.0, 28: 150.0}]
+    text = render_markdown(report)
+    assert "| regimes.many_rows.num_splits | 24 | 28 |\n|---|---:|---:|\n| [1] | 150.0 | 151.5 |" in text
+    assert "| [2] | 153.0 | 150.0 |\n| spread / mean | 2.0% | 1.0% |" in text
+
+
 def test_a_flipped_group_size_shows_each_probes_margin_and_interval(tmp_path):
     paths = []
     for name, groups, margin, half in (("a.json", (4,), 0.977, 0.004), ("b.json", (1, 4), 0.982, None)):

@@ -7,7 +7,8 @@ constant with its spread, and what the differences do to Table 2: the route and 
 calibration gives every measured decode step of Table 2's synthetic traces on the held-out seeds
 (the lengths decide a route, so no GPU is needed to count them), against the first calibration's.
 A decision that differs is shown with the measured margin and the noise band each calibration
-judged it by (``provenance.measurements.decisions``; "not recorded" in files written before it).
+judged it by (``provenance.measurements.decisions``; "not recorded" in files written before it),
+and a split count that differs with every swept count's summed device time in each calibration.
 
     python -m pkv.report.calibration_spread calib_a.json calib_b.json [...] [--out spread.md]
 """
@@ -62,6 +63,8 @@ def spread(paths: list[Path]) -> dict:
         decisions.append({"name": name, "values": values, "agree": len(set(values)) == 1})
     for d in decisions:
         d["evidence"] = [decision_evidence(record, d["name"]) for _, record in loaded]
+        if d["name"].endswith(".num_splits"):
+            d["split_totals"] = [split_totals(record, d["name"]) for _, record in loaded]
     constants = []
     for name in CONSTANTS:
         values = [float(getattr(c, name)) for c in calibs]
@@ -109,6 +112,19 @@ def decision_evidence(record: dict, name: str) -> dict | None:
             if isinstance(route, dict) and "speedup" in route:
                 return {"value": route.get("fitted"), "measured_margin": route["speedup"]}
     return None
+
+
+def split_totals(record: dict, name: str) -> dict[int, float] | None:
+    """Each swept split count's device time, us, summed over the traces whose sweep fits split-count
+    decision ``name`` (measurements.split_sweeps), over the counts they all swept: what the
+    decision compared. None where the calibration kept no such sweep."""
+    sweeps = ((record.get("provenance") or {}).get("measurements") or {}).get("split_sweeps") or {}
+    timed = [sweep["device_us_total_by_splits"] for sweep in sweeps.values()
+             if sweep.get("fits") == name and isinstance(sweep.get("device_us_total_by_splits"), dict)]
+    if not timed:
+        return None
+    shared = set.intersection(*(set(t) for t in timed))
+    return {int(k): sum(float(t[k]) for t in timed) for k in sorted(shared, key=int)}
 
 
 def _interval_text(entry: dict) -> str:
@@ -232,6 +248,20 @@ def render_markdown(report: dict) -> str:
             cells = " | ".join(f"{_text(v)}: {evidence_text(e)}" for v, e in zip(d["values"], d.get("evidence")
                                                                                  or [None] * len(files)))
             lines.append(f"| {d['name']} | {cells} |")
+    totals = [d for d in disagree if d.get("split_totals") and all(d["split_totals"])]
+    if totals:
+        # The sums a split count was decided on, run by run: a count whose sum moves between runs by
+        # as much as the gaps between counts decides on noise, whichever rule breaks the tie.
+        lines += ["", "Each split count's device time (us) summed over the traces that fit the decision, in every "
+                  "calibration, and how far it moved between them:"]
+        for d in totals:
+            counts = sorted(set.intersection(*(set(t) for t in d["split_totals"])))
+            lines += ["", f"| {d['name']} | " + " | ".join(map(str, counts)) + " |", "|---|" + "---:|" * len(counts)]
+            lines += [f"| [{i + 1}] | " + " | ".join(f"{t[c]:,.1f}" for c in counts) + " |"
+                      for i, t in enumerate(d["split_totals"])]
+            moved = [(max(t[c] for t in d["split_totals"]) - min(t[c] for t in d["split_totals"]))
+                     / statistics.fmean(t[c] for t in d["split_totals"]) for c in counts]
+            lines.append("| spread / mean | " + " | ".join(f"{m:.1%}" for m in moved) + " |")
     picks = report.get("flashinfer_picks") or []
     if len(picks) == len(files) and all(p is not None for p in picks):
         classes = sorted(set().union(*picks))
