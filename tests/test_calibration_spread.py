@@ -151,7 +151,28 @@ def test_a_flipped_split_count_shows_each_counts_sums_and_how_far_they_moved(tmp
     assert moved["split_totals"] == [{24: 150.0, 28: 151.5}, {24: 153.0, 28: 150.0}]
     text = render_markdown(report)
     assert "| regimes.many_rows.num_splits | 24 | 28 |\n|---|---:|---:|\n| [1] | 150.0 | 151.5 |" in text
-    assert "| [2] | 153.0 | 150.0 |\n| spread / mean | 2.0% | 1.0% |" in text
+    assert "| [2] | 153.0 | 150.0 |\n| spread / mean | 2.0% | 1.0% |\n\n" in text  # no per-step times kept
+
+
+def test_a_flipped_split_count_shows_how_far_its_median_step_moved(tmp_path):
+    """Where the calibrations kept each step's time, the median over the same steps of how far each
+    step moved between them, beside how far the sum moved."""
+    paths = []
+    runs = (("a.json", 24, {"24": [10.0, 20.0, 30.0, 40.0], "28": [10.0, 20.0, 30.0, 40.0]}),
+            ("b.json", 28, {"24": [11.0, 20.0, 30.0, 44.0], "28": [10.0, 20.0, 30.0, 40.0]}))
+    for name, splits, by_step in runs:
+        totals = {k: sum(v) for k, v in by_step.items()}
+        sweeps = {"bimodal_b8": {"fits": "regimes.many_rows.num_splits", "device_us_total_by_splits": totals,
+                                 "device_us_by_step": {**by_step, "flashinfer": [1.0] * 4}}}
+        paths.append(tmp_path / name)
+        save_calibration(paths[-1], load_calibration(REFERENCE).with_regime("many_rows", num_splits=splits),
+                         {"measurements": {"split_sweeps": sweeps}})
+    report = spread(paths)
+    (moved,) = [d for d in report["decisions"] if d["name"] == "regimes.many_rows.num_splits"]
+    assert moved["split_step_times"][1] == {24: [11.0, 20.0, 30.0, 44.0], 28: [10.0, 20.0, 30.0, 40.0]}
+    text = render_markdown(report)
+    # 24: steps moved 1/10.5, 0, 0, 4/42 (median 4.8%); the sum 5/102.5.
+    assert "| spread / mean | 4.9% | 0.0% |\n| median step's spread / mean | 4.8% | 0.0% |" in text
 
 
 def test_a_flipped_group_size_shows_each_probes_margin_and_interval(tmp_path):

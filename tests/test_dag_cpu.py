@@ -139,6 +139,12 @@ def test_calibration_fits_the_few_rows_split_count_and_records_its_route(finishe
     assert (sweep["fastest_splits"], sweep["tied_splits"], sweep["selected_splits"]) == (fastest, tied, tied[0])
     edges = (min(totals), max(totals))
     assert sweep["selected_at_edge"] == (fastest in edges or tied[0] in edges)
+    # The steps behind each sum, in step order, FlashInfer's beside the counts'.
+    by_step = sweep["device_us_by_step"]
+    assert set(by_step) == {str(s) for s in totals} | {"flashinfer"}
+    assert all(len(times) == sweep["steps"] for times in by_step.values())
+    for s, us in totals.items():
+        assert sum(by_step[str(s)]) == pytest.approx(us, abs=1e-3 * sweep["steps"])  # each step rounded to 0.001 us
     route = sweep["regime_route"]
     assert route["applied"] is False and route["fitted"] in ("flashinfer", "persistentkv_workqueue")
     # conf/gpu/cpu.yaml: CPU times decide nothing

@@ -205,6 +205,11 @@ def _decision_fields(record: dict) -> dict:
     return {key: record[key] for key in _DECISION_KEYS if key in record}
 
 
+def _step_times(timed) -> list:
+    """A run's per-step device times, us, rounded to 0.001 us (the events' resolution is coarser)."""
+    return [round(sample.measured_us, 3) for sample in timed.samples]
+
+
 def _gate_rows(pkv_timed, fi_timed) -> dict:
     """Per step: the longest row and both routes' device times, the inputs of fit_context_gate."""
     return {"contexts": [int(max(s.step.seq_lens)) for s in pkv_timed.samples],
@@ -300,6 +305,11 @@ class _SplitSweep:
                 "fitted_with": [u["name"] for u in traces],
                 "device_us_total_by_splits": {str(s): timed.total_us for s, timed in t["timed_by_splits"].items()},
                 "flashinfer_device_us_total": t["timed_fi"].total_us,
+                # Each step's time (us, in the trace's step order) behind those sums, so that two
+                # calibrations can be compared step by step: noise in each step's timing, or a
+                # whole count moving together.
+                "device_us_by_step": {**{str(s): _step_times(timed) for s, timed in t["timed_by_splits"].items()},
+                                      "flashinfer": _step_times(t["timed_fi"])},
             }
         return summed, split_fit
 

@@ -65,6 +65,7 @@ def spread(paths: list[Path]) -> dict:
         d["evidence"] = [decision_evidence(record, d["name"]) for _, record in loaded]
         if d["name"].endswith(".num_splits"):
             d["split_totals"] = [split_totals(record, d["name"]) for _, record in loaded]
+            d["split_step_times"] = [split_step_times(record, d["name"]) for _, record in loaded]
     constants = []
     for name in CONSTANTS:
         values = [float(getattr(c, name)) for c in calibs]
@@ -114,17 +115,40 @@ def decision_evidence(record: dict, name: str) -> dict | None:
     return None
 
 
+def _fitting_sweeps(record: dict, name: str) -> list[dict]:
+    """The split sweeps (measurements.split_sweeps) of the traces that fit decision ``name``, by trace name."""
+    sweeps = ((record.get("provenance") or {}).get("measurements") or {}).get("split_sweeps") or {}
+    return [sweeps[trace] for trace in sorted(sweeps) if sweeps[trace].get("fits") == name
+            and isinstance(sweeps[trace].get("device_us_total_by_splits"), dict)]
+
+
 def split_totals(record: dict, name: str) -> dict[int, float] | None:
     """Each swept split count's device time, us, summed over the traces whose sweep fits split-count
-    decision ``name`` (measurements.split_sweeps), over the counts they all swept: what the
-    decision compared. None where the calibration kept no such sweep."""
-    sweeps = ((record.get("provenance") or {}).get("measurements") or {}).get("split_sweeps") or {}
-    timed = [sweep["device_us_total_by_splits"] for sweep in sweeps.values()
-             if sweep.get("fits") == name and isinstance(sweep.get("device_us_total_by_splits"), dict)]
+    decision ``name``, over the counts they all swept: what the decision compared. None where the
+    calibration kept no such sweep."""
+    timed = [sweep["device_us_total_by_splits"] for sweep in _fitting_sweeps(record, name)]
     if not timed:
         return None
     shared = set.intersection(*(set(t) for t in timed))
     return {int(k): sum(float(t[k]) for t in timed) for k in sorted(shared, key=int)}
+
+
+def split_step_times(record: dict, name: str) -> dict[int, list[float]] | None:
+    """The per-step device times behind split_totals (each fitting trace's steps in order, the traces
+    by name), where the calibration kept them (``device_us_by_step``); else None."""
+    sweeps = _fitting_sweeps(record, name)
+    if not sweeps or not all(isinstance(sweep.get("device_us_by_step"), dict) for sweep in sweeps):
+        return None
+    shared = set.intersection(*(set(sweep["device_us_total_by_splits"]) for sweep in sweeps))
+    if not all(k in sweep["device_us_by_step"] for sweep in sweeps for k in shared):
+        return None
+    return {int(k): [float(us) for sweep in sweeps for us in sweep["device_us_by_step"][k]]
+            for k in sorted(shared, key=int)}
+
+
+def _spread_by_step(runs: list[list[float]]) -> list[float]:
+    """Each step's (max - min) / mean over runs of the same steps."""
+    return [(max(times) - min(times)) / statistics.fmean(times) for times in zip(*runs)]
 
 
 def _interval_text(entry: dict) -> str:
@@ -262,6 +286,15 @@ def render_markdown(report: dict) -> str:
             moved = [(max(t[c] for t in d["split_totals"]) - min(t[c] for t in d["split_totals"]))
                      / statistics.fmean(t[c] for t in d["split_totals"]) for c in counts]
             lines.append("| spread / mean | " + " | ".join(f"{m:.1%}" for m in moved) + " |")
+            steps = d.get("split_step_times") or []
+            # Only where every calibration kept the same steps of every count.
+            if steps and all(steps) and all(c in t for t in steps for c in counts) and all(
+                    len({len(t[c]) for t in steps}) == 1 for c in counts):
+                # The same steps' times run by run: where the median step moved about as much as the sum,
+                # the count's steps moved together (a drift of the run); where it moved several times as
+                # much, each step's timing is noisy and the sum averages it down.
+                step_moved = [statistics.median(_spread_by_step([t[c] for t in steps])) for c in counts]
+                lines.append("| median step's spread / mean | " + " | ".join(f"{m:.1%}" for m in step_moved) + " |")
     picks = report.get("flashinfer_picks") or []
     if len(picks) == len(files) and all(p is not None for p in picks):
         classes = sorted(set().union(*picks))
