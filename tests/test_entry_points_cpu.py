@@ -262,11 +262,23 @@ def test_host_bench_splits_the_step_of_every_engine_and_case_on_the_cpu(tmp_path
                 continue
             for timing in ("tight", "after_flush_and_hold"):
                 assert set(row[timing]) == set(host_bench.COLUMNS), (name, label)
+            assert len(row["tight_plan_issue_us_by_round"]) == host_bench.ROUNDS
             assert row["device_us"] > 0
             want = {"flashinfer": "flashinfer", "persistentkv_bucket_exact": "persistentkv_bucket",
                     "persistentkv_workqueue": "persistentkv_workqueue"}.get(label.split("/")[0])
             assert want is None or row["route"] == want, (name, label)
     json_text("host.json", {"cases": records})  # what main writes
+
+
+def test_host_bench_times_the_engines_in_turn_over_its_rounds():
+    """Each round times every engine once, the first of them moving on by one each round; the
+    repetitions are split over the rounds, at least one step a round."""
+    order = []
+    samples = host_bench.in_rounds({"a": 1, "b": 2, "c": 3},
+                                   lambda label, engine, n: order.append((label, n)) or [(label, n)], 10, 4)
+    assert [label for label, _ in order] == list("abc" "bca" "cab" "abc") and {n for _, n in order} == {2}
+    assert samples == {label: [[(label, 2)]] * 4 for label in "abc"}
+    assert {n for _, n in (host_bench.in_rounds({"a": 1}, lambda label, engine, n: (label, n), 3, 5)["a"])} == {1}
 
 
 # ---- the experiment drivers ---------------------------------------------------------------------

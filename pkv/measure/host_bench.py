@@ -3,7 +3,8 @@
 For each case and engine: plan() host time, the issue of run() (host time until the last launch is
 queued), the wait for the GPU after it, their total (the synchronized wall step), and run()'s
 device time alone (L2 flushed). Every step is timed twice: in a tight loop, and right after an L2
-flush and a GPU hold the host waits out, as the serving harness times its steps. PersistentKV runs
+flush and a GPU hold the host waits out, as the serving harness times its steps. The engines of a
+case are timed in turn, in rounds, so that a host whose speed drifts over the run slows them alike. PersistentKV runs
 with its C++ planner ("native") and with the numpy planner it is tested against; the adaptive
 engine also with its Python policy before the C++ planner ("adaptive/native, Python policy"), so
 one run compares the route decided in the planner's call with the route decided in Python.
@@ -60,6 +61,8 @@ CASES: dict[str, list[int]] = {
 }
 PLANNERS = ("native", "numpy")
 COLUMNS = ("plan_us", "issue_us", "wait_us", "wall_us")
+# Rounds each engine's repetitions are split over, every engine timed in each (in_rounds).
+ROUNDS = 5
 
 
 def engine_specs(device="cuda") -> dict[str, tuple[str, dict]]:
@@ -83,9 +86,9 @@ def engine_specs(device="cuda") -> dict[str, tuple[str, dict]]:
     return specs
 
 
-def wall_split(engine, q, k, v, step, reps: int, between=None) -> dict[str, float]:
-    """Medians of plan, run issue, wait for the GPU and the whole synchronized step (us), on q's
-    device. ``between`` runs before each step, outside the timing."""
+def wall_samples(engine, q, k, v, step, reps: int, between=None) -> list[tuple]:
+    """(plan, run issue, wait for the GPU, the whole synchronized step) in us, of ``reps`` steps on
+    q's device. ``between`` runs before each step, outside the timing."""
     samples = []
     for _ in range(reps):
         if between is not None:
@@ -97,18 +100,39 @@ def wall_split(engine, q, k, v, step, reps: int, between=None) -> dict[str, floa
             issued = time.perf_counter()
         plan_us, issue_us = (planned - wall.started) * 1e6, (issued - planned) * 1e6
         samples.append((plan_us, issue_us, wall.elapsed_us - plan_us - issue_us, wall.elapsed_us))
+    return samples
+
+
+def _medians(samples: list[tuple]) -> dict[str, float]:
     return {name: statistics.median(column) for name, column in zip(COLUMNS, zip(*samples))}
 
 
-def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log, *, dtype="float16") -> dict:
+def in_rounds(engines: dict, time_one, reps: int, rounds: int) -> dict[str, list[list[tuple]]]:
+    """{label: each round's samples}: every engine's ``reps`` steps split over ``rounds`` rounds (at
+    least one step a round), each round timing every engine in turn (``time_one(label, engine,
+    steps)``), the first of them moving on by one each round. A host whose speed drifts over the
+    run (its clocks, other processes) then slows every engine alike, so two engines' figures
+    compare within one run."""
+    labels = list(engines)
+    per_round = max(1, reps // rounds)
+    samples = {label: [] for label in labels}
+    for r in range(rounds):
+        start = r % len(labels)
+        for label in labels[start:] + labels[:start]:
+            samples[label].append(time_one(label, engines[label], per_round))
+    return samples
+
+
+def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log, *, dtype="float16", rounds=ROUNDS) -> dict:
     """Every engine of engine_specs on one case, on the flusher's device (on the CPU, the roles'
-    stand-ins: the torch reference engine for PersistentKV, repack + SDPA for FlashInfer)."""
+    stand-ins: the torch reference engine for PersistentKV, repack + SDPA for FlashInfer), the
+    engines timed in turn (in_rounds)."""
     device = flusher.device
     assignment = assign_pages(seq_lens, 16, 0.0, seed)
     step = build_step(0, np.arange(len(seq_lens)), np.asarray(seq_lens, dtype=np.int32), assignment.pages, 16)
     k, v = make_kv_pages(assignment.num_physical_pages, shape, 16, dtype, device, seed)
     q = make_queries(len(seq_lens), shape, dtype, device, seed + 1)
-    rows = {}
+    rows, engines = {}, {}
     chosen = role_policy("adaptive", {}, shape, calib).choose(step).route
     for label, (role, options) in engine_specs(device).items():
         if options.get("adaptive_route"):
@@ -127,19 +151,26 @@ def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log, *, dtype="f
         engine.prepare(step, q, k, v)
         for _ in range(5):
             engine.run(q, k, v, engine.plan(step))
+        engines[label] = engine
+    tight = in_rounds(engines, lambda label, engine, n: wall_samples(engine, q, k, v, step, n), reps, rounds)
+    flushed = in_rounds(engines, lambda label, engine, n: wall_samples(
+        engine, q, k, v, step, n, between=lambda: (flusher.flush(), hold_device(device))), reps, rounds)
+    for label, engine in engines.items():
         plan = engine.plan(step)
         rows[label] = {
-            "tight": wall_split(engine, q, k, v, step, reps),
-            "after_flush_and_hold": wall_split(engine, q, k, v, step, reps,
-                                               between=lambda: (flusher.flush(), hold_device(device))),
+            "tight": _medians([sample for part in tight[label] for sample in part]),
+            # Each round's median plan + issue: how far one engine's host time moved within the run.
+            "tight_plan_issue_us_by_round": [statistics.median(p + i for p, i, _, _ in part) for part in tight[label]],
+            "after_flush_and_hold": _medians([sample for part in flushed[label] for sample in part]),
             "device_us": time_device_us(lambda: engine.run(q, k, v, plan), flusher=flusher).median_us,
             "route": getattr(plan, "route", None),
         }
-        tight = rows[label]["tight"]
-        log(f"{name:<11}{label:<34}" + "".join(f"{tight[c]:>8.1f}" for c in COLUMNS)
+        row = rows[label]["tight"]
+        log(f"{name:<11}{label:<34}" + "".join(f"{row[c]:>8.1f}" for c in COLUMNS)
             + f"{rows[label]['device_us']:>8.1f}  | after flush + hold: wall "
             + f"{rows[label]['after_flush_and_hold']['wall_us']:.1f}")
-    return {"seq_lens": list(map(int, seq_lens)), "engines": rows}
+    return {"seq_lens": list(map(int, seq_lens)), "engines": {label: rows[label] for label in engine_specs(device)
+                                                              if label in rows}}
 
 
 def load_bench_calibration(path: Path) -> Calibration:
