@@ -4,10 +4,11 @@ For each case and engine: plan() host time, the issue of run() (host time until 
 queued), the wait for the GPU after it, their total (the synchronized wall step), and run()'s
 device time alone (L2 flushed). Every step is timed twice: in a tight loop, and right after an L2
 flush and a GPU hold the host waits out, as the serving harness times its steps. The engines of a
-case are timed in turn, in rounds, so that a host whose speed drifts over the run slows them alike. PersistentKV runs
-with its C++ planner ("native") and with the numpy planner it is tested against; the adaptive
-engine also with its Python policy before the C++ planner ("adaptive/native, Python policy"), so
-one run compares the route decided in the planner's call with the route decided in Python.
+case are timed in turn, in rounds, so that a host whose speed drifts over the run slows them
+alike. PersistentKV runs with its C++ planner ("native") and with the numpy planner it is tested
+against; the adaptive engine also with its Python policy before the C++ planner ("adaptive/native,
+Python policy"), so one run compares the route decided in the planner's call with the route
+decided in Python.
 
     python -m pkv.measure.host_bench --calibration artifacts/h200/calibration/calibration.json \\
         --out artifacts/h200/host_bench/host.json
