@@ -146,8 +146,8 @@ def split_step_times(record: dict, name: str) -> dict[int, list[float]] | None:
             for k in sorted(shared, key=int)}
 
 
-def _spread_by_step(runs: list[list[float]]) -> list[float]:
-    """Each step's (max - min) / mean over runs of the same steps."""
+def _spread_across_runs(runs: list[list[float]]) -> list[float]:
+    """Each position's (max - min) / mean over runs of the same positions (steps, split counts)."""
     return [(max(times) - min(times)) / statistics.fmean(times) for times in zip(*runs)]
 
 
@@ -283,8 +283,7 @@ def render_markdown(report: dict) -> str:
             lines += ["", f"| {d['name']} | " + " | ".join(map(str, counts)) + " |", "|---|" + "---:|" * len(counts)]
             lines += [f"| [{i + 1}] | " + " | ".join(f"{t[c]:,.1f}" for c in counts) + " |"
                       for i, t in enumerate(d["split_totals"])]
-            moved = [(max(t[c] for t in d["split_totals"]) - min(t[c] for t in d["split_totals"]))
-                     / statistics.fmean(t[c] for t in d["split_totals"]) for c in counts]
+            moved = _spread_across_runs([[t[c] for c in counts] for t in d["split_totals"]])
             lines.append("| spread / mean | " + " | ".join(f"{m:.1%}" for m in moved) + " |")
             steps = d.get("split_step_times") or []
             # Only where every calibration kept the same steps of every count.
@@ -293,7 +292,7 @@ def render_markdown(report: dict) -> str:
                 # The same steps' times run by run: where the median step moved about as much as the sum,
                 # the count's steps moved together (a drift of the run); where it moved several times as
                 # much, each step's timing is noisy and the sum averages it down.
-                step_moved = [statistics.median(_spread_by_step([t[c] for t in steps])) for c in counts]
+                step_moved = [statistics.median(_spread_across_runs([t[c] for t in steps])) for c in counts]
                 lines.append("| median step's spread / mean | " + " | ".join(f"{m:.1%}" for m in step_moved) + " |")
     picks = report.get("flashinfer_picks") or []
     if len(picks) == len(files) and all(p is not None for p in picks):
