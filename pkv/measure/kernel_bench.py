@@ -74,6 +74,7 @@ CASE_LABELS = {
     "skewed_b64": "skewed B64 (128K + 63 x 100)",
     "short_b64": "64 short rows (128-1136)",
     "two_long_b64": "two long rows among 62 short",
+    "b8_short": "B8 short (512-4K)",  # host_bench's
 }
 
 
