@@ -139,6 +139,18 @@ def test_build_engine_rejects_unknown_names_and_options():
     assert "adaptive" in ENGINE_NAMES and "trtllm" not in ENGINE_NAMES
 
 
+def test_the_one_op_step_is_an_adaptive_option_of_an_eager_cuda_engine():
+    """one_op_step reaches the adaptive engine only; where that engine cannot take it (off a CUDA
+    device) the option is refused by name, and the other roles do not read it."""
+    policy = _policy(CALIB)
+    with pytest.raises(ValueError, match="one_op_step=True: .* CUDA device") as err:
+        build_engine("adaptive", shape=SHAPE, device="cpu", policy=policy, options={"one_op_step": True})
+    assert "device cpu" in str(err.value)
+    assert build_engine("adaptive", shape=SHAPE, device="cpu", policy=policy,
+                        options={"one_op_step": False}).one_op_step is False
+    build_engine("reference", shape=SHAPE, device="cpu", options={"one_op_step": True})
+
+
 def _policy(calib, shape=SHAPE, variants=KernelVariants()):
     return RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
                        head_dim=shape.head_dim, variants=variants)

@@ -176,6 +176,16 @@ def test_discarding_merged_states_needs_a_cuda_device_and_writes_nothing(tmp_pat
     assert not (tmp_path / "o").exists()
 
 
+def test_the_one_op_step_needs_a_cuda_device_and_writes_nothing(tmp_path):
+    from pkv.experiments.model_step import run
+
+    with pytest.raises(ConfigError) as err:
+        run(compose(["experiment=model_step", "profile=cpu", "device=cpu", f"out={tmp_path}/o",
+                     "engine.one_op_step=true"]))
+    assert "field 'engine.one_op_step' = True" in str(err.value) and "CUDA" in str(err.value)
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("cycles", [-1, True, 2.5])
 def test_model_step_refuses_a_clock_probe_that_is_not_a_count(cycles):
     with pytest.raises(ValueError, match="clock_probe_cycles"):

@@ -177,6 +177,9 @@ class EngineConfig:
     # them back (csrc DecodeArgs::discard_merged_states): a setting of the run's process. None: on
     # where the run's device is CUDA; true: on, and a run on another device is refused; false: off.
     discard_merged_states: Optional[bool] = None
+    # The adaptive engine's eager step decided, planned and launched in one op call (CUDA, the native
+    # planner, no CUDA graph; pkv.engines.adaptive.OneOpPlan); other engines do not read it.
+    one_op_step: bool = False
 
 
 # What a calibration trace's split sweep fits (CalibrationTraceConfig.fits).

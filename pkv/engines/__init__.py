@@ -27,7 +27,7 @@ from pkv.policy.route import MERGE_LAUNCH
 
 ENGINE_NAMES = ("persistentkv", "adaptive", *ROLE_PATHS, "reference", "sdpa", "vllm", "vllm_triton", "xqa")
 # Options of how an engine executes (not what it runs, which is the policy's).
-OPTION_NAMES = ("cuda_graph", "planner", "use_tensor_cores", "page_size")
+OPTION_NAMES = ("cuda_graph", "planner", "use_tensor_cores", "page_size", "one_op_step")
 _PERSISTENT_OPTIONS = ("cuda_graph", "planner")
 _FLASHINFER_OPTIONS = ("use_tensor_cores", "page_size")
 
@@ -79,8 +79,9 @@ def build_engine(name: str, *, shape, device, policy=None, options: dict | None 
     ``policy`` gives "persistentkv" and "reference" their routes (default: the workqueue at its
     default split count on every step) and is required for "adaptive" (a RoutePolicy). Options:
     cuda_graph and planner ("native" C++ or "numpy"; the CUDA PersistentKV engine only),
-    use_tensor_cores and page_size (FlashInfer). Raises EngineUnavailable when the role cannot run
-    here, ValueError for unknown names or options.
+    use_tensor_cores and page_size (FlashInfer), one_op_step (the adaptive engine's eager step
+    decided, planned and launched in one op call; other roles do not read it). Raises
+    EngineUnavailable when the role cannot run here, ValueError for unknown names or options.
     """
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTION_NAMES))
@@ -106,6 +107,13 @@ def build_engine(name: str, *, shape, device, policy=None, options: dict | None 
         return XqaEngine(shape, device=device, page_size=int(options.get("page_size", 16)))
     if not isinstance(policy, RoutePolicy):
         raise ValueError(f"build_engine('adaptive') needs policy, a pkv.policy.RoutePolicy; got {policy!r}")
+    one_op_step = bool(options.get("one_op_step"))
+    if one_op_step and (device.type != "cuda" or persistent_options.get("cuda_graph")
+                        or persistent_options.get("planner", "native") != "native"):
+        raise ValueError(f"one_op_step=True: the adaptive engine's one-op step is an eager step on a CUDA device "
+                         f"with the native planner; this engine has device {device}, cuda_graph="
+                         f"{bool(persistent_options.get('cuda_graph'))}, planner "
+                         f"{persistent_options.get('planner', 'native')!r}")
     persistent = _persistent("persistentkv", shape, device, policy, persistent_options)
     fallback = _flashinfer("flashinfer", shape, device, fallback_options)
-    return AdaptiveEngine(policy, persistent, fallback)
+    return AdaptiveEngine(policy, persistent, fallback, one_op_step=one_op_step)

@@ -286,6 +286,9 @@ def build_engines(labels: Iterable[str], cfg: PkvConfig, shape, device: str, cal
     if discard and not cuda:
         raise ConfigError(f"conf/engine: field 'engine.discard_merged_states' = True: the merge kernels "
                           f"run on a CUDA device; this run's is {device!r}")
+    if cfg.engine.one_op_step and not cuda:
+        raise ConfigError(f"conf/engine: field 'engine.one_op_step' = True: the adaptive engine's one-op step "
+                          f"launches on a CUDA device; this run's is {device!r}")
     if discard is None and cuda:
         # On by default: the dead states' write-back otherwise lands on the kernel after the merge
         # (docs/performance.md, "The discard switch, measured").
