@@ -97,3 +97,23 @@ def test_the_block_is_written_between_the_sets_markers_and_checked(tmp_path):
     readme.write_text("# No markers\n")
     with pytest.raises(ConfigError, match="README.md: no marker"):
         hl.main([str(SET), "--write", str(readme)])
+
+
+def test_an_engines_host_time_shows_the_range_of_its_rounds_where_the_run_kept_them(tmp_path):
+    """host_bench's per-round medians (tight_plan_issue_us_by_round) give each eager host figure its
+    range; a set timed before the rounds shows the figure alone."""
+    import json
+
+    def engine(plan, issue, rounds=None):
+        record = {"tight": {"plan_us": plan, "issue_us": issue}, "route": "persistentkv_bucket"}
+        return {**record, "tight_plan_issue_us_by_round": rounds} if rounds else record
+
+    engines = {"flashinfer": engine(300.0, 50.0), hl.HOST_ENGINES[0]: engine(30.0, 20.0, [49.0, 50.0, 53.5])}
+    (tmp_path / "host_bench").mkdir()
+    (tmp_path / "host_bench" / "host.json").write_text(json.dumps(
+        {"cases": {"b1_8k": {"seq_lens": [8192], "engines": engines}}}))
+    (row,) = hl.host_rows(tmp_path)
+    assert row["modes"] == {hl.HOST_ENGINES[0]: 50.0} and row["rounds"] == {hl.HOST_ENGINES[0]: (49.0, 53.5)}
+    assert hl._host_cell(row, hl.HOST_ENGINES[0]) == "50.0 (49.0-53.5)"
+    assert hl._host_cell({**row, "rounds": {}}, hl.HOST_ENGINES[0]) == "50.0"
+    assert all(hl._host_cell(row, mode) == "–" for mode in hl.HOST_ENGINES[1:])

@@ -207,8 +207,11 @@ def host_rows(root: Path) -> list[dict]:
         def host_us(record):
             return record["tight"]["plan_us"] + record["tight"]["issue_us"]
         modes = {mode: host_us(engines[mode]) for mode in HOST_ENGINES if "tight" in engines.get(mode, {})}
+        # The range of each engine's per-round medians, where the run timed its engines in rounds.
+        rounds = {mode: (min(by_round), max(by_round)) for mode in modes
+                  if (by_round := engines[mode].get("tight_plan_issue_us_by_round"))}
         rows.append({"case": name, "label": case_label(name, case["seq_lens"]),
-                     "route": engines[HOST_ENGINES[0]].get("route"), "modes": modes,
+                     "route": engines[HOST_ENGINES[0]].get("route"), "modes": modes, "rounds": rounds,
                      "flashinfer_us": host_us(engines["flashinfer"])})
     return rows
 
@@ -229,6 +232,14 @@ def _ms(cell: str) -> float | None:
 def _main_route(row: dict) -> str:
     """A row's route as the route most steps took (the table's cell before its first ";")."""
     return row["route"].split(";")[0]
+
+
+def _host_cell(row: dict, mode: str) -> str:
+    """One engine's eager host time, with the range of its rounds where the run recorded them."""
+    if mode not in row["modes"]:
+        return "–"
+    low_high = (row.get("rounds") or {}).get(mode)
+    return f"{row['modes'][mode]:.1f}" + (f" ({low_high[0]:.1f}-{low_high[1]:.1f})" if low_high else "")
 
 
 def _share(value: Ratio | None) -> str:
@@ -324,11 +335,12 @@ def headline(root: Path) -> str:
             f"{_r(row['xqa_graph'])} |" for row in steps]
     routed = [row for row in host if row["route"] != ROUTE_FLASHINFER and row["modes"]]
     if routed:
-        out += ["", "Eager host time a step (host_bench, plan plus issue in a tight loop, us):", "",
+        ranged = any(row.get("rounds") for row in routed)
+        out += ["", "Eager host time a step (host_bench, plan plus issue in a tight loop, us"
+                + ("; in brackets, the range of its rounds' medians" if ranged else "") + "):", "",
                 "| case | " + " | ".join(HOST_ENGINES) + " | FlashInfer |", "|---|" + "---:|" * (len(HOST_ENGINES) + 1)]
-        out += [f"| {row['label']} | " + " | ".join(
-            f"{row['modes'][mode]:.1f}" if mode in row["modes"] else "–" for mode in HOST_ENGINES)
-            + f" | {row['flashinfer_us']:.1f} |" for row in routed]
+        out += [f"| {row['label']} | " + " | ".join(_host_cell(row, mode) for mode in HOST_ENGINES)
+                + f" | {row['flashinfer_us']:.1f} |" for row in routed]
     falls = shortfalls(kernels, (contexts, isolated), serving, steps, host)
     out += ["", "Where this set falls short:" if falls else "This set meets every aim the headline checks.", ""]
     out += [f"- {line}" for line in falls]
