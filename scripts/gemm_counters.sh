@@ -11,7 +11,8 @@
 #   (from the repository root, with .whl/ filled as scripts/device_site.sh says)
 #   GEMM_TRACE (bimodal_b8), GEMM_SEED (20260623), GEMM_STEPS (2: profiled steps), GEMM_MODES ("[eager]"),
 #   GEMM_KERNEL (regex of the kernel's name, "nvjet_sm90_hsh_128x8"), GEMM_METRICS (ncu metric names,
-#   comma-separated), GEMM_CALIBRATION (default: the committed reference set's of this GPU),
+#   comma-separated; the summary keeps .sum totals and .avg.per_second rates, such as the SM clock
+#   sm__cycles_elapsed.avg.per_second), GEMM_CALIBRATION (default: the committed reference set's of this GPU),
 #   PROFILE_OVERRIDES="key=value ..." (more Hydra overrides), BUILD_CACHE_FROM (scripts/device_check.sh's)
 # Under $OUT: gemm.ncu-rep (open it in ncu-ui), gemm.csv, the run's log; printed last, the mean of
 # each counter per path.
@@ -55,11 +56,15 @@ if len(rows) < 3:
 header, units = rows[0], rows[1]
 # A metric's .sum is its total over the kernel's units (a launch's DRAM bytes, its duration); the
 # .avg, .min and .max ncu exports beside it are over those units (one FBPA, one SM), not launches.
-metrics = [name for name in header if re.fullmatch(r"\w+__\w+(\.\w+)*\.sum", name)]
+# A rate over the units' mean (.avg.per_second: an SM's clock from sm__cycles_elapsed) is one
+# launch's too, so its mean over launches is kept as well.
+metrics = [name for name in header if re.fullmatch(r"\w+__\w+(\.\w+)*\.(sum|avg\.per_second)", name)]
 scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6,
-         "second": 1e6, "byte": 1e-6, "kbyte": 1e-3, "mbyte": 1.0, "gbyte": 1e3, "%": 1.0, "": 1.0}
+         "second": 1e6, "byte": 1e-6, "kbyte": 1e-3, "mbyte": 1.0, "gbyte": 1e3, "%": 1.0, "": 1.0,
+         "cycle/second": 1e-6, "cycle/nsecond": 1e3, "hz": 1e-6}
 shown = {"ns": "us", "nsecond": "us", "us": "us", "usecond": "us", "ms": "us", "msecond": "us", "s": "us",
-         "second": "us", "byte": "MB", "kbyte": "MB", "mbyte": "MB", "gbyte": "MB", "%": "%", "": ""}
+         "second": "us", "byte": "MB", "kbyte": "MB", "mbyte": "MB", "gbyte": "MB", "%": "%", "": "",
+         "cycle/second": "MHz", "cycle/nsecond": "MHz", "hz": "MHz"}
 samples = {}
 for cells in rows[2:]:
     row = dict(zip(header, cells))
@@ -72,7 +77,8 @@ for cells in rows[2:]:
         per[m].append(float(row[m].replace(",", "")) * scale.get(unit, 1.0))
 # Per path, each counter's mean and median over the kernel's launches.
 print("| path | launches | " + " | ".join(
-    f"{m} ({shown.get(units[header.index(m)].strip().lower(), '?')}), mean / median" for m in metrics) + " |")
+    f"{m} ({shown.get(units[header.index(m)].strip().lower(), units[header.index(m)].strip() or '?')}), mean / median"
+    for m in metrics) + " |")
 print("|---|---:|" + "---:|" * len(metrics))
 for path in sorted(samples):
     per = samples[path]
