@@ -143,9 +143,9 @@ def test_the_one_op_step_is_an_adaptive_option_of_an_eager_cuda_engine():
     """one_op_step reaches the adaptive engine only; where that engine cannot take it (off a CUDA
     device) the option is refused by name, and the other roles do not read it."""
     policy = _policy(CALIB)
-    with pytest.raises(ValueError, match="one_op_step=True: .* CUDA device") as err:
+    with pytest.raises(ValueError, match="one_op_step needs .* CUDA device") as err:
         build_engine("adaptive", shape=SHAPE, device="cpu", policy=policy, options={"one_op_step": True})
-    assert "device cpu" in str(err.value)
+    assert str(err.value).endswith(" on cpu")
     assert build_engine("adaptive", shape=SHAPE, device="cpu", policy=policy,
                         options={"one_op_step": False}).one_op_step is False
     build_engine("reference", shape=SHAPE, device="cpu", options={"one_op_step": True})

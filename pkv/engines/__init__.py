@@ -107,13 +107,7 @@ def build_engine(name: str, *, shape, device, policy=None, options: dict | None 
         return XqaEngine(shape, device=device, page_size=int(options.get("page_size", 16)))
     if not isinstance(policy, RoutePolicy):
         raise ValueError(f"build_engine('adaptive') needs policy, a pkv.policy.RoutePolicy; got {policy!r}")
-    one_op_step = bool(options.get("one_op_step"))
-    if one_op_step and (device.type != "cuda" or persistent_options.get("cuda_graph")
-                        or persistent_options.get("planner", "native") != "native"):
-        raise ValueError(f"one_op_step=True: the adaptive engine's one-op step is an eager step on a CUDA device "
-                         f"with the native planner; this engine has device {device}, cuda_graph="
-                         f"{bool(persistent_options.get('cuda_graph'))}, planner "
-                         f"{persistent_options.get('planner', 'native')!r}")
     persistent = _persistent("persistentkv", shape, device, policy, persistent_options)
     fallback = _flashinfer("flashinfer", shape, device, fallback_options)
-    return AdaptiveEngine(policy, persistent, fallback, one_op_step=one_op_step)
+    # AdaptiveEngine refuses a one-op step its persistent engine cannot take.
+    return AdaptiveEngine(policy, persistent, fallback, one_op_step=bool(options.get("one_op_step")))

@@ -124,7 +124,9 @@ class AdaptiveEngine(Engine):
         if self.one_op_step and (self._native is None or getattr(persistent, "cuda_graph", True)
                                  or torch.device(persistent.device).type != "cuda"):
             raise ValueError("AdaptiveEngine: one_op_step needs the native route policy (a calibrated RoutePolicy, "
-                             "the native planner) and an eager persistent engine on a CUDA device")
+                             "the native planner) and an eager persistent engine on a CUDA device; its "
+                             f"persistent engine is {persistent.implementation} on "
+                             f"{getattr(persistent, 'device', 'an unknown device')}")
         self.implementation = f"adaptive({persistent.implementation}|{fallback.implementation})" + (
             "+one_op" if self.one_op_step else "")
 
