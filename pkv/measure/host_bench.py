@@ -60,6 +60,12 @@ CASES: dict[str, list[int]] = {
     # the page lists the plan carries instead 8,698 ints (pkv.engines.persistentkv.page_lists_pay).
     "skewed_b64": [128 * K] + [100] * 63,
 }
+# What a reader calls the cases of mixed lengths (kernel_bench.case_label names the others).
+CASE_LABELS = {
+    "b8_bimodal": "B8 bimodal (2 x 64K + 6 of 4K-12K)",
+    "b8_short": "B8 short (512-4K)",
+    "skewed_b64": "skewed B64 (128K + 63 x 100)",
+}
 PLANNERS = ("native", "numpy")
 COLUMNS = ("plan_us", "issue_us", "wait_us", "wall_us")
 # Rounds each engine's repetitions are split over, every engine timed in each (in_rounds).

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pkv.atomic_io import read_json, write_text_atomic
 from pkv.config import ConfigError
+from pkv.measure import host_bench
 from pkv.measure.kernel_bench import case_label
 from pkv.policy.route import ROUTE_FLASHINFER
 from pkv.refusal import exit_on_refusal
@@ -210,7 +211,7 @@ def host_rows(root: Path) -> list[dict]:
         # The range of each engine's per-round medians, where the run timed its engines in rounds.
         rounds = {mode: (min(by_round), max(by_round)) for mode in modes
                   if (by_round := engines[mode].get("tight_plan_issue_us_by_round"))}
-        rows.append({"case": name, "label": case_label(name, case["seq_lens"]),
+        rows.append({"case": name, "label": case_label(name, case["seq_lens"], host_bench.CASE_LABELS),
                      "route": engines[HOST_ENGINES[0]].get("route"), "modes": modes, "rounds": rounds,
                      "flashinfer_us": host_us(engines["flashinfer"])})
     return rows
