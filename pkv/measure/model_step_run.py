@@ -280,9 +280,9 @@ def run_model_step(spec: ModelStepSpec, model: ModelStep, decoder, paths: dict, 
         if measured and measured_index < spec.kernel_profile_steps and untraced is None:
             # Before the checks: their float64 pass must stay the last to append the step's token.
             if spec.kernel_profiler == EXTERNAL_PROFILER:
-                _mark_step(rests, paths, step, x, device)
+                _mark_step(rests, paths, order, step, x, device)
             else:
-                untraced = _trace_step(rests, paths, step, x, tallies, device)
+                untraced = _trace_step(rests, paths, order, step, x, tallies, device)
         spent["profile"] += time.perf_counter() - mark
         mark = time.perf_counter()
         check = measured and measured_index % spec.check_every == 0
@@ -323,15 +323,19 @@ def _rest_label(mode: str) -> str:
     return f"rest_{mode}"
 
 
-def _profiled_runs(rests: dict, paths: dict) -> list:
-    """(label, path) of every rest and path a profiled step runs once more, rests first."""
-    return [(_rest_label(mode), rest) for mode, rest in rests.items()] + list(paths.items())
+def _profiled_runs(rests: dict, paths: dict, order: list) -> list:
+    """(label, path) of every rest and path a profiled step runs once more: the rests first, then
+    the paths in the step's timed ``order``. Each run appends the step's token to the KV pages from
+    its own layers, which differ from another path's in the last bits; where no check follows, the
+    step's last path leaves the pages the next step reads, so a profiled step ends with the same
+    path as the timed pass and leaves them as an unprofiled run does."""
+    return [(_rest_label(mode), rest) for mode, rest in rests.items()] + [(label, paths[label]) for label in order]
 
 
-def _mark_step(rests: dict, paths: dict, step, x, device) -> None:
+def _mark_step(rests: dict, paths: dict, order: list, step, x, device) -> None:
     """One more untimed run of the step on every rest and path, each in its NVTX range and
     synchronized, for a profiler started around the run to filter on."""
-    for label, path in _profiled_runs(rests, paths):
+    for label, path in _profiled_runs(rests, paths, order):
         path.plan(step, x)
         with nvtx_range(trace_range(label)):
             path.issue()
@@ -339,10 +343,10 @@ def _mark_step(rests: dict, paths: dict, step, x, device) -> None:
                 torch.cuda.synchronize(device)
 
 
-def _trace_step(rests: dict, paths: dict, step, x, tallies: dict, device) -> str | None:
+def _trace_step(rests: dict, paths: dict, order: list, step, x, tallies: dict, device) -> str | None:
     """One more untimed run of the step on every rest and path under the CUDA profiler, into
     ``tallies``; why not, where this device has no kernel trace (None when traced)."""
-    for label, path in _profiled_runs(rests, paths):
+    for label, path in _profiled_runs(rests, paths, order):
         path.plan(step, x)
         try:
             spans = trace_kernels(path.issue, device)
