@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pkv.measure.kv_data import make_queries
-from pkv.measure.timing import L2Flusher, synchronize, time_device_us
+from pkv.measure.timing import L2Flusher, rotated, synchronize, time_device_us
 from pkv.pipeline.serving import ContinuousDecoder, page_layout
 from pkv.policy.fits import CostSample
 
@@ -82,8 +82,7 @@ def time_steps_in_turn(runs: dict, steps, shape, k_pages, v_pages, *, dtype, dev
         q = make_queries(step.batch_size, shape, dtype, device, seed + step.step)
         for key in keys:
             runs[key][0].prepare(step, q, k_pages, v_pages)
-        start = index % len(keys)
-        for key in keys[start:] + keys[:start]:
+        for key in rotated(keys, index):
             engine, route = runs[key]
             synchronize(device)
             t0 = time.perf_counter()

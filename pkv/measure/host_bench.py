@@ -37,7 +37,7 @@ from pkv.gpu_state import hold_device
 from pkv.measure.bench_cli import bench_parser, write_skipped_no_gpu
 from pkv.measure.calibration_probe import measure_launch_us
 from pkv.measure.kv_data import make_kv_pages, make_queries
-from pkv.measure.timing import L2Flusher, WallTimer, time_device_us
+from pkv.measure.timing import L2Flusher, WallTimer, rotated, time_device_us
 from pkv.pipeline.pages import assign_pages
 from pkv.pipeline.step import build_step
 from pkv.policy import PinnedRoutePolicy
@@ -124,8 +124,7 @@ def in_rounds(engines: dict, time_one, reps: int, rounds: int) -> dict[str, list
     per_round = max(1, reps // rounds)
     samples = {label: [] for label in labels}
     for r in range(rounds):
-        start = r % len(labels)
-        for label in labels[start:] + labels[:start]:
+        for label in rotated(labels, r):
             samples[label].append(time_one(label, engines[label], per_round))
     return samples
 
@@ -176,8 +175,7 @@ def run_case(name, seq_lens, shape, calib, flusher, reps, seed, log, *, dtype="f
         log(f"{name:<11}{label:<34}" + "".join(f"{row[c]:>8.1f}" for c in COLUMNS)
             + f"{rows[label]['device_us']:>8.1f}  | after flush + hold: wall "
             + f"{rows[label]['after_flush_and_hold']['wall_us']:.1f}")
-    return {"seq_lens": list(map(int, seq_lens)), "engines": {label: rows[label] for label in engine_specs(device)
-                                                              if label in rows}}
+    return {"seq_lens": list(map(int, seq_lens)), "engines": rows}
 
 
 def load_bench_calibration(path: Path) -> Calibration:

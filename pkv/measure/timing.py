@@ -93,6 +93,16 @@ def time_device_us(fn, *, reps: int = 30, warmup: int = 5, flusher: L2Flusher | 
     return summarize_us(samples)
 
 
+def rotated(names: list, turn: int) -> list:
+    """``names`` in the order of turn ``turn`` of a rotation: the first name moves on by one each
+    turn, so over a run every name takes every place equally often and a drift of clocks or
+    temperature falls on all of them alike. (The serving harness balances which engine runs right
+    before which as well, pkv.measure.harness.engine_order; a timing of device or host time alone
+    needs only the places.)"""
+    start = turn % len(names)
+    return names[start:] + names[:start]
+
+
 def time_interleaved_us(fns, *, rounds: int = 5, reps: int = 10, flusher: L2Flusher | None = None,
                         device=None) -> dict[str, list[float]]:
     """{name: per-round median us} of several callables timed in turns by ``time_device_us``.
@@ -107,7 +117,7 @@ def time_interleaved_us(fns, *, rounds: int = 5, reps: int = 10, flusher: L2Flus
     names = list(fns)
     medians: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             medians[name].append(time_device_us(fns[name], reps=reps, warmup=1, flusher=flusher,
                                                 device=device).median_us)
     return medians

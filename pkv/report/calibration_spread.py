@@ -122,15 +122,20 @@ def _fitting_sweeps(record: dict, name: str) -> list[dict]:
             and isinstance(sweeps[trace].get("device_us_total_by_splits"), dict)]
 
 
+def _shared_counts(sweeps: list[dict]) -> list[str]:
+    """The split counts every one of ``sweeps`` timed, in numeric order (JSON keys)."""
+    return sorted(set.intersection(*(set(sweep["device_us_total_by_splits"]) for sweep in sweeps)), key=int)
+
+
 def split_totals(record: dict, name: str) -> dict[int, float] | None:
     """Each swept split count's device time, us, summed over the traces whose sweep fits split-count
     decision ``name``, over the counts they all swept: what the decision compared. None where the
     calibration kept no such sweep."""
-    timed = [sweep["device_us_total_by_splits"] for sweep in _fitting_sweeps(record, name)]
-    if not timed:
+    sweeps = _fitting_sweeps(record, name)
+    if not sweeps:
         return None
-    shared = set.intersection(*(set(t) for t in timed))
-    return {int(k): sum(float(t[k]) for t in timed) for k in sorted(shared, key=int)}
+    return {int(k): sum(float(sweep["device_us_total_by_splits"][k]) for sweep in sweeps)
+            for k in _shared_counts(sweeps)}
 
 
 def split_step_times(record: dict, name: str) -> dict[int, list[float]] | None:
@@ -139,11 +144,10 @@ def split_step_times(record: dict, name: str) -> dict[int, list[float]] | None:
     sweeps = _fitting_sweeps(record, name)
     if not sweeps or not all(isinstance(sweep.get("device_us_by_step"), dict) for sweep in sweeps):
         return None
-    shared = set.intersection(*(set(sweep["device_us_total_by_splits"]) for sweep in sweeps))
+    shared = _shared_counts(sweeps)
     if not all(k in sweep["device_us_by_step"] for sweep in sweeps for k in shared):
         return None
-    return {int(k): [float(us) for sweep in sweeps for us in sweep["device_us_by_step"][k]]
-            for k in sorted(shared, key=int)}
+    return {int(k): [float(us) for sweep in sweeps for us in sweep["device_us_by_step"][k]] for k in shared}
 
 
 def _spread_across_runs(runs: list[list[float]]) -> list[float]:
