@@ -45,15 +45,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pkv import worker
+from pkv.slot_names import CPU, DEFAULT_SLOT_DIR, DEVICE, SLOT_DIR_ENV, slot_name
 
-SLOT_DIR_ENV = "PKV_SLOT_DIR"
 FAKE_COUNT_ENV = "PKV_FAKE_DEVICE_COUNT"
 # What the command sees of its slot: the device entry it holds, for the result's provenance
 # (pkv.provenance.DEVICE_SLOT_ENV, which reads it; named here so that the client imports no more).
 SLOT_ENV = "PKV_DEVICE_SLOT"
-# Where the slots live without --slot-dir or PKV_SLOT_DIR: under the default artifacts root, which
-# every job of one DAG run (started from the repository root) shares.
-DEFAULT_SLOT_DIR = "artifacts/.slots"
 # A waiting job looks again this often: short next to a job (seconds to minutes), long enough that
 # a few waiters cost nothing.
 POLL_S = 0.2
@@ -121,30 +118,8 @@ def available_devices(devices: int | None = None, environ: dict | None = None) -
     return entries if devices is None else entries[:devices]
 
 
-def _plain_name(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
-
-
-def host_scope() -> str:
-    """``<host>[-slurm<job>]``: the part of a slot's name that says whose devices it hands out."""
-    scope = socket.gethostname() or "localhost"
-    if os.environ.get("SLURM_JOB_ID"):
-        scope += f"-slurm{os.environ['SLURM_JOB_ID']}"
-    return _plain_name(scope)
-
-
-# Slot kinds: a device of this host, or a CPU worker's place (warm jobs without a device).
-DEVICE, CPU = "device", "cpu"
+# How a waiting or refused job names a slot of each kind.
 _NOUN = {DEVICE: "device", CPU: "CPU worker slot"}
-
-
-def slot_name(entry: str, kind: str = DEVICE) -> str:
-    """``<host>[-slurm<job>].device-<entry>`` (or ``.cpu-<k>``). Device entries name devices of one
-    host (a slot folder on a shared filesystem serves several), and a Slurm job's entries name the
-    cards of its own allocation ("0" in every job when Slurm constrains devices), which no other job
-    can have: the names are scoped so that only jobs that can share a device wait for each other."""
-    # Entries are indices, or GPU/MIG UUIDs under some schedulers; keep the file name plain.
-    return f"{host_scope()}.{kind}-{_plain_name(entry)}"
 
 
 def _lock_name(entry: str, kind: str = DEVICE) -> str:

@@ -65,6 +65,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pkv.slot_names import DEFAULT_SLOT_DIR, SLOT_DIR_ENV, host_slot_prefixes
+
 WORKER_ENV = "PKV_WORKER"
 IDLE_ENV = "PKV_WORKER_IDLE_S"
 START_TIMEOUT_ENV = "PKV_WORKER_START_S"
@@ -251,9 +253,7 @@ def _connect(path: Path, timeout: float | None = None) -> socket.socket | None:
 
 def _slot_sockets(slot_dir: Path, slot_name: str | None = None) -> list[Path]:
     """The worker sockets of this host in ``slot_dir`` (of one slot, or of all of this host's)."""
-    from pkv.device_slots import CPU, DEVICE, host_scope
-
-    prefixes = (f"{slot_name}.",) if slot_name else tuple(f"{host_scope()}.{kind}-" for kind in (DEVICE, CPU))
+    prefixes = (f"{slot_name}.",) if slot_name else host_slot_prefixes()
     try:
         names = sorted(os.listdir(slot_dir))
     except OSError:
@@ -1057,8 +1057,6 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.socket, args.key, args.idle_timeout, args.device)
     if args.action == "selfcheck":
         return selfcheck(args.device)
-    from pkv.device_slots import DEFAULT_SLOT_DIR, SLOT_DIR_ENV
-
     slot_dir = Path(os.environ.get(SLOT_DIR_ENV) or args.slot_dir or DEFAULT_SLOT_DIR)
     if args.action == "stop":
         for answer in stop_workers(slot_dir):
