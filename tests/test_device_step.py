@@ -402,14 +402,14 @@ def test_ring_depths_follow_the_gpus_shared_memory(monkeypatch):
         assert persistentkv.ring_stages_for("cuda") == depths
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace())
     assert persistentkv.ring_stages_for("cuda") == (2, 3, 4)  # a torch that reports neither: all depths
-    assert {stages for *_, stages in persistentkv_configs(8, 28, ring_stages=(2, 3))} == {2, 3}
-    assert {stages for *_, stages in device_step_configs(1, 132, ring_stages=(2, 3))} == {2, 3}
+    assert {stages for *_, stages in persistentkv_configs([8192] * 8, 28, ring_stages=(2, 3))} == {2, 3}
+    assert {stages for *_, stages in device_step_configs([8192], 132, ring_stages=(2, 3))} == {2, 3}
     # The device sweep covers the host sweep's balanced budgets, under the plan kernel only.
-    balanced = [config for _, config, _ in device_step_configs(8, 132, ring_stages=(2,))
+    balanced = [config for _, config, _ in device_step_configs([8192] * 8, 132, ring_stages=(2,))
                 if config.split_kind != "fixed"]
     assert {(c.planner, c.target_ctas) for c in balanced} == {("plan_kernel", w * 132) for w in BALANCED_WAVES}
     # At B1 the host sweep has no balanced rule, so neither has the device sweep.
-    assert {config.split_kind for _, config, _ in device_step_configs(1, 132, ring_stages=(2,))} == {"fixed"}
+    assert {config.split_kind for _, config, _ in device_step_configs([8192], 132, ring_stages=(2,))} == {"fixed"}
 
 
 @pytest.fixture

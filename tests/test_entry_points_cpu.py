@@ -156,9 +156,9 @@ def test_kernel_bench_runs_its_sweeps_and_summary_on_the_cpu(device_step_ops, ca
     num_sms = default_num_sms("cpu")
     stages = kernel_bench.RING_STAGES[:1]
     assert set(record["sweep_us"]) == {label for label, *_ in kernel_bench.persistentkv_configs(
-        len(lengths), num_sms, False, stages)}
+        lengths, num_sms, False, stages)}
     assert set(record["device_planned_sweep_us"]) == {label for label, *_ in kernel_bench.device_step_configs(
-        len(lengths), num_sms, stages)}
+        lengths, num_sms, stages)}
     engines = record["engines"]
     for role in kernel_bench.BASELINE_ROLES:
         why = "not timed: opt-in" if role in kernel_bench.OPT_IN_ROLES else "needs a CUDA device"
@@ -174,6 +174,25 @@ def test_kernel_bench_runs_its_sweeps_and_summary_on_the_cpu(device_step_ops, ca
     table = capsys.readouterr().out
     assert table.splitlines()[1].startswith(name) and "xqa: not available: XQA needs a CUDA device" in table
     json_text("decode.json", {"cases": {name: record}})  # what main writes
+
+
+def test_kernel_bench_sweeps_a_short_rows_split_counts_as_the_planner_runs_them():
+    """A B1 count past the row's tiles plans one split a tile, so it is timed once, as the row's
+    tile count; a short row adds the counts below it, with several tiles a split."""
+    def counts(lengths, prefix):
+        return sorted({int(label.split(":S=")[1].split(":")[0]) for label, *_ in
+                       kernel_bench.persistentkv_configs(lengths, 132, True, (2,))
+                       if label.startswith(prefix + ":")})
+
+    assert kernel_bench.CASES["b1_384"] == [384] and kernel_bench.case_label("b1_384", [384]) == "B1 384"
+    assert counts([384], "bucket") == [1, 2, 4, 8, 12] == counts([384], "bucket+fused")
+    assert counts([384], "bucket+cluster") == [8, 12]
+    assert counts([384], "workqueue") == [1, 2, 4, 8, 12]
+    assert counts([2048], "bucket") == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert counts([8192], "bucket") == list(kernel_bench.B1_SPLITS)  # a long row's sweep is as it was
+    assert counts([8192], "workqueue") == [32, 64]
+    device = {label.split(":S=")[1].split(":")[0] for label, *_ in kernel_bench.device_step_configs([384], 132, (2,))}
+    assert device == {"1", "2", "4", "8", "12"}
 
 
 def test_kernel_bench_times_an_opt_in_baseline_only_when_asked():
@@ -218,7 +237,7 @@ def test_every_kernel_bench_case_plans_every_configuration_of_its_sweeps(monkeyp
         assignment = assign_pages(lengths, 16, 0.5, 7)
         steps[name] = build_step(0, np.arange(len(lengths)), np.asarray(lengths, dtype=np.int32), assignment.pages,
                                  16)
-        host = list(kernel_bench.persistentkv_configs(len(lengths), num_sms, True, RING_STAGES))
+        host = list(kernel_bench.persistentkv_configs(lengths, num_sms, True, RING_STAGES))
         assert len({label for label, *_ in host}) == len(host), name
         for label, route, stages in host:
             engine = PersistentKVEngine(shape, policy=PinnedRoutePolicy(route), device="cpu", stages=stages)
@@ -227,7 +246,7 @@ def test_every_kernel_bench_case_plans_every_configuration_of_its_sweeps(monkeyp
     # The workspaces hold the device step's ops: their torch stand-ins, once the planner has planned.
     monkeypatch.setattr(ops, "load", ReferenceOps)
     for name, step in steps.items():
-        device = list(kernel_bench.device_step_configs(step.batch_size, num_sms, RING_STAGES))
+        device = list(kernel_bench.device_step_configs(step.seq_lens, num_sms, RING_STAGES))
         assert len({label for label, *_ in device}) == len(device), name
         for label, config, stages in device:
             DeviceDecodeStep(shape, max_batch=step.batch_size, device="cpu", stages=stages, **config._asdict())

@@ -35,6 +35,7 @@ from pkv.measure.harness import REF_REL_LIMIT, default_num_sms
 from pkv.measure.kv_data import make_kv_pages, make_queries, stored_nhd
 from pkv.measure.timing import L2Flusher, synchronize, time_device_us, time_interleaved_us
 from pkv.pipeline.pages import assign_pages
+from pkv.pipeline.schedule import row_tiles
 from pkv.pipeline.step import build_step
 from pkv.policy.choose import PinnedRoutePolicy
 from pkv.policy.route import MERGE_CLUSTER, MERGE_FUSED, MERGE_LAUNCH, ROUTE_BUCKET, ROUTE_WORKQUEUE, StepRoute
@@ -66,6 +67,11 @@ CASES: dict[str, list[int]] = {
     # Two long prompts among 62 short rows: not a skewed step (neither holds 2/3 of the tokens), so
     # the fixed rule ran it, at 0.97-1.00x FlashInfer on the H200 against 1.15x for the skewed steps.
     "two_long_b64": [128 * K, 128 * K] + [128 + 16 * i for i in range(62)],
+    # One short row, as the single-row steps of real conversation traffic: Table 9's azure_conv
+    # steps are B1 at 375-410 tokens, its azure_code steps B1-B6 at 134-7447. Their 12 and 64
+    # tiles are at or below the B1 split counts, so their sweeps add the counts below (b1_split_counts).
+    "b1_384": [384],
+    "b1_2k": [2 * K],
 }
 # What a reader calls the cases whose rows differ in length (the others: "B<rows> <length>").
 CASE_LABELS = {
@@ -74,6 +80,7 @@ CASE_LABELS = {
     "skewed_b64": "skewed B64 (128K + 63 x 100)",
     "short_b64": "64 short rows (128-1136)",
     "two_long_b64": "two long rows among 62 short",
+    "b1_384": "B1 384",
 }
 
 
@@ -91,6 +98,12 @@ def case_label(name: str, seq_lens, labels: dict[str, str] = CASE_LABELS) -> str
 B1_SPLITS = (16, 24, 32, 48, 64, 96)
 # The cluster merge holds a (row, KV head)'s splits in one cluster of at most 16 CTAs.
 B1_CLUSTER_SPLITS = (8, 12, 16)
+# A row of at most this many tiles (2K tokens) also sweeps B1_SHORT_SPLITS: at one tile a split
+# (every B1 count of a 384-token row) the decode's CTAs each read one tile and a merge follows, where
+# fewer splits read several tiles a CTA and merge less or not at all.
+SHORT_ROW_TILES = 64
+B1_SHORT_SPLITS = (1, 2, 4, 8)
+WORKQUEUE_B1_SPLITS = (32, 64)
 # 6 and 12 put a B8 step's 64 (row, KV head) pairs just under one and two waves of the stages = 2
 # kernels (396 CTAs on an H200), where 8 and 16 land just past them (docs/performance.md, "Split
 # counts and waves in the kernel benchmark").
@@ -108,27 +121,40 @@ OPT_IN_ROLES = ("flashinfer_fa3",)
 
 def measure_read_gbps(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
     """Streaming read bandwidth: a reduction over a buffer far larger than L2."""
-    buf = torch.ones(nbytes // 2, dtype=torch.float16, device=device)
+    buf = torch.ones(nbytes // 2, dtype=torch.float16, device=device)  # freed when this returns
     stats = time_device_us(lambda: buf.sum(dtype=torch.float32), reps=reps, warmup=2)
-    del buf
     return nbytes / (stats.median_us * 1e-6) / 1e9
 
 
-def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False, ring_stages=RING_STAGES):
-    """(label, StepRoute, ring stages) of the sweep; clusters adds the cluster merge (sm_90+);
-    ring_stages are the depths this GPU's shared memory allows (ring_stages_for)."""
+def b1_split_counts(counts, tiles: int, short=B1_SHORT_SPLITS) -> list[int]:
+    """The split counts of ``counts`` a B1 sweep times on a row of ``tiles`` tiles, as the planner
+    runs them: a count past the row's tiles plans one split a tile (min(S, tiles)), so those count
+    once, under the row's tile count; a short row (SHORT_ROW_TILES) adds the ``short`` counts below it."""
+    tiles = max(int(tiles), 1)
+    runs = {min(int(s), tiles) for s in counts}
+    if tiles <= SHORT_ROW_TILES:
+        runs |= {s for s in short if s < tiles}
+    return sorted(runs)
+
+
+def persistentkv_configs(seq_lens, num_sms: int, clusters: bool = False, ring_stages=RING_STAGES):
+    """(label, StepRoute, ring stages) of the sweep over a step of ``seq_lens``; clusters adds the
+    cluster merge (sm_90+); ring_stages are the depths this GPU's shared memory allows
+    (ring_stages_for)."""
     def merge_of(fused: bool) -> str:
         return MERGE_FUSED if fused else MERGE_LAUNCH
 
+    tiles = int(row_tiles(seq_lens).max())
     for stages in ring_stages:
-        if batch == 1:
-            for s in B1_SPLITS:
+        if len(seq_lens) == 1:
+            for s in b1_split_counts(B1_SPLITS, tiles):
                 for fused in (False, True):
                     yield (f"bucket{'+fused' if fused else ''}:S={s}:st{stages}",
                            StepRoute(ROUTE_BUCKET, s, merge=merge_of(fused)), stages)
-            for s in (B1_CLUSTER_SPLITS if clusters else ()):
+            # A cluster merges a pair's splits; the short counts are the bucket sweep's.
+            for s in (b1_split_counts(B1_CLUSTER_SPLITS, tiles, short=()) if clusters else ()):
                 yield f"bucket+cluster:S={s}:st{stages}", StepRoute(ROUTE_BUCKET, s, merge=MERGE_CLUSTER), stages
-            for s in (32, 64):
+            for s in b1_split_counts(WORKQUEUE_B1_SPLITS, tiles):
                 for fused in (False, True):
                     yield (f"workqueue{'+fused' if fused else ''}:S={s}:st{stages}",
                            StepRoute(ROUTE_WORKQUEUE, s, merge=merge_of(fused)), stages)
@@ -142,15 +168,17 @@ def persistentkv_configs(batch: int, num_sms: int, clusters: bool = False, ring_
             yield f"balanced:{waves}w:st{stages}", route, stages
 
 
-def device_step_configs(batch: int, num_sms: int, ring_stages=RING_STAGES):
-    """(label, DeviceStepConfig, ring stages) of the device-planned sweep: the split counts of the
-    host-planned sweep's fixed rule under each planner and merge, and past one row its balanced
-    budgets under the plan kernel (the in-decode grid has the fixed rule only), so the device and
-    host sweeps hold the same rules."""
+def device_step_configs(seq_lens, num_sms: int, ring_stages=RING_STAGES):
+    """(label, DeviceStepConfig, ring stages) of the device-planned sweep over a step of
+    ``seq_lens``: the split counts of the host-planned sweep's fixed rule under each planner and
+    merge, and past one row its balanced budgets under the plan kernel (the in-decode grid has the
+    fixed rule only), so the device and host sweeps hold the same rules."""
+    batch = len(seq_lens)
+    counts = b1_split_counts(B1_SPLITS, int(row_tiles(seq_lens).max())) if batch == 1 else WORKQUEUE_SPLITS
     for stages in ring_stages:
         for planner in PLANNERS:
             for merge in MERGES:
-                for s in (B1_SPLITS if batch == 1 else WORKQUEUE_SPLITS):
+                for s in counts:
                     yield f"{planner}+{merge}:S={s}:st{stages}", DeviceStepConfig(s, merge, planner), stages
         for merge in (MERGES if batch > 1 else ()):
             for waves in BALANCED_WAVES:
@@ -164,7 +192,7 @@ def device_step_runs(step, q, k, v, shape, num_sms: int, stages: int):
     inside one device run): run plans on the GPU and decodes."""
     table = torch.from_numpy(step.block_table).to(q.device)
     lens = torch.from_numpy(step.seq_lens).to(q.device)
-    for label, config, stages in device_step_configs(step.batch_size, num_sms, (stages,)):
+    for label, config, stages in device_step_configs(step.seq_lens, num_sms, (stages,)):
         workspace = DeviceDecodeStep(shape, max_batch=step.batch_size, device=q.device, stages=stages,
                                      **config._asdict())
         out = torch.empty_like(q)
@@ -287,7 +315,7 @@ def run_case(name, seq_lens, shape, flusher, read_gbps, reps, seed, log, kv_layo
     ring_stages = ring_stages_for(device) if is_cuda(device) else RING_STAGES[:1]
 
     host_configs = {label: (route, stages) for label, route, stages in
-                    persistentkv_configs(len(seq_lens), num_sms, clusters, ring_stages)}
+                    persistentkv_configs(seq_lens, num_sms, clusters, ring_stages)}
 
     def host_planned_runs():
         for label, (route, stages) in host_configs.items():
