@@ -191,8 +191,12 @@ def test_kernel_bench_sweeps_a_short_rows_split_counts_as_the_planner_runs_them(
     assert counts([2048], "bucket") == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert counts([8192], "bucket") == list(kernel_bench.B1_SPLITS)  # a long row's sweep is as it was
     assert counts([8192], "workqueue") == [32, 64]
-    device = {label.split(":S=")[1].split(":")[0] for label, *_ in kernel_bench.device_step_configs([384], 132, (2,))}
-    assert device == {"1", "2", "4", "8", "12"}
+    # The in-decode grid is (B, Hkv, S) whatever the row's length: every B1 count is a grid of its own.
+    device = {int(label.split(":S=")[1].split(":")[0]) for label, *_ in
+              kernel_bench.device_step_configs([384], 132, (2,))}
+    assert device == {1, 2, 4, 8, 12, *kernel_bench.B1_SPLITS}
+    assert {int(label.split(":S=")[1].split(":")[0]) for label, *_ in
+            kernel_bench.device_step_configs([8192], 132, (2,))} == set(kernel_bench.B1_SPLITS)
 
 
 def test_kernel_bench_times_an_opt_in_baseline_only_when_asked():

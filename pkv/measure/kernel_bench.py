@@ -174,7 +174,12 @@ def device_step_configs(seq_lens, num_sms: int, ring_stages=RING_STAGES):
     merge, and past one row its balanced budgets under the plan kernel (the in-decode grid has the
     fixed rule only), so the device and host sweeps hold the same rules."""
     batch = len(seq_lens)
-    counts = b1_split_counts(B1_SPLITS, int(row_tiles(seq_lens).max())) if batch == 1 else WORKQUEUE_SPLITS
+    counts = WORKQUEUE_SPLITS
+    if batch == 1:
+        # The in-decode grid is (B, Hkv, S) whatever the row's tiles (its CTAs past them write the
+        # neutral state), so every B1 count is its own grid; a short row adds its tile count (one
+        # tile a CTA, no empty CTA) and the counts below it.
+        counts = sorted(set(B1_SPLITS) | set(b1_split_counts(B1_SPLITS, int(row_tiles(seq_lens).max()))))
     for stages in ring_stages:
         for planner in PLANNERS:
             for merge in MERGES:
