@@ -20,6 +20,7 @@ bool read_int(const double* values, int64_t index, int64_t low, int64_t high, in
 }
 
 constexpr int64_t kMaxInt = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxBucketTilesPerSplit = 1024;  // pkv/config/schema.py: BUCKET_TILES
 
 // choose.py: is_skewed.
 bool is_skewed(int64_t batch, int64_t longest, int64_t tokens) { return batch > 1 && 3 * longest > 2 * tokens; }
@@ -43,6 +44,16 @@ int64_t uniform_split_count(const int32_t* lens, int64_t batch, int64_t longest,
   }
   const int64_t shortest = *std::min_element(lens, lens + batch);
   return static_cast<double>(shortest) >= kUniformLengthFraction * static_cast<double>(longest) ? capped : num_splits;
+}
+
+// choose.py: bucket_split_count (the largest power of two of splits of at least tiles_per_split tiles).
+int64_t bucket_split_count(int64_t longest, int64_t num_splits, int64_t tiles_per_split) {
+  if (tiles_per_split <= 1) return num_splits;
+  const int64_t fits = row_tiles(longest) / tiles_per_split;
+  if (fits >= num_splits) return num_splits;
+  int64_t splits = 1;
+  while (2 * splits <= fits) splits *= 2;
+  return splits;
 }
 
 struct RouteCounts {
@@ -149,6 +160,9 @@ bool parse_route_policy(const double* values, int64_t count, RoutePolicyParams* 
     }
     if (!read_int(values, base + 9, 0, kMaxInt, &skew)) return fail(base + 9, "skew_target_ctas must be in 0..2^31-1");
     if (!read_int(values, base + 10, 0, 1, &over)) return fail(base + 10, "over_split_balanced must be 0 or 1");
+    if (!read_int(values, base + 11, 1, kMaxBucketTilesPerSplit, &regime.bucket_tiles_per_split)) {
+      return fail(base + 11, "bucket_tiles_per_split must be in 1..1024");
+    }
     regime.has_skew_route = skew > 0;
     regime.skew_route = regime.candidate;
     regime.skew_route.split.balanced = true;
@@ -185,6 +199,9 @@ RouteChoice choose_route(const int32_t* seq_lens, int64_t batch, const RoutePoli
   } else if (regime.uniform_target_ctas) {
     candidate.split.num_splits = uniform_split_count(seq_lens, batch, longest, p.num_kv_heads,
                                                      candidate.split.num_splits, regime.uniform_target_ctas);
+  } else if (candidate.route == kRouteBuckets) {
+    candidate.split.num_splits = bucket_split_count(longest, candidate.split.num_splits,
+                                                    regime.bucket_tiles_per_split);
   }
   const RouteCounts counts = candidate.route == kRouteBuckets
                                  ? bucket_counts(seq_lens, batch, candidate.split.num_splits, p.num_kv_heads)

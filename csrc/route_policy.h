@@ -39,6 +39,7 @@ struct RegimePolicy {
   bool has_skew_route;          // skewed (and, with over_split_balanced, over-split) steps take skew_route
   PolicyRoute skew_route;
   bool over_split_balanced;
+  int64_t bucket_tiles_per_split;  // the short-row rule of a bucket candidate; 1: the split count as it is
 };
 
 constexpr int kNumRegimes = 3;  // single_row (B1), few_rows (2..7), many_rows (8+)
@@ -55,9 +56,9 @@ struct RoutePolicyParams {
 
 // The flat layout (pkv/policy/native.py writes it): kPolicyHeader values, then kPolicyRegimeFields
 // per regime in the order single_row, few_rows, many_rows.
-constexpr int64_t kPolicyVersion = 1;
+constexpr int64_t kPolicyVersion = 2;
 constexpr int64_t kPolicyHeader = 11;
-constexpr int64_t kPolicyRegimeFields = 11;
+constexpr int64_t kPolicyRegimeFields = 12;
 constexpr int64_t kPolicyValues = kPolicyHeader + kNumRegimes * kPolicyRegimeFields;
 
 // Reads the flat array into `out`; on a malformed array returns false with `error` naming the

@@ -236,6 +236,8 @@ def test_run_calibration_applies_the_engine_options_of_the_run():
     splits = _cpu_calibration("engine.num_splits=12", "engine.bucket_num_splits=6", "engine.split_kind=balanced")
     assert (splits.single_row.num_splits, splits.few_rows.num_splits, splits.many_rows.num_splits) == (6, 12, 12)
     assert splits.workqueue_split_kind == "balanced"
+    assert _cpu_calibration("engine.bucket_tiles_per_split=4").single_row == dataclasses.replace(
+        calib.single_row, bucket_tiles_per_split=4)
     assert splits.with_all_regimes(num_splits=1) == dataclasses.replace(
         calib.with_all_regimes(num_splits=1), workqueue_split_kind="balanced")
     # The ablation's engine options reach the policy its engines decide with.

@@ -163,6 +163,7 @@ BOUNDS = [
     ("trace.decode_len_range=[1,99999999]", "trace.decode_len_range"),
     ("trace.max_context=99999999", "trace.max_context"),
     ("engine.num_splits=4096", "engine.num_splits"),
+    ("engine.bucket_tiles_per_split=0", "engine.bucket_tiles_per_split"),
     ("experiment.measured_steps=10000000", "experiment.measured_steps"),
     ("experiment.gate_tolerance=nan", "experiment.gate_tolerance"),
     ("experiment.probe_buffer_mib=1000000", "experiment.probe_buffer_mib"),
@@ -171,6 +172,7 @@ BOUNDS = [
     ("gpu.num_sms=100000", "gpu.num_sms"),
     ("gpu.regimes.many_rows.num_splits=5000", "gpu.regimes.many_rows.num_splits"),
     ("gpu.regimes.single_row.min_context_tokens=99999999", "gpu.regimes.single_row.min_context_tokens"),
+    ("gpu.regimes.single_row.bucket_tiles_per_split=2048", "gpu.regimes.single_row.bucket_tiles_per_split"),
 ]
 
 

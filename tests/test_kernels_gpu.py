@@ -531,11 +531,13 @@ def test_warm_up_runs_each_kernel_set_once():
     assert runs == ["persistentkv_workqueue", "persistentkv_workqueue"]
 
 
-@pytest.mark.parametrize("options", [{}, {"schedule": "bucket_masked"}, {"split_kind": "balanced"}])
+@pytest.mark.parametrize("options", [{}, {"schedule": "bucket_masked"}, {"split_kind": "balanced"},
+                                     {"bucket_tiles_per_split": 4}])
 def test_the_adaptive_steps_one_call_plan_runs_as_the_python_policys_plan(options):
     """The adaptive engine's C++ decision and plan (adaptive_plan, uploaded in the same call) run
     bit for bit as the Python policy's route planned by plan_route, and match float64, on steps
-    that take the bucket, the fixed and the balanced workqueue routes."""
+    that take the bucket, the fixed and the balanced workqueue routes, and a short row under the
+    short-row rule."""
     from pkv.engines.adaptive import AdaptiveEngine, AdaptivePlan
     from pkv.engines.persistentkv import PersistentKVEngine
     from pkv.engines.sdpa import SdpaEngine
@@ -557,18 +559,21 @@ def test_the_adaptive_steps_one_call_plan_runs_as_the_python_policys_plan(option
     persistent = PersistentKVEngine(shape, policy=policy)
     engine = AdaptiveEngine(policy, persistent, SdpaEngine(shape, "cuda"))
     assert engine._native is not None
-    cases = ([8192], [4097], [4000, 9000, 100, 30000, 17, 65000, 2048, 4097], [131072] + [100] * 63)
+    cases = ([8192], [4097], [384], [4000, 9000, 100, 30000, 17, 65000, 2048, 4097], [131072] + [100] * 63)
     for seed, lengths in enumerate(cases):
         step, q, k, v = _case(lengths, shape, torch.float16, seed=seed)
         plan = engine.plan(step)
         assert isinstance(plan, AdaptivePlan) and plan.decision == policy.choose(step)
+        if lengths == [384]:  # 12 tiles: the regime's 16 (12 one-tile splits), or 2 of 6 under the short-row rule
+            assert plan.num_splits == (2 if options.get("bucket_tiles_per_split") else 16)
         got = engine.run(q, k, v, plan)
         want = persistent.run(q, k, v, persistent.plan_route(step, plan.decision.route))
         torch.testing.assert_close(got, want, atol=0, rtol=0)
         _check(got, _dense(step, q, k, v), torch.float16)
 
 
-@pytest.mark.parametrize("options", [{}, {"schedule": "bucket_masked"}, {"split_kind": "balanced"}, {"merge": "fused"}])
+@pytest.mark.parametrize("options", [{}, {"schedule": "bucket_masked"}, {"split_kind": "balanced"}, {"merge": "fused"},
+                                     {"bucket_tiles_per_split": 4}])
 def test_the_one_op_step_runs_as_the_adaptive_steps_two_calls(options):
     """An eager step decided, planned, uploaded and launched in one op call (adaptive_step) gives the
     two-call step's output bit for bit and matches float64, on the bucket, the fixed and balanced
@@ -597,7 +602,8 @@ def test_the_one_op_step_runs_as_the_adaptive_steps_two_calls(options):
     fallback = SdpaEngine(shape, "cuda")
     two_calls = AdaptiveEngine(policy, persistent, fallback)
     one_op = AdaptiveEngine(policy, persistent, fallback, one_op_step=True)
-    cases = ([8192], [4097], [3000, 5000], [4000, 9000, 100, 30000, 17, 65000, 2048, 4097], [131072] + [100] * 63)
+    cases = ([8192], [4097], [384], [3000, 5000], [4000, 9000, 100, 30000, 17, 65000, 2048, 4097],
+             [131072] + [100] * 63)
     for seed, lengths in enumerate(cases):
         step, q, k, v = _case(lengths, shape, torch.float16, seed=seed)
         want = two_calls.run(q, k, v, two_calls.plan(step))

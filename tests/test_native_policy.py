@@ -134,8 +134,11 @@ def test_the_native_policy_decides_random_steps_as_the_python_policy(planner, op
         skewed = skewed.with_regime(regime, route="persistentkv_workqueue", skew_target_ctas=396,
                                     over_split_balanced=True, margin=0.5)
     variants.append(skewed)
+    # The short-row rule on the B1 bucket route, and on a bucket route of 2..7 rows (by the longest row).
+    variants.append(_open(base).with_regime("single_row", bucket_tiles_per_split=4)
+                    .with_regime("few_rows", route="persistentkv_bucket", bucket_tiles_per_split=3, margin=0.5))
     rng = np.random.default_rng(7)
-    checked, mismatches, bases, routes = 0, [], set(), set()
+    checked, mismatches, bases, routes, bucket_splits = 0, [], set(), set(), set()
     for calib in variants:
         policy = _policy(calib, _shape(4), options)
         native = NativeRoutePolicy(policy, planner)
@@ -144,11 +147,15 @@ def test_the_native_policy_decides_random_steps_as_the_python_policy(planner, op
             checked += 1
             bases.add(want.basis)
             routes.add((want.route.name, want.route.split_kind))
+            if want.route.name == "persistentkv_bucket":
+                bucket_splits.add(want.route.num_splits)
             if got != want:
                 mismatches.append((step.seq_lens[:6], len(step.seq_lens), want, got))
     assert not mismatches, f"{len(mismatches)} of {checked} decisions differ; first: {mismatches[:2]}"
     assert "estimate" in bases
     assert {name for name, _ in routes} == {"flashinfer", "persistentkv_bucket", "persistentkv_workqueue"}
+    # The short-row rule's counts were decided (and decided alike), except where a fixed count lifts it.
+    assert bucket_splits == {16} if "num_splits" in options else {1, 2, 4} <= bucket_splits
 
 
 def test_the_native_policy_shares_one_route_object_per_route(planner):
@@ -171,6 +178,7 @@ def test_one_call_plans_what_the_python_policy_and_planner_plan(lens, options):
     calib = _open(load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json"))
     for regime in ("few_rows", "many_rows"):
         calib = calib.with_regime(regime, skew_target_ctas=396, margin=0.5)
+    calib = calib.with_regime("single_row", bucket_tiles_per_split=4)  # [300]: 10 tiles, 2 splits
     policy = _policy(calib, shape, options)
     persistent = PersistentKVEngine(shape, policy=policy, device="cpu")
     engine = AdaptiveEngine(policy, persistent, SdpaEngine(shape, "cpu"))
@@ -209,12 +217,14 @@ def _values(planner):
 
 
 @pytest.mark.parametrize("index,value,message", [
-    (0, 2.0, r"unknown policy version \(value \[0\] = 2"),
+    (0, 3.0, r"unknown policy version \(value \[0\] = 3"),
     (3, 0.0, r"num_kv_heads must be in 1..2\^31-1 \(value \[3\]"),
     (4, float("nan"), r"cost constants must be finite and >= 0 \(value \[4\]"),
     (12, 5.0, r"candidate route code must be -1, 0 or 1 \(value \[12\]"),
     (13, 2.5, r"num_splits must be in 1..1024 \(value \[13\]"),
     (18, 0.0, r"margin must be finite and > 0 \(value \[18\]"),
+    (22, 0.0, r"bucket_tiles_per_split must be in 1..1024 \(value \[22\]"),
+    (22, 1025.0, r"bucket_tiles_per_split must be in 1..1024 \(value \[22\]"),
 ])
 def test_a_bad_policy_array_is_refused_naming_the_value(planner, index, value, message):
     values = _values(planner)
@@ -226,7 +236,7 @@ def test_a_bad_policy_array_is_refused_naming_the_value(planner, index, value, m
 def test_a_policy_array_of_the_wrong_length_or_type_is_refused(planner):
     values = _values(planner)
     lens = torch.tensor([100], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=r"wrong length \(43 values, expected 44\)"):
+    with pytest.raises(RuntimeError, match=r"wrong length \(46 values, expected 47\)"):
         planner.choose_route(lens, torch.tensor(values[:-1], dtype=torch.float64))
     with pytest.raises(RuntimeError, match="contiguous float64 CPU tensor"):
         planner.choose_route(lens, torch.tensor(values, dtype=torch.float32))
@@ -251,10 +261,14 @@ def test_policy_values_follow_the_resolved_regimes(planner):
     calib = _open(load_calibration(ROOT / "artifacts" / "reference" / "h100" / "calibration" / "calibration.json"))
     calib = calib.with_regime("many_rows", route="persistentkv_workqueue", skew_target_ctas=396)
     values = policy_values(_policy(calib, _shape(4), {}))
-    many = 11 + 2 * 11
+    many = 11 + 2 * 12
     assert values[many + 1] == 0.0  # the workqueue's route code
     assert values[many + 9] == 396.0  # its skew budget
-    assert len(values) == 44 and all(isinstance(v, float) for v in values)
+    assert len(values) == 47 and all(isinstance(v, float) for v in values)
+    # The short-row rule is written as resolved: the bucket route's, and 1 under a workqueue candidate.
+    calib = calib.with_regime("single_row", bucket_tiles_per_split=4).with_regime("many_rows", bucket_tiles_per_split=4)
+    values = policy_values(_policy(calib, _shape(4), {}))
+    assert (values[11 + 1], values[11 + 11]) == (1.0, 4.0) and values[many + 11] == 1.0
 
 
 def test_a_gated_step_goes_to_flashinfer_without_the_one_call(monkeypatch):

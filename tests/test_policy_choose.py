@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from pkv.policy import FLASHINFER_ROUTE, Estimator, KernelVariants, PinnedRoutePolicy, RoutePolicy, StepRoute
-from pkv.policy.choose import GATE_GROUP, GATE_REGIME, pinned_route
+from pkv.policy.choose import GATE_GROUP, GATE_REGIME, bucket_split_count, pinned_route
 from pkv.policy.overrides import apply_engine_options, kernel_variants
+from pkv.policy.regime import CalibrationError, RegimeParams
 from policy_constants import PAPER, SHAPE
 
 
@@ -129,6 +130,13 @@ def test_engine_options_override_the_calibration_once():
     assert apply_engine_options(skewed, bucket_num_splits=40).many_rows.skew_target_ctas == 264
     opened = PAPER.with_regime("few_rows", route="persistentkv_bucket")
     assert apply_engine_options(opened, open_few_rows=True).few_rows.route == "persistentkv_bucket"
+    # The short-row rule: set for the single row; a fixed split count lifts it, as it lifts the others.
+    short = apply_engine_options(PAPER, bucket_tiles_per_split=4)
+    assert short.single_row.bucket_tiles_per_split == 4 and short.many_rows == PAPER.many_rows
+    assert apply_engine_options(short, num_splits=12).single_row.bucket_tiles_per_split == 1
+    assert apply_engine_options(short, bucket_num_splits=40).single_row.bucket_tiles_per_split == 1
+    assert apply_engine_options(short, bucket_num_splits=40, bucket_tiles_per_split=2).single_row == \
+        dataclasses.replace(PAPER.single_row, num_splits=40, bucket_tiles_per_split=2)
     assert kernel_variants("bucket_masked", "fused") == KernelVariants("masked", "fused")
     with pytest.raises(ValueError, match="schedule"):
         kernel_variants("diagonal")
@@ -244,6 +252,46 @@ def test_over_split_steps_take_the_balanced_rule_where_the_calibration_opened_it
         calib.with_regime("many_rows", skew_target_ctas=0)
     with pytest.raises(CalibrationError, match="over_split_balanced='yes'"):
         calib.with_regime("many_rows", over_split_balanced="yes")
+
+
+@pytest.mark.parametrize("tokens, splits, tiles_per_split, want", [
+    (384, 32, 1, 32),     # the rule off: the planner cuts the row's 12 tiles into 12 one-tile splits
+    (384, 32, 4, 2),      # 12 tiles hold 3 splits of 4 tiles; a power of two below: 2
+    (384, 32, 3, 4),      # 4 splits of 3 tiles
+    (2048, 32, 4, 16),    # 64 tiles, 16 splits of 4
+    (2048, 32, 3, 16),    # 21 would hold 3 tiles each; 16
+    (8192, 32, 4, 32),    # 256 tiles: 64 splits of 4 would fit, so the regime's 32
+    (100, 32, 4, 1),      # 4 tiles: one split of 4
+    (31, 32, 4, 1),       # one tile, fewer than asked: still one split
+    (0, 32, 4, 1),
+])
+def test_a_short_rows_bucket_split_count(tokens, splits, tiles_per_split, want):
+    assert bucket_split_count(tokens, splits, tiles_per_split) == want
+
+
+def test_a_short_single_row_takes_fewer_splits_where_its_regime_asks_for_several_tiles_a_split(make_step):
+    calib = PAPER.with_all_regimes(min_context_tokens=0, margin=0.1)
+    short = RoutePolicy(calib.with_regime("single_row", bucket_tiles_per_split=4), **SHAPE)
+    plain = RoutePolicy(calib, **SHAPE)
+    decision = short.choose(make_step([384]))
+    assert decision.route == StepRoute("persistentkv_bucket", 2) == short.ruled_route(make_step([384]))
+    assert decision.estimates["persistentkv_bucket"] == Estimator(calib, **SHAPE).total_us([384], decision.route)
+    assert plain.choose(make_step([384])).route == StepRoute("persistentkv_bucket", 32)
+    # One route object per count (a graphed server keys its graphs by it); long rows keep the regime's count.
+    assert short.choose(make_step([390])).route is decision.route
+    assert short.choose(make_step([32768])).route == plain.choose(make_step([32768])).route
+    # The workqueue's regimes do not read it, whatever they hold.
+    wq = RoutePolicy(calib.with_all_regimes(bucket_tiles_per_split=4), **SHAPE)
+    assert wq.choose(make_step([300] * 8)).route == plain.choose(make_step([300] * 8)).route
+
+
+@pytest.mark.parametrize("value", [0, -4, 2.5, True])
+def test_a_bad_bucket_tiles_per_split_is_refused_by_name(value):
+    fields = dict(route="persistentkv_bucket", num_splits=32, min_context_tokens=0, margin=1.05)
+    with pytest.raises(CalibrationError, match=r"bucket_tiles_per_split"):
+        RegimeParams.from_mapping({**fields, "bucket_tiles_per_split": value}, "regimes.single_row")
+    # A file written before the rule reads as the rule off.
+    assert RegimeParams.from_mapping(fields, "regimes.single_row").bucket_tiles_per_split == 1
 
 
 def test_the_ruled_route_is_what_choose_estimates_whatever_the_gates_and_margins(make_step):

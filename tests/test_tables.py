@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -143,6 +144,12 @@ def test_evidence_names_the_calibrated_operating_points(tmp_path):
     assert row["evidence"].endswith(
         "B1 bucket S=36 from 8192 tokens; B2-7 workqueue S=24 from 1024 tokens; "
         "B8+ workqueue S=28 from 8192 tokens; G routed: 4, 8")
+    # The short-row rule, where the file sets it.
+    short = dataclasses.replace(calib, single_row=RegimeParams("persistentkv_bucket", 36, 8192, 1.05,
+                                                               bucket_tiles_per_split=4))
+    save_calibration(path, short, {"git_commit": "0" * 40})
+    assert "B1 short rows at least 4 tiles a split (fewer splits, a power of two); G routed" in \
+        evidence.calibration_evidence(path)
     # A flat calibration written before the boundary was fitted reads with the default: FlashInfer.
     legacy = {"gpu": "fake", "num_sms": 4, "beta_gbps": 100.0, "lambda_us": 5.0, "c_min": 1.0,
               "min_context_tokens": 8192, "bucket_num_splits": 36, "workqueue_num_splits": 28,

@@ -93,6 +93,8 @@ BATCH = Bound(1, 4096, "rows of one decode step")
 REQUESTS = Bound(1, 65_536, "requests of one run")
 # kMaxMergeSlots (csrc/decode_constants.h): the merge keeps one weight per split in shared memory.
 SPLITS = Bound(1, 1024, "the merge kernel's kMaxMergeSlots")
+# The short-row rule's tiles a split (RegimeParams.bucket_tiles_per_split; csrc/route_policy.cpp's bound).
+BUCKET_TILES = Bound(1, 1024, "tiles of 32 tokens a split; csrc/route_policy.cpp reads at most 1024")
 # A task budget in waves of the GPU's SMs: the balanced rule caps a row at 64 splits, which 64
 # waves of any GPU's SMs exceed for every batch.
 WAVES = Bound(1, 64, "task budgets in waves of the GPU's SMs")
@@ -168,6 +170,7 @@ class EngineConfig:
     num_splits: Optional[int] = bounded(None, bound=SPLITS)
     split_kind: Optional[str] = None
     bucket_num_splits: Optional[int] = bounded(None, bound=SPLITS)
+    bucket_tiles_per_split: Optional[int] = bounded(None, bound=BUCKET_TILES)
     merge: str = "launch"
     open_few_rows: bool = False
     use_tensor_cores: Optional[bool] = None
@@ -351,6 +354,7 @@ GPU_BOUNDS: Dict[str, Bound] = {
     "regimes.*.min_context_tokens": Bound(0, MAX_CONTEXT_TOKENS, "tokens; see MAX_CONTEXT_TOKENS"),
     "regimes.*.margin": Bound(0, 100, "estimated speedup a route needs", lo_open=True),
     "regimes.*.skew_target_ctas": Bound(0, 2**31 - 1, "CTAs of one step; a plan indexes its tasks in int32"),
+    "regimes.*.bucket_tiles_per_split": BUCKET_TILES,
 }
 
 

@@ -48,9 +48,9 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "persistentkv_workqueue_graph": ("persistentkv", {"route": "workqueue", "cuda_graph": True}),
 }
 
-# EngineConfig fields that say what PersistentKV runs: the run's calibration takes the first four
+# EngineConfig fields that say what PersistentKV runs: the run's calibration takes the first five
 # (pkv.policy.overrides), the policy of each engine the last two.
-_CALIBRATION_OPTIONS = ("num_splits", "bucket_num_splits", "split_kind", "open_few_rows")
+_CALIBRATION_OPTIONS = ("num_splits", "bucket_num_splits", "bucket_tiles_per_split", "split_kind", "open_few_rows")
 _ROUTE_OPTIONS = ("route", "merge")
 
 

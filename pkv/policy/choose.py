@@ -28,6 +28,12 @@ Q loads, partial states and merge outweigh their reads (0.69x FlashInfer on the 
 steps of that kind, docs/performance.md); the balanced rule sizes tasks from the step's bytes, so
 such a step gets about one task per (row, KV head) and, mostly, no merge.
 
+A bucket step whose longest row is short for the regime's split count (a conversation turn of a
+few hundred tokens at the B1 count of 32) takes fewer splits where its regime's
+``bucket_tiles_per_split`` asks for several tiles a split (``bucket_split_count``): the bucket
+planner cuts any row into min(S, tiles) splits, so such a row's CTAs would read one tile each and a
+merge would follow.
+
 A run that pins one schedule (the standalone PersistentKV engine of an ablation) uses
 ``PinnedRoutePolicy``: every step on one route, built from the same calibration.
 """
@@ -128,6 +134,19 @@ def uniform_split_count(lens, longest: int, num_kv_heads: int, num_splits: int, 
     return capped if shortest >= UNIFORM_LENGTH_FRACTION * longest else num_splits
 
 
+def bucket_split_count(longest: int, num_splits: int, tiles_per_split: int) -> int:
+    """The split count of a bucket step whose longest row holds ``longest`` tokens: ``num_splits``
+    where its splits would hold at least ``tiles_per_split`` tiles each (or that is 1), else the
+    largest power of two of splits that do (at least one). A power of two, so that the graphs a
+    server captures for short rows stay few: one per count, whatever the lengths."""
+    if tiles_per_split <= 1:
+        return num_splits
+    fits = -(-longest // TILE_TOKENS) // tiles_per_split  # splits of at least tiles_per_split tiles
+    if fits >= num_splits:
+        return num_splits
+    return 1 << (fits.bit_length() - 1) if fits > 1 else 1
+
+
 def _lengths(step) -> tuple:
     """(the step's lengths, the longest): Python ints below VECTOR_MIN_ROWS rows, where they count
     fastest, else the NumPy array."""
@@ -176,8 +195,11 @@ class RoutePolicy:
             if fixed and params.skew_target_ctas:
                 skew_route = dataclasses.replace(candidate, split_kind="balanced", target_ctas=params.skew_target_ctas)
                 over_split = params.over_split_balanced
+            # The short-row rule: the bucket route only (the workqueue's rows have the rules above).
+            bucket_tiles = params.bucket_tiles_per_split if candidate is not None and candidate.name == ROUTE_BUCKET \
+                else 1
             self._regimes[name] = (params.min_context_tokens, candidate, params.margin, uniform_ctas, skew_route,
-                                   over_split)
+                                   over_split, bucket_tiles)
 
     def candidate(self, batch_size: int) -> StepRoute | None:
         """The PersistentKV route a step of this many rows is estimated on; None where its regime
@@ -195,7 +217,8 @@ class RoutePolicy:
     def regime_rules(self, regime: str) -> tuple:
         """What choose() reads for a regime's steps: (context gate, candidate route or None, margin,
         the uniform cap's CTA target or 0, the skew rule's route or None, whether over-split steps
-        take it). The native policy (pkv.policy.native) is written from these."""
+        take it, the short-row rule's tiles per split or 1). The native policy (pkv.policy.native)
+        is written from these."""
         return self._regimes[regime]
 
     def choose(self, step) -> RouteDecision:
@@ -228,16 +251,18 @@ class RoutePolicy:
 
     def _ruled(self, rules: tuple, lens, batch: int, longest: int, tokens: int) -> StepRoute:
         """The regime's candidate as its step rules leave it for these lengths: the balanced rule
-        on a skewed or over-split step where the regime takes it, else the uniform cap's count."""
-        _, candidate, _, uniform_ctas, skew_route, over_split = rules
+        on a skewed or over-split step where the regime takes it, else the uniform cap's count; on
+        the bucket route, the short-row rule's count."""
+        _, candidate, _, uniform_ctas, skew_route, over_split, bucket_tiles = rules
         if skew_route is not None and (is_skewed(batch, longest, tokens)
                                        or over_split and is_over_split(batch, tokens, candidate.num_splits)):
             return skew_route
+        splits = candidate.num_splits
         if uniform_ctas:
-            splits = uniform_split_count(lens, longest, self._num_kv_heads, candidate.num_splits, uniform_ctas)
-            if splits != candidate.num_splits:
-                return self._capped_route(candidate, splits)
-        return candidate
+            splits = uniform_split_count(lens, longest, self._num_kv_heads, splits, uniform_ctas)
+        elif bucket_tiles > 1:
+            splits = bucket_split_count(longest, splits, bucket_tiles)
+        return candidate if splits == candidate.num_splits else self._capped_route(candidate, splits)
 
     def ruled_route(self, step) -> StepRoute | None:
         """The route choose() estimates ``step`` on, gates and estimate aside: the regime's candidate

@@ -17,7 +17,7 @@ from pkv.policy.choose import RouteDecision, RoutePolicy
 from pkv.policy.regime import REGIMES
 from pkv.policy.route import FLASHINFER_ROUTE, ROUTE_BUCKET, ROUTE_FLASHINFER, ROUTE_WORKQUEUE, StepRoute
 
-POLICY_VERSION = 1  # kPolicyVersion in csrc/route_policy.h
+POLICY_VERSION = 2  # kPolicyVersion in csrc/route_policy.h
 # RouteBasis codes (csrc/route_policy.h) as RouteDecision.basis reads them.
 BASES = ("gate: G", "gate: context", "gate: regime", "estimate")
 ESTIMATE = BASES.index("estimate")
@@ -40,10 +40,11 @@ def policy_values(policy: RoutePolicy) -> list[float]:
     values = [POLICY_VERSION, int(policy.group_supported), int(policy.variants.bucket_mode == "exact"),
               *policy.estimator.cost_constants()]
     for regime in REGIMES:
-        gate, candidate, margin, uniform_ctas, skew_route, over_split = policy.regime_rules(regime)
+        gate, candidate, margin, uniform_ctas, skew_route, over_split, bucket_tiles = policy.regime_rules(regime)
         splits = policy.calib.regime(regime).num_splits
         skew_ctas = skew_route.target_ctas if skew_route is not None else 0
-        values += [gate, *_route_values(candidate, splits), margin, uniform_ctas, skew_ctas, int(over_split)]
+        values += [gate, *_route_values(candidate, splits), margin, uniform_ctas, skew_ctas, int(over_split),
+                   bucket_tiles]
     return [float(v) for v in values]
 
 

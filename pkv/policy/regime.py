@@ -60,9 +60,13 @@ class RegimeParams:
     # An over-split workqueue step (pkv.policy.choose, is_over_split) of this regime takes that
     # balanced rule too; only with a skew budget.
     over_split_balanced: bool = False
+    # A bucket step of this regime whose longest row is short for num_splits gives it fewer splits
+    # of at least this many tiles each (pkv.policy.choose, bucket_split_count); 1: num_splits, down
+    # to one tile a split, as the bucket planner cuts any row.
+    bucket_tiles_per_split: int = 1
 
     def __post_init__(self):
-        for name in ("num_splits", "min_context_tokens", "skew_target_ctas"):
+        for name in ("num_splits", "min_context_tokens", "skew_target_ctas", "bucket_tiles_per_split"):
             value = getattr(self, name)
             if not is_int(value):
                 raise CalibrationError(f"field {name}={value!r}: must be an integer")
@@ -75,7 +79,8 @@ class RegimeParams:
                   ("min_context_tokens", self.min_context_tokens >= 0, ">= 0"),
                   ("margin", math.isfinite(self.margin) and self.margin > 0, "finite and > 0"),
                   ("skew_target_ctas", self.skew_target_ctas >= 0, ">= 0"),
-                  ("over_split_balanced", isinstance(self.over_split_balanced, bool), "true or false"))
+                  ("over_split_balanced", isinstance(self.over_split_balanced, bool), "true or false"),
+                  ("bucket_tiles_per_split", self.bucket_tiles_per_split >= 1, ">= 1"))
         for name, ok, rule in checks:
             if not ok:
                 raise CalibrationError(f"field {name}={getattr(self, name)!r}: must be {rule}")
@@ -88,7 +93,7 @@ class RegimeParams:
         if not hasattr(d, "items"):
             raise CalibrationError(f"{where}: expected a mapping with keys {known}, got {d!r}")
         unknown = sorted(set(d) - set(known))
-        # The balanced rule's parameters may be left out (files written before they were per regime).
+        # The step rules' parameters may be left out (files written before they were per regime).
         missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING]
         if unknown:
             raise CalibrationError(f"{where}: unknown key {unknown[0]!r} (value {d[unknown[0]]!r}); known keys: "

@@ -64,6 +64,9 @@ def operating_points(calib) -> list[str]:
         if params.skew_target_ctas:
             lines.append(f"{REGIME_LABELS[regime]} skewed steps balanced over about {params.skew_target_ctas} "
                          f"workqueue CTAs" + (", over-split steps too" if params.over_split_balanced else ""))
+        if params.route == ROUTE_BUCKET and params.bucket_tiles_per_split > 1:  # the short-row rule
+            lines.append(f"{REGIME_LABELS[regime]} short rows at least {params.bucket_tiles_per_split} tiles a "
+                         f"split (fewer splits, a power of two)")
     return [*lines, f"G routed: {', '.join(str(g) for g in calib.supported_group_sizes)}"]
 
 
