@@ -327,6 +327,7 @@ TRACE_RUNS = {
     "ablate_graph": ['variant="splits=28"', "trace.max_active=4"],
     "ablate_fused_merge": ['variant="splits=28"'],
     "ablate_b4": ['variant="splits=28"'],
+    "ablate_short_rows": ['variant="tiles=3"'],
 }
 
 
@@ -355,6 +356,8 @@ def test_each_trace_experiment_runs_as_the_cli_dispatches_it(tmp_path, monkeypat
         assert set(ran["persistentkv"]["metrics"]["routes"]) == {"persistentkv_bucket"}
     if experiment in ("ablate_fused_merge", "ablate_b4", "ablate_graph"):
         assert ran["persistentkv_workqueue"]["metrics"]["num_splits"] == 28
+    if experiment == "ablate_short_rows":
+        assert ran["adaptive"]["provenance"]["config"]["engine"]["bucket_tiles_per_split"] == 3
 
 
 def test_isolated_experiment_runs_every_method_as_the_cli_dispatches_it(tmp_path):

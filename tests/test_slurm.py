@@ -198,7 +198,8 @@ def test_the_tables_are_the_local_runs_but_for_timings(runs):
 # Rules that time on the device (gpu=GPU_SLOTS in workflow/rules/); rules added later are held to
 # at most one GPU.
 GPU_RULES = {"build", "calibrate", "evaluate", "mlp", "isolated", "profile", "kernel_bench", "host_bench",
-             "ablate_splits", "ablate_raggedness", "ablate_gqa", "ablate_graph", "ablate_fused_merge", "ablate_b4"}
+             "ablate_splits", "ablate_raggedness", "ablate_gqa", "ablate_graph", "ablate_fused_merge", "ablate_b4",
+             "ablate_short_rows"}
 NO_GPU_RULES = {"tables", "figure"}
 
 

@@ -34,7 +34,8 @@ def test_dry_run_plans_every_rule_for_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     counts = job_counts(proc.stdout)
     for rule in ("build", "calibrate", "evaluate", "mlp", "isolated", "profile", "tables", "ablate_splits",
-                 "ablate_raggedness", "ablate_gqa", "ablate_graph", "ablate_fused_merge", "ablate_b4"):
+                 "ablate_raggedness", "ablate_gqa", "ablate_graph", "ablate_fused_merge", "ablate_b4",
+                 "ablate_short_rows"):
         assert counts.get(rule, 0) >= 1, (rule, counts)
     assert counts["calibrate"] == 1 and counts["tables"] == 1
     # config.yaml calibrates once more on the same seed and compares the two (calibration/spread.md).

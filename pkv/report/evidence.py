@@ -57,9 +57,6 @@ CPU_MARK = "CPU profile: not a performance result"
 # Routes that are the baseline's own kernel (the CPU profile's FlashInfer role is SDPA).
 BASELINE_ROUTES = frozenset({"flashinfer", "sdpa"})
 
-ABLATIONS_SHOWN = ("raggedness", "splits", "graphs", "fused_merge", "gqa")
-
-
 def status_of(mean_wall_ratio: float) -> str:
     if mean_wall_ratio >= POSITIVE_AT_LEAST:
         return POSITIVE

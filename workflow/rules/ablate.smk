@@ -1,6 +1,8 @@
 # Ablations: ablate/<ablation>/<variant>/<trace>/seed<S>/<engine>.json. The variant wildcard is
 # "<name>=<value>" (splits=24, G=8, route=workqueue); conf/experiment/ablate_<ablation>.yaml says
-# which config key it sets and which engines run side by side.
+# which config key it sets and which engines run side by side. Every ablation's job is the same run
+# of its own experiment: ablate_splits is written out, and each other ablation is that rule with its
+# own name, folder and experiment (`use rule ... with`; ablation_folder and ablation_cli in common.smk).
 
 
 rule ablate_splits:
@@ -9,21 +11,11 @@ rule ablate_splits:
         calibration=CALIBRATION,
         trace_file=trace_inputs,
     output:
-        result_files(f"{ROOT}/ablate/splits/{{variant}}/{{trace}}/seed{{seed}}", "ablate_splits"),
+        result_files(ablation_folder("splits"), "ablate_splits"),
     log:
         f"{LOGS}/ablate/splits/{{variant}}/{{trace}}/seed{{seed}}.log",
     params:
-        cli=lambda wc, input: pkv_cli(
-            [
-                "experiment=ablate_splits",
-                *trace_overrides(wc.trace),
-                variant_override(wc.variant),
-                f"seed={wc.seed}",
-                f"calibration={input.calibration}",
-            ],
-            f"{ROOT}/ablate/splits/{wc.variant}/{wc.trace}/seed{wc.seed}",
-            f"{ROOT}/ablate/splits/{wc.variant}/{wc.trace}/seed{wc.seed}/.run",
-        ),
+        cli=ablation_cli("splits"),
     threads: 1
     conda:
         CONDA_ENV
@@ -33,151 +25,62 @@ rule ablate_splits:
         f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
 
 
-rule ablate_raggedness:
-    # Table 4: exact buckets vs masked bucket vs workqueue
-    input:
-        calibration=CALIBRATION,
-        trace_file=trace_inputs,
+
+# Table 4: exact buckets vs masked bucket vs workqueue
+use rule ablate_splits as ablate_raggedness with:
     output:
-        result_files(f"{ROOT}/ablate/raggedness/{{variant}}/{{trace}}/seed{{seed}}", "ablate_raggedness"),
+        result_files(ablation_folder("raggedness"), "ablate_raggedness"),
     log:
         f"{LOGS}/ablate/raggedness/{{variant}}/{{trace}}/seed{{seed}}.log",
     params:
-        cli=lambda wc, input: pkv_cli(
-            [
-                "experiment=ablate_raggedness",
-                *trace_overrides(wc.trace),
-                variant_override(wc.variant),
-                f"seed={wc.seed}",
-                f"calibration={input.calibration}",
-            ],
-            f"{ROOT}/ablate/raggedness/{wc.variant}/{wc.trace}/seed{wc.seed}",
-            f"{ROOT}/ablate/raggedness/{wc.variant}/{wc.trace}/seed{wc.seed}/.run",
-        ),
-    threads: 1
-    conda:
-        CONDA_ENV
-    resources:
-        gpu=GPU_SLOTS,
-    shell:
-        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        cli=ablation_cli("raggedness"),
 
 
-rule ablate_gqa:
-    # Table 8: G in {1, 4, 8}
-    input:
-        calibration=CALIBRATION,
-        trace_file=trace_inputs,
+# Table 8: G in {1, 4, 8}
+use rule ablate_splits as ablate_gqa with:
     output:
-        result_files(f"{ROOT}/ablate/gqa/{{variant}}/{{trace}}/seed{{seed}}", "ablate_gqa"),
+        result_files(ablation_folder("gqa"), "ablate_gqa"),
     log:
         f"{LOGS}/ablate/gqa/{{variant}}/{{trace}}/seed{{seed}}.log",
     params:
-        cli=lambda wc, input: pkv_cli(
-            [
-                "experiment=ablate_gqa",
-                *trace_overrides(wc.trace),
-                variant_override(wc.variant),
-                f"seed={wc.seed}",
-                f"calibration={input.calibration}",
-            ],
-            f"{ROOT}/ablate/gqa/{wc.variant}/{wc.trace}/seed{wc.seed}",
-            f"{ROOT}/ablate/gqa/{wc.variant}/{wc.trace}/seed{wc.seed}/.run",
-        ),
-    threads: 1
-    conda:
-        CONDA_ENV
-    resources:
-        gpu=GPU_SLOTS,
-    shell:
-        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        cli=ablation_cli("gqa"),
 
 
-rule ablate_graph:
-    # CUDA graph replay
-    input:
-        calibration=CALIBRATION,
-        trace_file=trace_inputs,
+# CUDA graph replay
+use rule ablate_splits as ablate_graph with:
     output:
-        result_files(f"{ROOT}/ablate/graph/{{variant}}/{{trace}}/seed{{seed}}", "ablate_graph"),
+        result_files(ablation_folder("graph"), "ablate_graph"),
     log:
         f"{LOGS}/ablate/graph/{{variant}}/{{trace}}/seed{{seed}}.log",
     params:
-        cli=lambda wc, input: pkv_cli(
-            [
-                "experiment=ablate_graph",
-                *trace_overrides(wc.trace),
-                variant_override(wc.variant),
-                f"seed={wc.seed}",
-                f"calibration={input.calibration}",
-            ],
-            f"{ROOT}/ablate/graph/{wc.variant}/{wc.trace}/seed{wc.seed}",
-            f"{ROOT}/ablate/graph/{wc.variant}/{wc.trace}/seed{wc.seed}/.run",
-        ),
-    threads: 1
-    conda:
-        CONDA_ENV
-    resources:
-        gpu=GPU_SLOTS,
-    shell:
-        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        cli=ablation_cli("graph"),
 
 
-rule ablate_fused_merge:
-    # fused decode + merge
-    input:
-        calibration=CALIBRATION,
-        trace_file=trace_inputs,
+# fused decode + merge
+use rule ablate_splits as ablate_fused_merge with:
     output:
-        result_files(f"{ROOT}/ablate/fused_merge/{{variant}}/{{trace}}/seed{{seed}}", "ablate_fused_merge"),
+        result_files(ablation_folder("fused_merge"), "ablate_fused_merge"),
     log:
         f"{LOGS}/ablate/fused_merge/{{variant}}/{{trace}}/seed{{seed}}.log",
     params:
-        cli=lambda wc, input: pkv_cli(
-            [
-                "experiment=ablate_fused_merge",
-                *trace_overrides(wc.trace),
-                variant_override(wc.variant),
-                f"seed={wc.seed}",
-                f"calibration={input.calibration}",
-            ],
-            f"{ROOT}/ablate/fused_merge/{wc.variant}/{wc.trace}/seed{wc.seed}",
-            f"{ROOT}/ablate/fused_merge/{wc.variant}/{wc.trace}/seed{wc.seed}/.run",
-        ),
-    threads: 1
-    conda:
-        CONDA_ENV
-    resources:
-        gpu=GPU_SLOTS,
-    shell:
-        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        cli=ablation_cli("fused_merge"),
 
 
-rule ablate_b4:
-    # the B4 split sweep with engine.open_few_rows
-    input:
-        calibration=CALIBRATION,
-        trace_file=trace_inputs,
+# the B4 split sweep with engine.open_few_rows
+use rule ablate_splits as ablate_b4 with:
     output:
-        result_files(f"{ROOT}/ablate/b4/{{variant}}/{{trace}}/seed{{seed}}", "ablate_b4"),
+        result_files(ablation_folder("b4"), "ablate_b4"),
     log:
         f"{LOGS}/ablate/b4/{{variant}}/{{trace}}/seed{{seed}}.log",
     params:
-        cli=lambda wc, input: pkv_cli(
-            [
-                "experiment=ablate_b4",
-                *trace_overrides(wc.trace),
-                variant_override(wc.variant),
-                f"seed={wc.seed}",
-                f"calibration={input.calibration}",
-            ],
-            f"{ROOT}/ablate/b4/{wc.variant}/{wc.trace}/seed{wc.seed}",
-            f"{ROOT}/ablate/b4/{wc.variant}/{wc.trace}/seed{wc.seed}/.run",
-        ),
-    threads: 1
-    conda:
-        CONDA_ENV
-    resources:
-        gpu=GPU_SLOTS,
-    shell:
-        f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
+        cli=ablation_cli("b4"),
+
+
+# Table 7: the B1 short-row rule's tiles a split, on real conversation traffic
+use rule ablate_splits as ablate_short_rows with:
+    output:
+        result_files(ablation_folder("short_rows"), "ablate_short_rows"),
+    log:
+        f"{LOGS}/ablate/short_rows/{{variant}}/{{trace}}/seed{{seed}}.log",
+    params:
+        cli=ablation_cli("short_rows"),

@@ -230,6 +230,25 @@ def variant_override(variant):
     return f"variant={variant}"
 
 
+def ablation_folder(ablation, wc=None):
+    """An ablation run's results folder: with the wildcards of a job, or as the output pattern."""
+    if wc is None:
+        return f"{ROOT}/ablate/{ablation}/{{variant}}/{{trace}}/seed{{seed}}"
+    return f"{ROOT}/ablate/{ablation}/{wc.variant}/{wc.trace}/seed{wc.seed}"
+
+
+def ablation_cli(ablation):
+    """The pkv.cli words of an ablation's job: its experiment, trace, variant, seed and calibration."""
+
+    def cli(wc, input):
+        folder = ablation_folder(ablation, wc)
+        overrides = [f"experiment=ablate_{ablation}", *trace_overrides(wc.trace), variant_override(wc.variant),
+                     f"seed={wc.seed}", f"calibration={input.calibration}"]
+        return pkv_cli(overrides, folder, f"{folder}/.run")
+
+    return cli
+
+
 # --- what `rule all` asks for -----------------------------------------------------------------
 
 

@@ -31,6 +31,8 @@ def _variant_int(variant: str, pattern: str) -> int | None:
 SPLIT_SWEEPS = (
     ("splits", ("adaptive",), "policy with fixed split count"),
     ("b4", ("persistentkv_workqueue", "persistentkv"), "PersistentKV workqueue, B4 allowed"),
+    # The B1 short-row rule's sweep: its points are tiles a split (1: off), not split counts.
+    ("short_rows", ("adaptive",), "policy, B1 short rows at the tiles a split shown"),
 )
 
 
@@ -46,10 +48,11 @@ def table7(root: Path) -> dict[str, Any]:
         for variant in sweep:
             splits = _variant_int(variant, r"(\d+)\s*$")
             if splits is None:
-                raise ResultFileError(f"{root / 'ablate' / ablation / variant}: variant names no split count")
+                raise ResultFileError(f"{root / 'ablate' / ablation / variant}: variant names no split count "
+                                      "(or tiles a split)")
             for trace in sweep[variant]:
                 by_trace.setdefault(trace, []).append((splits, variant))
-        for trace in ordered(by_trace, ("bucketed_b1", "bimodal_b8", "bimodal_b4")):
+        for trace in ordered(by_trace, ("bucketed_b1", "bimodal_b8", "bimodal_b4", "azure_conv_b8")):
             points, row_seeds = [], set()
             for splits, variant in sorted(by_trace[trace]):
                 # A sensitivity check on held-out data: the calibration seed is left out.
