@@ -7,6 +7,7 @@ import dataclasses
 import json
 import types
 
+import numpy as np
 import pytest
 
 from pkv.experiments.calibrate import _GateProbes, _SplitSweep
@@ -200,7 +201,7 @@ def test_the_uniform_traces_steps_stay_out_of_c_min_and_the_plan_times(monkeypat
                         shape=types.SimpleNamespace(num_kv_heads=8), calib=START)
     for trace, fits in (("bimodal", "num_splits"), ("homogeneous", "uniform_target_ctas")):
         sweep.run(types.SimpleNamespace(trace=trace, max_active=8, route="workqueue", split_candidates=[4, 24],
-                                        fits=fits))
+                                        fits=fits, length_scale=1.0))
     assert sweep.samples == [("bimodal", 4), ("bimodal", 24), ("bimodal", "fi")]
     assert sweep.persistentkv_plan_us == [1.0, 1.0] and sweep.flashinfer_plan_us == [2.0]
     assert [t["name"] for t in sweep._swept] == ["bimodal_b8"] and [t["name"] for t in sweep._uniform] == [
@@ -261,7 +262,7 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
     def fit(points):
         sweep._skewed, sweep.records = [], {}
         sweep.run(types.SimpleNamespace(trace="skewed", max_active=64, route="workqueue", split_candidates=[],
-                                        wave_candidates=[1, 2, 3, 4], fits="skew_target_ctas"))
+                                        wave_candidates=[1, 2, 3, 4], fits="skew_target_ctas", length_scale=1.0))
         return sweep.balanced_rule_fits(points)[MANY_ROWS]
 
     timed_routes.clear()
@@ -306,9 +307,9 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
     # record, the skew fit's lying beside it.
     sweep._skewed, sweep.records = [], {"bimodal_b4": {"fits": "regimes.few_rows.num_splits"}}
     sweep.run(types.SimpleNamespace(trace="skewed", max_active=64, route="workqueue", split_candidates=[],
-                                    wave_candidates=[1, 2, 3, 4], fits="skew_target_ctas"))
+                                    wave_candidates=[1, 2, 3, 4], fits="skew_target_ctas", length_scale=1.0))
     sweep.run(types.SimpleNamespace(trace="bimodal", max_active=4, route="workqueue", split_candidates=[],
-                                    wave_candidates=[1, 2], fits="skew_target_ctas"))
+                                    wave_candidates=[1, 2], fits="skew_target_ctas", length_scale=1.0))
     fits = sweep.balanced_rule_fits({MANY_ROWS: {"num_splits": 20}, FEW_ROWS: {"num_splits": 24}})
     assert fits == {MANY_ROWS: {"skew_target_ctas": 264, "over_split_balanced": True},
                     FEW_ROWS: {"skew_target_ctas": 264, "over_split_balanced": True}}
@@ -322,7 +323,72 @@ def test_a_skewed_trace_fits_the_balanced_budget_on_its_skewed_steps_and_checks_
         batch_size=2, seq_lens=[100, 100])]) or setattr(self, "kv_dtype_bytes", 2)
     with pytest.raises(ConfigError, match="none of its steps is skewed"):
         sweep.run(types.SimpleNamespace(trace="bimodal", max_active=8, route="workqueue", split_candidates=[],
-                                        wave_candidates=[2], fits="skew_target_ctas"))
+                                        wave_candidates=[2], fits="skew_target_ctas", length_scale=1.0))
+
+
+def test_short_single_rows_fit_the_short_row_rule_where_it_clears_the_noise_band(monkeypatch):
+    """bucket_tiles_per_split: every step of a single-row trace run on the route the policy gives it
+    under each tiles a split, at the single-row regime's fitted split count (a short row at fewer
+    splits, a long one at the count); the fewest tiles within 1% of the fastest, where they beat one
+    tile a split (the rule off) by more than the noise band, else 1. None of the steps joins C_min
+    or the plan times."""
+    from pkv.experiments import calibrate
+
+    ran = []
+    # Two short rows (12 and 13 tiles) and one long one (256 tiles): the rule moves the short ones only.
+    steps = [types.SimpleNamespace(step=i, batch_size=1, seq_lens=np.asarray([n], dtype=np.int32))
+             for i, n in enumerate((384, 8192, 410))]
+
+    class FakeTrace:
+        timed = _timed_one_by_one
+
+        def __init__(self, cfg, settings, shape, trace):
+            self.kv_dtype_bytes, self.steps = 2, steps
+            ran.append(trace.length_scale)
+
+        def persistentkv_ruled(self, policy, fallback):
+            samples = []
+            for step in self.steps:
+                route = policy.ruled_route(step)
+                samples.append(types.SimpleNamespace(step=step, route=route, measured_us=us_by_splits[
+                    min(route.num_splits, -(-int(step.seq_lens[0]) // 32))]))
+            return types.SimpleNamespace(samples=samples, plan_us=[1.0], total_us=sum(x.measured_us for x in samples))
+
+    monkeypatch.setattr(calibrate, "_TimedTrace", FakeTrace)
+    sweep = _SplitSweep(cfg=None, settings=types.SimpleNamespace(performance_result=True), shape=ModelShape(),
+                        calib=START)
+    assert sweep.short_row_fits({}, START) == {}  # no such trace: the calibration keeps its own
+
+    def fit(points):
+        sweep._short_rows, sweep.records, sweep.decisions = [], {}, {}
+        sweep.run(types.SimpleNamespace(trace="bucketed", max_active=1, route="bucket_exact", split_candidates=[],
+                                        tile_candidates=[1, 2, 3, 4], fits="bucket_tiles_per_split",
+                                        length_scale=1 / 32))
+        return sweep.short_row_fits(points, _fitted(points))[SINGLE_ROW]
+
+    # 12 and 13 tiles: one split a tile at T = 1, 4 splits at T = 2 and 3, 2 splits at T = 4; the
+    # long row keeps the regime's 32 at every T.
+    us_by_splits = {12: 10.0, 13: 10.0, 4: 9.0, 2: 8.0, 32: 1.0}
+    assert fit({SINGLE_ROW: {"num_splits": 32}}) == {"bucket_tiles_per_split": 4}
+    assert ran[-1] == pytest.approx(1 / 32)  # the trace's own length scale (1), times the entry's
+    assert sweep.samples == [] and sweep.persistentkv_plan_us == []
+    record = sweep.records["bucketed_b1 x0.03125 (short rows)"]
+    assert record["fits"] == "regimes.single_row.bucket_tiles_per_split" and record["regime_splits"] == 32
+    assert record["splits_by_tiles"] == {"1": {"12": 1, "13": 1, "32": 1}, "2": {"4": 2, "32": 1},
+                                         "3": {"4": 2, "32": 1}, "4": {"2": 2, "32": 1}}
+    assert record["device_us_total_by_tiles"] == {"1": 21.0, "2": 19.0, "3": 19.0, "4": 17.0}
+    fitted = record["regimes.single_row.bucket_tiles_per_split"]
+    assert (fitted["fitted"], fitted["selected_tiles"], fitted["default"]) == (4, 4, 1)
+    assert fitted["measured_margin"] == pytest.approx(21.0 / 17.0) and "faster by more than" in fitted["basis"]
+    assert sweep.decisions["regimes.single_row.bucket_tiles_per_split"]["value"] == 4
+    # Every T within 1% of the fastest: a tie goes to the fewest tiles, the rule off.
+    us_by_splits.update({4: 9.98, 2: 9.95})
+    assert fit({SINGLE_ROW: {"num_splits": 32}}) == {"bucket_tiles_per_split": 1}
+    assert "one tile a split is the fastest" in sweep.decisions["regimes.single_row.bucket_tiles_per_split"]["basis"]
+    # One tile a split faster; and with no fitted count, the calibration's (START's 32).
+    us_by_splits.update({4: 11.0, 2: 11.0})
+    assert fit({}) == {"bucket_tiles_per_split": 1}
+    assert sweep.records["bucketed_b1 x0.03125 (short rows)"]["regime_splits"] == 32
 
 
 def test_a_closed_regime_stays_closed_when_the_timings_are_not_a_performance_result():

@@ -112,6 +112,26 @@ def test_report_names_the_skew_budget_and_its_sweep(tmp_path):
     assert "  over-split steps: none at S=20, so the over-split rule stays closed" in calibration_report.report(path)
 
 
+def test_report_names_the_short_row_rule_and_its_sweep(tmp_path):
+    path = tmp_path / "calibration.json"
+    field = "regimes.single_row.bucket_tiles_per_split"
+    short = {"route": "persistentkv_bucket", "fits": field, "steps": 64, "regime_splits": 32,
+             "device_us_total_by_tiles": {"1": 120.0, "2": 110.0, "4": 100.0, "3": 105.0},
+             "splits_by_tiles": {"1": {"12": 40, "32": 24}, "2": {"4": 40, "32": 24}, "3": {"4": 40, "32": 24},
+                                 "4": {"2": 40, "32": 24}},
+             field: {"fitted": 4, "selected_tiles": 4, "measured_margin": 1.2, "noise_band": 0.03,
+                     "required_margin": 1.03, "applied": True}}
+    measured = {**MEASURED, "split_sweeps": {**MEASURED["split_sweeps"], "bucketed_b1 x0.03125 (short rows)": short}}
+    save_calibration(path, CALIB.with_regime("single_row", bucket_tiles_per_split=4), {"measurements": measured})
+    text = calibration_report.report(path)
+    assert "B1 short rows at least 4 tiles a split (fewer splits, a power of two)" in text
+    assert ("bucketed_b1 x0.03125 (short rows) -> regimes.single_row.bucket_tiles_per_split (64 steps, the regime's "
+            "S=32; over one tile a split): 1: 1.000, 2: 1.091, 3: 1.143, 4*: 1.200") in text
+    assert "  splits cut by tiles a split: 1: S=12 on 40, S=32 on 24; 2: S=4 on 40, S=32 on 24;" in text
+    assert ("  short-row rule fitted at 4 tiles a split (1: off; 1.200x one tile a split at 4; noise band 3.0%, "
+            "needs > 1.030x), applied") in text
+
+
 def test_report_of_a_file_written_before_the_regimes(tmp_path):
     # Schema /1: the flat calibration, and measurements named by the flat fields they fitted.
     flat = {"gpu": "fake", "num_sms": 4, "beta_gbps": 100.0, "lambda_us": 5.0, "c_min": 1.0,

@@ -165,6 +165,17 @@ def test_bad_gate_probe_names_the_entry_and_its_values(override, value):
     # Each regime's skew traces share a wave candidate; other regimes' do not count.
     (["experiment.calibration_traces.5.max_active=8", "experiment.calibration_traces.5.wave_candidates=[5]"],
      "experiment.calibration_traces", "regime many_rows need a shared wave candidate"),
+    # The short-row rule: one row on the bucket route, 1 (the rule off) among its tiles a split.
+    (["experiment.calibration_traces.6.tile_candidates=[2,3]"], "experiment.calibration_traces[6]",
+     "1 (the rule off)"),
+    (["experiment.calibration_traces.6.max_active=2"], "experiment.calibration_traces[6]", "max_active 1"),
+    (["experiment.calibration_traces.6.split_candidates=[8]"], "experiment.calibration_traces[6]",
+     "no split or wave candidates"),
+    (["experiment.calibration_traces.6.tile_candidates=[1,2048]"], "experiment.calibration_traces[6]",
+     "in [1, 1024]"),
+    (["experiment.calibration_traces.0.tile_candidates=[2]"], "experiment.calibration_traces[0].tile_candidates",
+     "only a trace that fits bucket_tiles_per_split"),
+    (["experiment.calibration_traces.6.length_scale=0"], "experiment.calibration_traces[6]", "length_scale"),
 ])
 def test_a_bad_calibration_trace_names_the_entry_and_its_value(overrides, field, value):
     """The uniform cap's and the skew budget's traces: a known fit, the workqueue at two rows or more,

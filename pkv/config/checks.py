@@ -128,11 +128,23 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
             raise bad("split_candidates", "auto split needs at least one candidate")
     if exp.driver == "calibrate":
         for i, ct in enumerate(exp.calibration_traces):
-            if ct.fits not in CALIBRATION_FITS or (ct.fits != "num_splits"
+            short = ct.fits == "bucket_tiles_per_split"
+            if ct.fits not in CALIBRATION_FITS or (ct.fits not in ("num_splits", "bucket_tiles_per_split")
                                                    and (ct.route != "workqueue" or ct.max_active < 2)):
                 raise _fail(where, f"experiment.calibration_traces[{i}].fits", ct.fits,
                             f"must be one of {list(CALIBRATION_FITS)} (uniform_target_ctas and skew_target_ctas "
                             f"with route workqueue and max_active >= 2)")
+            if short and (ct.route != "bucket_exact" or ct.max_active != 1 or 1 not in ct.tile_candidates
+                          or ct.split_candidates or ct.wave_candidates):
+                raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(ct),
+                            "fits bucket_tiles_per_split: needs route bucket_exact, max_active 1 and "
+                            "tile_candidates with 1 (the rule off) among them, and no split or wave candidates "
+                            "(it runs the single-row regime's fitted split count)")
+            if short:
+                continue
+            if ct.tile_candidates:
+                raise _fail(where, f"experiment.calibration_traces[{i}].tile_candidates", ct.tile_candidates,
+                            "only a trace that fits bucket_tiles_per_split times tiles a split")
             skew = ct.fits == "skew_target_ctas"
             if skew and (not ct.wave_candidates or ct.split_candidates):
                 raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(ct),
@@ -145,8 +157,8 @@ def _check_experiment(exp: ExperimentConfig, where: str) -> None:
                             "(wave_candidates only where it fits skew_target_ctas)")
         # Each trace's split sweep is recorded under its name, its skew fit beside it: a trace listed
         # twice for either would lose a record.
-        names = [(ct.trace, ct.max_active, "a skew budget" if ct.fits == "skew_target_ctas" else "a split sweep")
-                 for ct in exp.calibration_traces]
+        kinds = {"skew_target_ctas": "a skew budget", "bucket_tiles_per_split": "a short-row rule"}
+        names = [(ct.trace, ct.max_active, kinds.get(ct.fits, "a split sweep")) for ct in exp.calibration_traces]
         for i, name in enumerate(names):
             if name in names[:i]:
                 raise _fail(where, f"experiment.calibration_traces[{i}]", dataclasses.asdict(exp.calibration_traces[i]),

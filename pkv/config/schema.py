@@ -186,7 +186,7 @@ class EngineConfig:
 
 
 # What a calibration trace's split sweep fits (CalibrationTraceConfig.fits).
-CALIBRATION_FITS = ("num_splits", "uniform_target_ctas", "skew_target_ctas")
+CALIBRATION_FITS = ("num_splits", "uniform_target_ctas", "skew_target_ctas", "bucket_tiles_per_split")
 
 
 @dataclass
@@ -205,9 +205,17 @@ class CalibrationTraceConfig:
     # regime from wave_candidates, against the regime's fitted split count, and need no
     # split_candidates; their over-split steps (is_over_split), timed in the same runs, fit the
     # regime's over_split_balanced. A trace may be listed once for a split sweep and once for this.
+    # "bucket_tiles_per_split": a single-row trace on the bucket route fits the short-row rule of
+    # that regime (RegimeParams.bucket_tiles_per_split) from tile_candidates, at the regime's fitted
+    # split count, and needs no split_candidates.
     fits: str = "num_splits"
     # skew_target_ctas: the balanced rule's task budgets to time, in waves of the GPU's SMs
     wave_candidates: List[int] = bounded(bound=WAVES, default_factory=list)
+    # bucket_tiles_per_split: the tiles a split to time (1, the rule off, among them)
+    tile_candidates: List[int] = bounded(bound=BUCKET_TILES, default_factory=list)
+    # Multiplies the trace's prompt lengths (its conf/trace option's length_scale too): the short
+    # rows of the short-row fit are the bucketed trace at 1/32 (256 to 2K tokens).
+    length_scale: float = bounded(1.0, bound=LENGTH_SCALE)
 
 
 @dataclass

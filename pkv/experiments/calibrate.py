@@ -30,6 +30,7 @@ from pkv.experiments.common import (
 )
 from pkv.measure.calibration_probe import measure_launch_us, measure_read_gbps, time_steps_in_turn, trace_steps
 from pkv.measure.kv_data import make_kv_pages, resolve_dtype
+from pkv.pipeline.schedule import row_tiles
 from pkv.policy.calibration import Calibration, regime_field, save_calibration
 from pkv.policy.choose import PinnedRoutePolicy, RoutePolicy, RuledRoutePolicy, is_over_split, is_skewed
 from pkv.policy.estimator import Estimator, total_tokens
@@ -80,12 +81,15 @@ def run(cfg: PkvConfig) -> list[Path]:
     balanced_fits = sweep.balanced_rule_fits(split_points)
     clock.lap("skewed steps on each rule (balanced rule fits)")
     calib = _apply(calib, split_points)
+    short_row_fits = sweep.short_row_fits(split_points, calib)
+    clock.lap("short single rows at each tiles a split (short-row rule fit)")
     if settings.performance_result:
         # CPU timings say nothing about a GPU: there the fits are recorded and the configured
         # rules, routes and gates kept (in the profile's tokens, gates_for_profile).
         if uniform_ctas is not None:
             calib = dataclasses.replace(calib, uniform_target_ctas=uniform_ctas)
         calib = _apply(calib, balanced_fits)
+        calib = _apply(calib, short_row_fits)
     # The B2-7 route and every gate are decided on the route each step would run under the split
     # counts and step rules just fitted: a skewed B4 step on the balanced rule, a short step of a
     # regime whose over-split rule holds on that rule too.
@@ -205,6 +209,12 @@ def _decision_fields(record: dict) -> dict:
     return {key: record[key] for key in _DECISION_KEYS if key in record}
 
 
+def _bucket_splits(sample) -> int:
+    """The splits a timed single-row step's bucket route cut its row into: the route's count, at
+    most the row's tiles (pkv.pipeline.schedule.plan_buckets)."""
+    return min(int(sample.route.num_splits), max(1, int(row_tiles(max(sample.step.seq_lens)))))
+
+
 def _step_times(timed) -> list:
     """A run's per-step device times, us, rounded to 0.001 us (the events' resolution is coarser)."""
     return [round(sample.measured_us, 3) for sample in timed.samples]
@@ -237,16 +247,24 @@ class _SplitSweep:
         self._swept: list[dict] = []  # traces that fit their regime's split count
         self._uniform: list[dict] = []  # traces that fit Calibration.uniform_target_ctas
         self._skewed: list[dict] = []  # traces that fit Calibration.skew_target_ctas
+        self._short_rows: list[dict] = []  # single-row traces that fit the short-row rule (bucket_tiles_per_split)
         self.decisions: dict[str, dict] = {}  # decision path -> its margin, band and value (measurements.decisions)
         # trace name -> balanced rule's target CTAs -> step index -> (lengths, device us): the skew fit's runs
         self._balanced_by_step: dict[str, dict[int, dict]] = {}
 
     def run(self, ct) -> None:
-        trace = dataclasses.replace(load_trace_option(ct.trace), max_active=ct.max_active)
+        base = load_trace_option(ct.trace)
+        trace = dataclasses.replace(base, max_active=ct.max_active, length_scale=base.length_scale * ct.length_scale)
         timed_trace = _TimedTrace(self.cfg, self.settings, self.shape, trace)
         self.kv_dtype_bytes = timed_trace.kv_dtype_bytes
         if ct.fits == "skew_target_ctas":
             self._add_skewed(ct, trace, timed_trace)
+            return
+        if ct.fits == "bucket_tiles_per_split":
+            # Timed in short_row_fits at the single-row regime's fitted split count; like the
+            # uniform and skewed traces, its steps stay out of C_min and the plan times.
+            self._short_rows.append({"name": f"{trace_name(trace)} x{ct.length_scale:g} (short rows)",
+                                     "tiles": [int(t) for t in ct.tile_candidates], "timed_trace": timed_trace})
             return
         route_name, bucket_mode = SCHEDULES[ct.route]
         # The uniform traces fit their cap alone: their steps stay out of C_min and the plan times, so
@@ -513,6 +531,58 @@ class _SplitSweep:
         self.decisions[regime_field(regime, "over_split_balanced")] = {"value": over_split_fitted,
                                                                        **_decision_fields(over_record)}
         return {field: target, "over_split_balanced": over_split_fitted}
+
+    def short_row_fits(self, points: dict, fitted: Calibration) -> dict:
+        """{SINGLE_ROW: {"bucket_tiles_per_split": T}} where single-row traces fit the short-row rule
+        (else {}), recording the sweep either way.
+
+        Each tile candidate runs every step on the route the policy gives it under ``fitted`` with
+        the regime's fitted split count and that rule (RuledRoutePolicy: a short row at the largest
+        power of two of splits holding T tiles each, a long one at the regime's count), the
+        candidates of one step timed in turn. T is the fewest tiles within SPLIT_TIE_FRACTION of
+        the least device time summed over the steps, taken where its gain over one tile a split
+        (the rule off, the default) clears the noise band of those paired steps
+        (pkv.policy.fits.measured_gain); else 1."""
+        if not self._short_rows:
+            return {}
+        field = regime_field(SINGLE_ROW, "bucket_tiles_per_split")
+        splits = self._regime_splits(points, SINGLE_ROW)
+        # The candidates every trace lists (1 among them: pkv.config.checks), each timed on every trace.
+        shared = sorted(set.intersection(*(set(t["tiles"]) for t in self._short_rows)))
+        per_step: dict[int, list[float]] = {tiles: [] for tiles in shared}
+        for t in self._short_rows:
+            timed_trace = t.pop("timed_trace")  # its K/V pages are freed once this trace is timed
+            policies = {tiles: RuledRoutePolicy(_opened_policy(
+                fitted.with_regime(SINGLE_ROW, num_splits=splits, bucket_tiles_per_split=tiles), SINGLE_ROW,
+                self.shape)) for tiles in shared}
+            timed = timed_trace.timed(policies)
+            for tiles in shared:
+                per_step[tiles] += [sample.measured_us for sample in timed[tiles].samples]
+            self.records[t["name"]] = {
+                "route": ROUTE_BUCKET, "fits": field, "steps": len(timed_trace.steps), "regime_splits": splits,
+                "fitted_with": [u["name"] for u in self._short_rows],
+                "device_us_total_by_tiles": {str(tiles): timed[tiles].total_us for tiles in shared},
+                # The splits each candidate cut the rows into (the route's count, at most the row's
+                # tiles), by steps: what the rule made of them.
+                "splits_by_tiles": {str(tiles): {str(k): n for k, n in sorted(Counter(
+                    _bucket_splits(sample) for sample in timed[tiles].samples).items())} for tiles in shared},
+                "device_us_by_step": {str(tiles): _step_times(timed[tiles]) for tiles in shared},
+            }
+        tiles_fit = fit_split_count({tiles: sum(us) for tiles, us in per_step.items()})
+        tiles = tiles_fit.num_splits
+        gain = measured_gain(per_step[tiles], per_step[1])
+        fitted_tiles = tiles if tiles != 1 and gain.clears else 1
+        measured = gain.record()
+        record = {"fitted": fitted_tiles, "selected_tiles": tiles, "tied_tiles": list(tiles_fit.tied),
+                  "selected_at_edge": tiles_fit.at_edge, "regime_splits": splits,
+                  "applied": self.settings.performance_result, **measured, "default": 1,
+                  "candidate_device_us_total": sum(per_step[tiles]), "default_device_us_total": sum(per_step[1])}
+        record["basis"] = ("one tile a split is the fastest (within the band of the fastest)" if tiles == 1 else
+                           gain.verdict(f"{tiles} tiles a split", "one tile a split"))
+        for t in self._short_rows:
+            self.records[t["name"]][field] = record
+        self.decisions[field] = {"value": fitted_tiles, **_decision_fields(record)}
+        return {SINGLE_ROW: {"bucket_tiles_per_split": fitted_tiles}}
 
     def gate_steps(self, points: dict, fitted: Calibration) -> dict[str, list[dict]]:
         """The steps of each regime timed on the route the policy takes there (length buckets at

@@ -76,6 +76,9 @@ def split_sweeps(sweeps: dict) -> list[str]:
         if "device_us_total_by_waves" in sweep:
             lines += _skew_sweep(name, sweep)
             continue
+        if "device_us_total_by_tiles" in sweep:
+            lines += _short_row_sweep(name, sweep)
+            continue
         fi = float(sweep["flashinfer_device_us_total"])
         cells = []
         # In split order: the file's keys are strings, sorted as text ("12" before "2").
@@ -113,6 +116,28 @@ def _skew_sweep(name: str, sweep: dict) -> list[str]:
             f"  skew budget {fit['fitted']} CTAs (0: the fixed rule; {float(fit['speedup_over_fixed']):.3f}x the "
             f"fixed rule at {fit['selected_waves']} waves of {fit['num_sms']} SMs{_band(fit)}), "
             f"{'applied' if fit['applied'] else 'not applied'}", *_over_split_lines(sweep)]
+
+
+def _short_row_sweep(name: str, sweep: dict) -> list[str]:
+    """A single-row trace that fit the short-row rule: each tiles a split against one tile a split
+    (the rule off; the selected one starred), the splits each cut the rows into, and the fit."""
+    fits = sweep["fits"]
+    fit = sweep[fits]
+    off = float(sweep["device_us_total_by_tiles"]["1"])
+
+    def by_number(items):  # the file's keys are strings, sorted as text ("32" before "4")
+        return sorted(items, key=lambda item: int(item[0]))
+
+    cells = [f"{tiles}{'*' if int(tiles) == int(fit['selected_tiles']) else ''}: {_ratio(off, float(us))}"
+             for tiles, us in by_number(sweep["device_us_total_by_tiles"].items())]
+    cut = "; ".join(f"{tiles}: " + ", ".join(f"S={s} on {n}" for s, n in by_number(splits.items()))
+                    for tiles, splits in by_number(sweep["splits_by_tiles"].items()))
+    return [f"{name} -> {fits} ({sweep['steps']} steps, the regime's S={sweep['regime_splits']}; over one tile a "
+            f"split): " + ", ".join(cells),
+            f"  splits cut by tiles a split: {cut}",
+            f"  short-row rule fitted at {fit['fitted']} tiles a split (1: off; {float(fit['measured_margin']):.3f}x "
+            f"one tile a split at {fit['selected_tiles']}{_band(fit)}), "
+            f"{'applied' if fit['applied'] else 'not applied'}"]
 
 
 def _by_rule_cells(sweep: dict, times: dict) -> str:

@@ -32,7 +32,7 @@ from pkv.refusal import exit_on_refusal
 from pkv.shape import ModelShape
 
 DECISION_PARAMS = ("route", "num_splits", "min_context_tokens", "margin", "skew_target_ctas",
-                   "over_split_balanced")
+                   "over_split_balanced", "bucket_tiles_per_split")
 # Where Table 2's runs are defined: its traces and held-out seeds (the DAG's axes), the steps an
 # evaluate run measures after its warm-up, and each trace family's requests.
 REPO = Path(__file__).resolve().parents[2]
