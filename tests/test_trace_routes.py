@@ -36,7 +36,15 @@ def test_skewed_steps_take_the_balanced_rule_and_the_others_do_not(tmp_path, cap
         assert step["route"].startswith("PersistentKV workqueue, split 32") and step["basis"] == "estimate"
     printed = capsys.readouterr().out
     assert printed.startswith(f"bimodal_b4, seed 20260623, 68 steps; policy from {H100_CALIBRATION}")
+    assert printed.splitlines()[1] == routes.rows_line(steps)
     assert replay["provenance"]["seed"] == 20260623
+
+
+def test_the_rows_line_counts_steps_by_rows_with_their_longest_rows():
+    steps = [{"batch": 1, "max_len": 375}, {"batch": 3, "max_len": 7447}, {"batch": 1, "max_len": 410},
+             {"batch": 3, "max_len": 134}]
+    assert routes.rows_line(steps) == ("rows: B1 on 2 (longest row 375-410 tokens); "
+                                       "B3 on 2 (longest row 134-7447 tokens)")
 
 
 def test_a_regime_calibrated_to_flashinfer_sends_every_step_there(tmp_path):

@@ -7,11 +7,12 @@ seed, KV pool and continuous batching), each handed to ``RoutePolicy.choose``.
     python -m pkv.experiments.routes trace=external trace.path=my_trace.csv trace.max_active=8 \\
         calibration=artifacts/h200/calibration/calibration.json --json /tmp/routes.json --all-steps
 
-It prints each route (with its split count and rule) and decision basis, and how many steps took
-it. The lengths are the GPU profile's (no CPU scaling) unless ``profile=cpu`` is given; without a
-``device=`` override the steps are built on the CPU, which is all the policy reads. By default the
-steps are those an evaluate or model-step run of the same overrides times (warm-up and measured);
-``--all-steps`` replays the whole trace. ``--json`` writes every step's record and the counts.
+It prints the steps by row count (with their longest rows), then each route (with its split count
+and rule) and decision basis, and how many steps took it. The lengths are the GPU profile's (no
+CPU scaling) unless ``profile=cpu`` is given; without a ``device=`` override the steps are built
+on the CPU, which is all the policy reads. By default the steps are those an evaluate or
+model-step run of the same overrides times (warm-up and measured); ``--all-steps`` replays the
+whole trace. ``--json`` writes every step's record and the counts.
 """
 
 from __future__ import annotations
@@ -77,6 +78,16 @@ def replay_routes(cfg, *, all_steps: bool = False) -> dict:
             "counts": [{"route": r, "basis": b, "steps": n} for (r, b), n in counts.most_common()]}
 
 
+def rows_line(steps: list[dict]) -> str:
+    """The steps by row count, each with its longest rows' range: a trace's max_active is a cap, and
+    its steps may hold fewer rows (one request at a time of a conversation trace: B1 throughout)."""
+    by_batch: dict[int, list[int]] = {}
+    for s in steps:
+        by_batch.setdefault(s["batch"], []).append(s["max_len"])
+    return "rows: " + "; ".join(f"B{b} on {len(longest)} (longest row {min(longest)}-{max(longest)} tokens)"
+                                for b, longest in sorted(by_batch.items()))
+
+
 def _overrides(given: list[str]) -> list[str]:
     """The caller's overrides, plus what a replay needs and a run would take from the caller: the
     steps built on the CPU (the policy reads lengths only) and an ``out`` the replay never writes."""
@@ -96,6 +107,7 @@ def main(argv=None) -> int:
     replay = replay_routes(cfg, all_steps=args.all_steps)
     source = cfg.calibration or f"conf/gpu/{cfg.gpu.get('gpu', '?')}.yaml (no calibration= given)"
     print(f"{trace_name(cfg.trace)}, seed {cfg.seed}, {len(replay['steps'])} steps; policy from {source}")
+    print(rows_line(replay["steps"]))
     width = max([len(c["route"]) for c in replay["counts"]] + [5])
     print(f"{'route':<{width}}  {'basis':<14} {'steps':>6} {'share':>6}")
     for row in replay["counts"]:
