@@ -25,7 +25,6 @@ rule ablate_splits:
         f"{GPU_JOB} -m pkv.cli {{params.cli}} > {{log}} 2>&1"
 
 
-
 # Table 4: exact buckets vs masked bucket vs workqueue
 use rule ablate_splits as ablate_raggedness with:
     output:
