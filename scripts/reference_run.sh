@@ -16,7 +16,9 @@
 #       the run's artifacts from part 2's artifacts.tgz, both parts' DAG logs kept in the set's
 #       logs/dag/ (part1_dag.log, part1_dag_timing.md, ...), promoted with pkv.report.reference_set
 #       (which refuses a run of several commits or a dirty tree) and the README's headline block
-#       rewritten with pkv.report.headline. NOTES.md is the README's "how it ran" section.
+#       rewritten with pkv.report.headline. NOTES.md is the README's "how it ran" section. A card's
+#       first set needs the block's two markers in the README: promote names them and moves
+#       nothing until they are there.
 #
 # The card names the set: GPU_NAME (h200 or h100) defaults to what nvidia-smi reports, so a run
 # that asked for one kind and got the other files its results under the card it ran on.
@@ -89,6 +91,19 @@ case "${1:-}" in
     trap 'rm -rf "$run"' EXIT
     tar xzf "$part2/artifacts.tgz" -C "$run"
     gpu=$(ls "$run/artifacts")
+    # The README's headline block is rewritten last: a set without one would be promoted and its
+    # headline left unwritten, so the markers are asked for before anything moves.
+    python3 - "artifacts/reference/$gpu" <<'PY'
+import sys
+from pathlib import Path
+
+from pkv.report.headline import markers, readme_block
+
+name = sys.argv[1]
+if readme_block(Path("README.md"), name) is None:
+    sys.exit(f"reference_run.sh promote: README.md has no headline block for {name}: put these two lines "
+             f"where it goes (README, 'Reference results'), then promote again:\n" + "\n".join(markers(name)))
+PY
     logs=()
     for part in 1 2; do
       dir=part$part; dir=${!dir}
