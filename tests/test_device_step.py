@@ -514,6 +514,42 @@ def test_routes_that_differ_only_in_their_split_rule_replay_their_own_graphs(rec
     assert most_splits == [2, 6, 2, 6]
 
 
+def test_a_short_single_row_replays_the_graph_of_its_short_row_count(recorded_graphs):
+    """Under the short-row rule a B1 row short for the split count routes to fewer splits (a power of
+    two) and replays that count's graph; a long row keeps the regime's count and its own graph. Both
+    against float64, each row's graph captured once and replayed for the next row of its kind."""
+    import torch
+
+    from pkv.engines.routed_graphs import RoutedGraphStep
+    from pkv.pipeline.step import build_step
+    from pkv.policy import Calibration, RoutePolicy
+
+    calib = Calibration.from_mapping({"gpu": "test", "num_sms": 4, "beta_gbps": 100.0, "lambda_us": 5.0,
+                                      "c_min": 1.0, "supported_group_sizes": [4]}, "test")
+    calib = calib.with_all_regimes(min_context_tokens=0, margin=0.01)
+    calib = calib.with_regime("single_row", route="persistentkv_bucket", num_splits=8, bucket_tiles_per_split=2)
+    shape, _, q, k, v = _cpu_step([512], seed=41)  # a pool of 2 x 32 pages + 4 for the rows below
+    policy = RoutePolicy(calib, num_kv_heads=shape.num_kv_heads, group_size=shape.group_size,
+                         head_dim=shape.head_dim)
+    routed = RoutedGraphStep(policy, shape, k, v, max_pages=32, batch_buckets=(1,))
+    splits = []
+    for trial, length in enumerate((96, 512, 90, 500)):  # 3 tiles: 1 split of 3; 16 tiles: the regime's 8
+        pages = np.random.default_rng(trial).permutation(k.shape[0])[:-(-length // 16)].astype(np.int32)
+        row = build_step(trial, np.arange(1), np.asarray([length], dtype=np.int32), [pages], 16)
+        query = q if trial == 0 else torch.randn_like(q)
+        buffers = routed.buffers(1)
+        buffers.q.copy_(query)
+        buffers.block_table.zero_()
+        buffers.block_table[:, :row.block_table.shape[1]].copy_(torch.from_numpy(row.block_table))
+        buffers.seq_lens.copy_(torch.from_numpy(row.seq_lens))
+        out = routed.run(row.seq_lens, host_table=row.block_table)
+        torch.testing.assert_close(out.double(), _float64(row, query, k, v), rtol=1e-5, atol=1e-5)
+        splits.append(routed.last_route.num_splits)
+    assert splits == [1, 8, 1, 8]
+    assert sorted(config.num_splits for config in routed._persistent) == [1, 8]
+    assert all(len(graphed.captured_graphs()) == 1 for graphed in routed._persistent.values())
+
+
 @pytest.mark.parametrize("page_lists", [False, True], ids=["block_table", "page_lists"])
 def test_graphed_step_copies_each_step_into_its_own_buffers_on_the_cpu(recorded_graphs, page_lists):
     """GraphedDecodeStep.run: one graph for the batch size, each step copied into its static
