@@ -156,33 +156,18 @@ def test_a_kernel_profiler_that_is_not_one_is_refused_naming_the_field():
         compose(["experiment=model_step", "experiment.kernel_profiler=nsys", "out=x"])
 
 
-def test_clock_probe_needs_a_cuda_device_and_writes_nothing(tmp_path):
+@pytest.mark.parametrize("override, field", [
+    ("experiment.clock_probe_cycles=20000", "field 'experiment.clock_probe_cycles' = 20000"),
+    ("engine.discard_merged_states=true", "field 'engine.discard_merged_states' = True"),
+    ("engine.one_op_step=true", "field 'engine.one_op_step' = True"),
+])
+def test_a_cuda_only_option_off_cuda_is_refused_and_writes_nothing(tmp_path, override, field):
+    """The clock probe, the discard of merged states and the one-op step need a CUDA device."""
     from pkv.experiments.model_step import run
 
     with pytest.raises(ConfigError) as err:
-        run(compose(["experiment=model_step", "profile=cpu", "device=cpu", f"out={tmp_path}/o",
-                     "experiment.clock_probe_cycles=20000"]))
-    assert "field 'experiment.clock_probe_cycles' = 20000" in str(err.value) and "CUDA" in str(err.value)
-    assert not (tmp_path / "o").exists()
-
-
-def test_discarding_merged_states_needs_a_cuda_device_and_writes_nothing(tmp_path):
-    from pkv.experiments.model_step import run
-
-    with pytest.raises(ConfigError) as err:
-        run(compose(["experiment=model_step", "profile=cpu", "device=cpu", f"out={tmp_path}/o",
-                     "engine.discard_merged_states=true"]))
-    assert "field 'engine.discard_merged_states' = True" in str(err.value) and "CUDA" in str(err.value)
-    assert not (tmp_path / "o").exists()
-
-
-def test_the_one_op_step_needs_a_cuda_device_and_writes_nothing(tmp_path):
-    from pkv.experiments.model_step import run
-
-    with pytest.raises(ConfigError) as err:
-        run(compose(["experiment=model_step", "profile=cpu", "device=cpu", f"out={tmp_path}/o",
-                     "engine.one_op_step=true"]))
-    assert "field 'engine.one_op_step' = True" in str(err.value) and "CUDA" in str(err.value)
+        run(compose(["experiment=model_step", "profile=cpu", "device=cpu", f"out={tmp_path}/o", override]))
+    assert field in str(err.value) and "CUDA" in str(err.value)
     assert not (tmp_path / "o").exists()
 
 

@@ -574,8 +574,8 @@ class _SplitSweep:
         fitted_tiles = tiles if tiles != 1 and gain.clears else 1
         measured = gain.record()
         record = {"fitted": fitted_tiles, "selected_tiles": tiles, "tied_tiles": list(tiles_fit.tied),
-                  "selected_at_edge": tiles_fit.at_edge, "regime_splits": splits,
-                  "applied": self.settings.performance_result, **measured, "default": 1,
+                  "selected_at_edge": tiles_fit.at_edge, "applied": self.settings.performance_result, **measured,
+                  "default": 1,
                   "candidate_device_us_total": sum(per_step[tiles]), "default_device_us_total": sum(per_step[1])}
         record["basis"] = ("one tile a split is the fastest (within the band of the fastest)" if tiles == 1 else
                            gain.verdict(f"{tiles} tiles a split", "one tile a split"))

@@ -80,18 +80,18 @@ CASE_LABELS = {
     "skewed_b64": "skewed B64 (128K + 63 x 100)",
     "short_b64": "64 short rows (128-1136)",
     "two_long_b64": "two long rows among 62 short",
-    "b1_384": "B1 384",
 }
 
 
 def case_label(name: str, seq_lens, labels: dict[str, str] = CASE_LABELS) -> str:
     """A case's name for tables: its entry in ``labels`` (a benchmark's own names for its cases
-    of mixed lengths), or "B8 32K" for rows of one length."""
+    of mixed lengths), or "B8 32K" ("B1 384" below a whole K) for rows of one length."""
     if name in labels:
         return labels[name]
     lengths = set(seq_lens)
-    if len(lengths) == 1 and next(iter(lengths)) % K == 0:
-        return f"B{len(seq_lens)} {next(iter(lengths)) // K}K"
+    if len(lengths) == 1:
+        length = next(iter(lengths))
+        return f"B{len(seq_lens)} " + (f"{length // K}K" if length % K == 0 else str(length))
     return name
 
 
